@@ -1,0 +1,32 @@
+# Setup and everyday commands. `make serve` and `make test` create .venv when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-cpu
+
+.PHONY: serve test test-all bench venv clean-venv
+
+serve: $(STAMP)
+	$(PY) -m sglang_vc.launch_server $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+# CPU install: torch's CPU build, sglang without its (CUDA) dependency list, the pinned
+# set the CPU path needs, then this project editable. GPU: see README.
+$(STAMP): pyproject.toml requirements/cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
+	$(PY) -m pip install -q -r requirements/cpu.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m sglang_vc.install_startup
+	touch $(STAMP)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,111 @@
+"""The project's own server flags (``--vc-*``, ``--specache-*``, ``--evicpress-*``,
+``--speccache-*``), parsed before SGLang's and carried to SGLang's spawned processes on
+the ``server_args`` record.
+
+Each mechanism adds its flags here as it lands; a flag is validated where it is parsed so
+that a bad value is an argparse-style error (exit 2) before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Optional
+
+FLAG_PREFIXES = ("--vc-", "--specache-", "--evicpress-", "--speccache-")
+SERVER_ARGS_ATTR = "_sglang_vc"  # underscore attrs of ServerArgs survive the pickling to children
+
+
+class ConfigError(ValueError):
+    """An invalid or inconsistent project flag; the launcher reports it and exits 2."""
+
+
+@dataclasses.dataclass
+class VCConfig:
+    # Compressor shared by lossy mode, VeriCache and EvicPress (issue: compressor library).
+    vc_compressor: Optional[str] = None
+    vc_compression_ratio: Optional[float] = None
+    vc_kv_bits: Optional[int] = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("sglang-vc")
+        group.add_argument(
+            "--vc-compressor",
+            type=str,
+            default=None,
+            help="KV compression method for the device copy of the KV cache "
+            "(lossy serving, or the VERICACHE drafter).",
+        )
+        group.add_argument(
+            "--vc-compression-ratio",
+            type=float,
+            default=None,
+            help="Fraction of the KV kept by a token-dropping compressor, in (0, 1].",
+        )
+        group.add_argument(
+            "--vc-kv-bits",
+            type=int,
+            default=None,
+            help="Bits per KV element for a quantization compressor.",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "VCConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        config = cls(**{k: v for k, v in vars(args).items() if k in names})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.vc_compression_ratio is not None and not 0 < self.vc_compression_ratio <= 1:
+            raise ConfigError(
+                f"--vc-compression-ratio must be in (0, 1] (fraction of KV kept), "
+                f"got {self.vc_compression_ratio}"
+            )
+        if self.vc_compressor is None:
+            if self.vc_compression_ratio is not None or self.vc_kv_bits is not None:
+                raise ConfigError(
+                    "--vc-compression-ratio/--vc-kv-bits need --vc-compressor"
+                )
+            return
+        _validate_compressor(self.vc_compressor, self.vc_compression_ratio, self.vc_kv_bits)
+
+    def enabled_mechanisms(self) -> dict[str, dict[str, Any]]:
+        mechanisms = {}
+        if self.vc_compressor:
+            mechanisms["compression"] = {
+                "compressor": self.vc_compressor,
+                "compression_ratio": self.vc_compression_ratio,
+                "kv_bits": self.vc_kv_bits,
+            }
+        return mechanisms
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _validate_compressor(name: str, ratio: Optional[float], bits: Optional[int]) -> None:
+    try:
+        from sglang_vc.compress.registry import get_compressor
+    except ImportError:  # the compressor library has not landed in this build
+        raise ConfigError("--vc-compressor: no compressor library in this build") from None
+    try:
+        compressor = get_compressor(name)
+    except ValueError as exc:
+        raise ConfigError(f"--vc-compressor: {exc}") from None
+    if compressor.scenario == "quantization":
+        if ratio is not None:
+            raise ConfigError(
+                f"--vc-compressor {name} quantizes: give --vc-kv-bits, not --vc-compression-ratio"
+            )
+    elif bits is not None:
+        raise ConfigError(
+            f"--vc-compressor {name} drops tokens: give --vc-compression-ratio, not --vc-kv-bits"
+        )
+
+
+def get_vc_config(server_args) -> VCConfig:
+    """The project's config as carried on a (possibly unpickled) ``server_args``."""
+    raw = getattr(server_args, SERVER_ARGS_ATTR, None) or {}
+    return VCConfig(**raw)

@@ -1,0 +1,71 @@
+"""Every patch sglang-vc applies to SGLang, in one place, each with the reason for it.
+
+Patches are a last resort: the project extends SGLang through its registries. These are
+the spots where SGLang 0.5.23 has no seam for a device without CUDA.
+"""
+
+import logging
+
+import torch
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+logger = logging.getLogger(__name__)
+
+
+def _on_cpu_platform() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    return type(current_platform).__module__.startswith("sglang_vc.platform")
+
+
+def _skip_host_register(*args, **kwargs) -> None:
+    """HiCache host pools always ``cudaHostRegister`` (pin) their buffers, which asserts
+    CUDA. Pinning only speeds up DMA to a GPU; on the CPU platform the host pool and the
+    "device" pool are both RAM, so there is nothing to pin."""
+    return None
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """Pure-torch stand-in for ``sgl_kernel.kvcacheio.transfer_kv_direct``: copy token
+    rows ``src_indices`` of every layer buffer into rows ``dst_indices``. The host pool
+    imports the kernel only on CUDA/ROCm/XPU and uses it for the ``direct`` io backend."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    for src, dst in zip(src_layers, dst_layers):
+        dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)).to(dst.device))
+
+
+def _add_vc_counters(result, *args, **kwargs):
+    """The scheduler's internal state has a fixed list of contributors and no seam for
+    plugins; the ``sglang_vc`` counters of this scheduler process ride along on it to
+    ``/server_info``."""
+    from sglang_vc import stats
+
+    result.internal_state["sglang_vc"] = stats.snapshot()
+    return result
+
+
+def install() -> None:
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.internal_state."
+        "SchedulerInternalStateController.get_internal_state",
+        _add_vc_counters,
+        HookType.AFTER,
+    )
+    if _on_cpu_platform():
+        _install_cpu_shims()
+
+
+def _install_cpu_shims() -> None:
+    HookRegistry.register(
+        "sglang.srt.mem_cache.pool_host.common._cuda_host_register",
+        _skip_host_register,
+        HookType.REPLACE,
+    )
+    # The host pool module binds ``transfer_kv_direct`` only when sgl-kernel is there;
+    # HookRegistry can replace a name but not define a missing one, so it is set here.
+    import sglang.srt.mem_cache.pool_host.mha as host_mha
+
+    if not hasattr(host_mha, "transfer_kv_direct"):
+        host_mha.transfer_kv_direct = transfer_kv_direct

@@ -1,0 +1,104 @@
+"""``python -m sglang_vc.launch_server``: SGLang's launcher plus the project's flags.
+
+Every SGLang flag keeps its meaning. On top of SGLang this launcher
+- serves the built-in default model when no ``--model-path`` is given, and accepts a
+  built-in alias as ``--model-path``;
+- parses and validates the ``--vc-*``/``--specache-*``/``--evicpress-*``/``--speccache-*``
+  flags and carries them to SGLang's spawned processes on ``server_args``;
+- adds a ``sglang_vc`` section to ``GET /server_info`` and ``GET /get_server_info``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sglang_vc.config import FLAG_PREFIXES, SERVER_ARGS_ATTR, ConfigError, VCConfig
+
+PROG = "python -m sglang_vc.launch_server"
+
+
+def build_vc_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    VCConfig.add_cli_args(parser)
+    return parser
+
+
+def _flag_value(argv: list[str], *names: str) -> tuple[int, str | None]:
+    """Index and value of the last ``--name VALUE``/``--name=VALUE`` in argv, or (-1, None)."""
+    found = (-1, None)
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                found = (i, argv[i + 1])
+            elif arg.startswith(name + "="):
+                found = (i, arg.split("=", 1)[1])
+    return found
+
+
+def resolve_model_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Serve the default model when none is given; turn a built-in alias into its folder."""
+    from sglang_vc import models
+
+    argv = list(argv)
+    index, value = _flag_value(argv, "--model-path", "--model")
+    name = value if index >= 0 else models.DEFAULT_MODEL
+    if index >= 0 and (os.path.exists(value) or "/" in value):
+        return argv  # a local folder, or a hub id that SGLang resolves itself
+    try:
+        path = models.resolve(name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if index < 0:
+        argv += ["--model-path", path]
+    elif argv[index].startswith("--"):
+        if "=" in argv[index]:
+            argv[index] = f"--model-path={path}"
+        else:
+            argv[index + 1] = path
+    if _flag_value(argv, "--served-model-name")[0] < 0:
+        argv += ["--served-model-name", name]
+    return argv
+
+
+def parse_args(argv: list[str]):
+    """Split argv into the project's config and SGLang's ServerArgs (exits 2 on errors)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    parser = build_vc_parser()
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        print()
+        prepare_server_args(["--help"])  # prints SGLang's flags and exits 0
+    vc_args, sglang_argv = parser.parse_known_args(argv)
+    unknown = [a for a in sglang_argv if a.split("=", 1)[0].startswith(FLAG_PREFIXES)]
+    if unknown:
+        parser.error(f"unrecognized sglang-vc argument: {unknown[0]}")
+    try:
+        vc_config = VCConfig.from_cli_args(vc_args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    server_args = prepare_server_args(resolve_model_argv(sglang_argv, parser))
+    setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
+    return vc_config, server_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.utils import kill_process_tree
+
+    from sglang_vc.server_info import install_server_info_routes
+
+    load_plugins()
+    vc_config, server_args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    install_server_info_routes(vc_config)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and the benchmarks: start a real server and talk to it."""
