@@ -62,6 +62,12 @@ def resolve_model_argv(argv: list[str], parser: argparse.ArgumentParser) -> list
     return argv
 
 
+def _platform_device() -> str:
+    from sglang.srt.platforms import current_platform
+
+    return current_platform.device_type
+
+
 def parse_args(argv: list[str]):
     """Split argv into the project's config and SGLang's ServerArgs (exits 2 on errors)."""
     from sglang.srt.server_args import prepare_server_args
@@ -79,7 +85,12 @@ def parse_args(argv: list[str]):
         vc_config = VCConfig.from_cli_args(vc_args)
     except ConfigError as exc:
         parser.error(str(exc))
-    server_args = prepare_server_args(resolve_model_argv(sglang_argv, parser))
+    sglang_argv = resolve_model_argv(sglang_argv, parser)
+    if _flag_value(sglang_argv, "--device")[0] < 0 and _platform_device() == "cpu":
+        # SGLang's default device falls through to the platform's torch.device object,
+        # which its resolution then treats as a string; name the device explicitly.
+        sglang_argv += ["--device", "cpu"]
+    server_args = prepare_server_args(sglang_argv)
     setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
     return vc_config, server_args
 

@@ -16,7 +16,7 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 logger = logging.getLogger(__name__)
 
 # Share of the available RAM given to the KV pool when the user does not size it.
-KV_POOL_RAM_FRACTION = 0.10
+KV_POOL_RAM_FRACTION = 0.05
 MIN_KV_POOL_TOKENS = 4096
 
 
@@ -36,7 +36,6 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return "native"
 
     def apply_server_args_defaults(self, server_args) -> None:
-        server_args.device = "cpu"
         if server_args.max_total_tokens is None:
             # SGLang sizes the pool from "device memory" = all RAM (about 9 GB on 24 GiB);
             # on a shared host a small fixed share of what is free is the sane default.
@@ -73,4 +72,4 @@ def _kv_pool_tokens_from_free_ram(server_args) -> int:
     budget = psutil.virtual_memory().available * KV_POOL_RAM_FRACTION
     context = getattr(text, "max_position_embeddings", 8192) or 8192
     tokens = int(budget // per_token)
-    return max(MIN_KV_POOL_TOKENS, min(tokens, 8 * context))
+    return max(MIN_KV_POOL_TOKENS, min(tokens, 4 * context))
