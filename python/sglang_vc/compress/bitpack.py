@@ -1,0 +1,40 @@
+"""Pack b-bit codes (b in 1, 2, 4, 8) into uint8 along the last dimension.
+
+``8 // b`` codes per byte, code ``i`` of a byte in bits ``[i*b, (i+1)*b)`` (lowest first);
+the last dimension is zero-padded to a multiple of ``8 // b``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PACKABLE_BITS = (1, 2, 4, 8)
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes holding ``n`` codes of ``bits`` bits."""
+    per = 8 // bits
+    return -(-n // per)
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """``codes`` (integers in ``[0, 2**bits)``) ``[..., n]`` -> uint8 ``[..., packed_size(n, bits)]``."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"can only pack {PACKABLE_BITS}-bit codes, got {bits}")
+    per = 8 // bits
+    n = codes.shape[-1]
+    pad = packed_size(n, bits) * per - n
+    c = torch.nn.functional.pad(codes.to(torch.int32), (0, pad)).unflatten(-1, (-1, per))
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(dim=-1).to(torch.uint8)  # fields are disjoint: sum == or
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: uint8 ``[..., bytes]`` -> uint8 codes ``[..., n]``."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"can only unpack {PACKABLE_BITS}-bit codes, got {bits}")
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :n].to(torch.uint8)
