@@ -51,8 +51,11 @@ __all__ = [
 ]
 
 #: Methods whose knob is a bit width (everything else is token dropping with a ratio).
-QUANT_METHODS = frozenset({"kivi"})
-#: Elements per quantization group; each group carries an fp16 scale and zero-point.
+#: Names are those of the compressor registry (``sglang_vc.compress``): KIVI 2/4-bit and
+#: SpeCache's 1-bit KIVI.
+QUANT_METHODS = frozenset({"kivi", "kivi1"})
+#: Elements per quantization group; each group carries a scale and zero-point in the KV
+#: dtype (the compressor library's KIVI default, ``group_size=32``).
 QUANT_GROUP_SIZE = 32
 #: Bits of the uncompressed KV element (fp16 / bf16).
 FULL_BITS = 16
