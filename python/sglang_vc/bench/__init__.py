@@ -1,0 +1,1 @@
+"""Benchmarks: python -m sglang_vc.bench.NAME ... --json OUT."""
