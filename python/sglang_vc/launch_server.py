@@ -48,8 +48,11 @@ def resolve_model_argv(argv: list[str], parser: argparse.ArgumentParser) -> list
         return argv  # a local folder, or a hub id that SGLang resolves itself
     try:
         path = models.resolve(name)
-    except ValueError as exc:
+    except ValueError as exc:  # an unknown alias: a usage error
         parser.error(str(exc))
+    except models.ModelPrepareError as exc:  # download or checksum failed
+        print(f"{PROG}: error: could not prepare model {name!r}: {exc}", file=sys.stderr)
+        sys.exit(1)
     if index < 0:
         argv += ["--model-path", path]
     elif argv[index].startswith("--"):

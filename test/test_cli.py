@@ -1,0 +1,65 @@
+"""Bad command lines get a clear message and exit 2, before any server process starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+LAUNCH = [sys.executable, "-m", "sglang_vc.launch_server"]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model-path", "no-such-model"], "unknown model"),
+        (["--vc-compression-ratio", "1.5", "--vc-compressor", "knorm"], "--vc-compression-ratio"),
+        (["--vc-compression-ratio", "0.5"], "need --vc-compressor"),
+        (["--vc-no-such-flag", "1"], "unrecognized sglang-vc argument"),
+        (["--vc-compression-ratio", "abc"], "invalid float value"),
+    ],
+    ids=["unknown-alias", "ratio-out-of-range", "ratio-without-compressor", "unknown-vc-flag", "not-a-number"],
+)
+def test_launcher_rejects_bad_flags(args, message):
+    result = run(LAUNCH + args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_models_cli_unknown_alias():
+    result = run([sys.executable, "-m", "sglang_vc.models", "path", "no-such-model"])
+    assert result.returncode == 2
+    assert "smollm2-135m" in result.stderr  # the message lists the known models
+    assert "Traceback" not in result.stderr
+
+
+def test_models_cli_path_prints_prepared_folder(model_dir):
+    result = run([sys.executable, "-m", "sglang_vc.models", "path", "smollm2-135m"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == model_dir
+
+
+def test_plain_python_imports_sglang_and_transformers():
+    """The venv's start-up shim lets users import sglang and transformers directly."""
+    code = "import sglang, transformers; from transformers import AutoTokenizer; print('ok')"
+    result = run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+
+
+def test_cpu_platform_selected_without_env():
+    code = (
+        "import os; assert 'SGLANG_PLATFORM' not in os.environ\n"
+        "from sglang.srt.platforms import current_platform\n"
+        "print(type(current_platform).__module__, current_platform.is_out_of_tree())"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "SGLANG_PLATFORM"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["sglang_vc.platform.cpu", "True"]

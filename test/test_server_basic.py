@@ -1,0 +1,139 @@
+"""The foundation, end to end on a real server with the embedded model (float32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from conftest import real_text_passages
+from sglang_vc.testing.reference import compare, greedy_reference
+
+MAX_NEW = 32
+
+
+def test_greedy_matches_transformers(server, model_dir, tokenizer):
+    """Server greedy tokens == HF transformers greedy tokens, token by token."""
+    prompts = real_text_passages(4)
+    matched = compared = near_ties = 0
+    for text in prompts:
+        ids = tokenizer(text)["input_ids"]
+        out = server.generate(input_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True)
+        ref = greedy_reference(model_dir, ids, MAX_NEW)
+        result = compare(ref, out["output_ids"])
+        assert result.identical, (
+            f"wrong token at step {result.wrong_token_at}: server {out['output_ids']} "
+            f"vs reference {ref.tokens}"
+        )
+        matched += result.matched
+        compared += result.compared
+        near_ties += result.near_tie_divergence
+    print(f"greedy match: {matched}/{compared} tokens, near-tie divergences: {near_ties}")
+    assert compared == 4 * MAX_NEW
+    assert matched >= compared - MAX_NEW * near_ties
+
+
+def test_default_model_is_served(server):
+    info = requests.get(server.url + "/model_info", timeout=30).json()
+    assert info["model_path"].rstrip("/").endswith("smollm2-135m")
+    models = requests.get(server.url + "/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "smollm2-135m"
+
+
+def test_chat_completion_uses_chat_template(server, tokenizer):
+    messages = [{"role": "user", "content": "Name one primary color."}]
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "smollm2-135m", "messages": messages, "max_tokens": 16, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    templated = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert body["usage"]["prompt_tokens"] == len(templated)
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"]
+
+
+def test_chat_completion_streaming(server):
+    payload = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "Count from one to five."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": True,
+    }
+    chunks = []
+    with requests.post(server.url + "/v1/chat/completions", json=payload, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+    assert len(deltas) > 1, "streaming should deliver several chunks"
+    streamed = "".join(deltas)
+    plain = requests.post(
+        server.url + "/v1/chat/completions", json={**payload, "stream": False}, timeout=120
+    ).json()
+    assert streamed == plain["choices"][0]["message"]["content"]
+
+
+def test_frontend_dsl_program(server):
+    import sglang as sgl
+
+    @sgl.function
+    def quiz(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
+        s += sgl.user("Is the sky blue or green? Answer with one word.")
+        s += sgl.assistant(sgl.select("color", choices=["blue", "green"]))
+
+    backend = sgl.RuntimeEndpoint(server.url)
+    state = quiz.run(question="What is 2 + 2?", backend=backend)
+    assert isinstance(state["answer"], str) and state["answer"]
+    assert state["color"] in ("blue", "green")
+
+
+def test_prefix_cache_reports_cached_tokens(server, tokenizer):
+    prefix = " ".join(real_text_passages(3, words=150))
+    ids = tokenizer(prefix)["input_ids"]
+    first = server.generate(input_ids=ids + [13], max_new_tokens=4)
+    second = server.generate(input_ids=ids + [29], max_new_tokens=4)
+    assert first["meta_info"]["cached_tokens"] < len(ids) // 2
+    assert second["meta_info"]["cached_tokens"] >= len(ids) - 1
+
+
+def test_server_info_has_sglang_vc_section(server):
+    for path in ("/server_info", "/get_server_info"):
+        info = requests.get(server.url + path, timeout=30).json()
+        section = info["sglang_vc"]
+        assert section["version"]
+        assert section["platform"] == "TorchCpuPlatform"
+        assert section["device"] == "cpu"
+        assert section["mechanisms"] == {}
+        assert "counters" in section
+
+
+@pytest.mark.parametrize(
+    "payload, raw",
+    [
+        (None, b'{"text": "hello", "sampling_params": {'),  # malformed JSON
+        ({"text": "hello", "sampling_params": {"max_new_tokens": -3}}, None),
+        ({"input_ids": [42] * 9000, "sampling_params": {"max_new_tokens": 4}}, None),
+        ({"text": "hello", "sampling_params": {"temperature": -1.0}}, None),
+    ],
+    ids=["malformed-json", "negative-max-new-tokens", "prompt-longer-than-context", "negative-temperature"],
+)
+def test_bad_request_gets_4xx_and_server_keeps_serving(server, payload, raw):
+    if raw is not None:
+        r = requests.post(server.url + "/generate", data=raw,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+    else:
+        r = requests.post(server.url + "/generate", json=payload, timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert r.text.strip(), "the error must carry a message"
+    ok = server.generate(text="The capital of France is", max_new_tokens=4)
+    assert len(ok["output_ids"]) == 4
