@@ -36,10 +36,16 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return "native"
 
     def apply_server_args_defaults(self, server_args) -> None:
+        # SGLang's scheduler polls its sockets in a busy loop when idle; on a CPU host that
+        # steals a core from the model (and from every other process) for nothing.
+        server_args.sleep_on_idle = True
         if server_args.max_total_tokens is None:
             # SGLang sizes the pool from "device memory" = all RAM (about 9 GB on 24 GiB);
             # on a shared host a small fixed share of what is free is the sane default.
             server_args.max_total_tokens = _kv_pool_tokens_from_free_ram(server_args)
+        from sglang_vc.lossy.select import apply_lossy_defaults
+
+        apply_lossy_defaults(server_args)  # --vc-compressor: vc_torch + radix cache "vc"
 
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
         from sglang_vc.speculative import supported_algorithms
