@@ -1,12 +1,15 @@
 """Live counters of the mechanisms, kept per scheduler process.
 
-A mechanism calls ``counters(name)`` once and increments the returned dict; the
-scheduler's internal state (``/server_info`` -> ``internal_states``) carries a snapshot,
-and the launcher sums the snapshots of all schedulers into the ``sglang_vc`` section.
+A mechanism calls ``add(mechanism, key=increment, ...)``; the scheduler's internal state
+(``/server_info`` -> ``internal_states``) carries a snapshot, and the launcher sums the
+snapshots of all schedulers into the ``sglang_vc`` section. With ``--enable-metrics`` the
+same counters are Prometheus counters ``sglang_vc:<mechanism>_<key>`` on ``/metrics``
+(SGLang's multiprocess registry collects them from every process).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from typing import Any
@@ -15,11 +18,29 @@ _lock = threading.Lock()
 _counters: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
 
+_prometheus: dict[tuple[str, str], object] = {}
+
+
 def add(mechanism: str, **increments: float) -> None:
     with _lock:
         bucket = _counters[mechanism]
         for key, value in increments.items():
             bucket[key] += value
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by SGLang for --enable-metrics
+            _export(mechanism, increments)
+
+
+def _export(mechanism: str, increments: dict[str, float]) -> None:
+    from prometheus_client import Counter
+
+    for key, value in increments.items():
+        counter = _prometheus.get((mechanism, key))
+        if counter is None:
+            counter = _prometheus[(mechanism, key)] = Counter(
+                f"sglang_vc:{mechanism}_{key}", f"sglang-vc {mechanism}: {key.replace('_', ' ')}"
+            )
+        if value > 0:
+            counter.inc(value)
 
 
 def snapshot() -> dict[str, dict[str, float]]:
