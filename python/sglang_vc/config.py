@@ -26,6 +26,12 @@ class VCConfig:
     vc_compressor: Optional[str] = None
     vc_compression_ratio: Optional[float] = None
     vc_kv_bits: Optional[int] = None
+    # EvicPress settings (``--evicpress-*``, see sglang_vc.evicpress.flags), a plain dict.
+    evicpress: Optional[dict] = None
+    # Resolved, not a flag: True when the compressor serves requests directly from the
+    # compressed cache (lossy serving: no speculative algorithm owns the compressor).
+    # Set while SGLang resolves the server args (sglang_vc.lossy.select).
+    lossy_serving: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -49,12 +55,20 @@ class VCConfig:
             default=None,
             help="Bits per KV element for a quantization compressor.",
         )
+        from sglang_vc.evicpress.flags import add_cli_args as add_evicpress_args
+
+        add_evicpress_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "VCConfig":
+        global _parsed
         names = {f.name for f in dataclasses.fields(cls)}
         config = cls(**{k: v for k, v in vars(args).items() if k in names})
+        from sglang_vc.evicpress.flags import from_cli_args as evicpress_from_args
+
+        config.evicpress = evicpress_from_args(args)
         config.validate()
+        _parsed = config
         return config
 
     def validate(self) -> None:
@@ -72,12 +86,35 @@ class VCConfig:
         _validate_compressor(self.vc_compressor, self.vc_compression_ratio, self.vc_kv_bits)
 
     def enabled_mechanisms(self) -> dict[str, dict[str, Any]]:
-        mechanisms = {}
+        """The mechanisms this config enables, with their settings.
+
+        Returns the same dict object on every call, refreshed: a ``/server_info`` section
+        built before SGLang resolves its args then also shows what resolution decided
+        (``lossy_serving``, set by the platform defaults)."""
+        mechanisms = self.__dict__.setdefault("_mechanisms", {})
+        mechanisms.clear()
         if self.vc_compressor:
             mechanisms["compression"] = {
                 "compressor": self.vc_compressor,
                 "compression_ratio": self.vc_compression_ratio,
                 "kv_bits": self.vc_kv_bits,
+            }
+        if self.lossy_serving:
+            from sglang_vc.lossy import ATTENTION_BACKEND, RADIX_CACHE_BACKEND, REQUEST_KEYS
+
+            mechanisms["lossy_serving"] = {
+                "compressor": self.vc_compressor,
+                "compression_ratio": self.vc_compression_ratio,
+                "kv_bits": self.vc_kv_bits,
+                "attention_backend": ATTENTION_BACKEND,
+                "radix_cache_backend": RADIX_CACHE_BACKEND,
+                "per_request_keys": list(REQUEST_KEYS),  # in sampling_params.custom_params
+            }
+        if self.evicpress and self.evicpress.get("enabled"):
+            ep = self.evicpress
+            mechanisms["evicpress"] = {
+                "policy": ep["policy"], "alpha": ep["alpha"], "candidates": ep["candidates"],
+                "fixed_config": ep["fixed_config"], "disk_dir": ep["disk_dir"],
             }
         return mechanisms
 
@@ -99,10 +136,32 @@ def _validate_compressor(name: str, ratio: Optional[float], bits: Optional[int])
             raise ConfigError(
                 f"--vc-compressor {name} quantizes: give --vc-kv-bits, not --vc-compression-ratio"
             )
+        if bits is None:
+            raise ConfigError(f"--vc-compressor {name} quantizes: it needs --vc-kv-bits")
+        from sglang_vc.compress import check_bits
+
+        try:
+            check_bits(bits, compressor.supported_bits, name)
+        except ValueError as exc:
+            raise ConfigError(f"--vc-kv-bits: {exc}") from None
     elif bits is not None:
         raise ConfigError(
             f"--vc-compressor {name} drops tokens: give --vc-compression-ratio, not --vc-kv-bits"
         )
+    elif ratio is None:
+        raise ConfigError(f"--vc-compressor {name} drops tokens: it needs --vc-compression-ratio")
+
+
+_parsed: Optional[VCConfig] = None
+
+
+def parsed_config() -> Optional[VCConfig]:
+    """The config the launcher parsed in *this* process (None where no launcher ran).
+
+    SGLang resolves its server args in the launcher process right after the project's
+    flags are parsed; platform defaults read the project config from here because it is
+    not on ``server_args`` yet at that point. Later processes use ``get_vc_config``."""
+    return _parsed
 
 
 def get_vc_config(server_args) -> VCConfig:

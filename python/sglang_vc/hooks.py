@@ -39,10 +39,24 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
 def _add_vc_counters(result, *args, **kwargs):
     """The scheduler's internal state has a fixed list of contributors and no seam for
     plugins; the ``sglang_vc`` counters of this scheduler process ride along on it to
-    ``/server_info``."""
+    ``/server_info``, with a ``kv_pool`` gauge of the device KV pool (tokens), which
+    compressed-KV serving changes."""
     from sglang_vc import stats
 
-    result.internal_state["sglang_vc"] = stats.snapshot()
+    snapshot = stats.snapshot()
+    scheduler = getattr(args[0], "scheduler", None) if args else None
+    if scheduler is not None:
+        try:
+            allocator, tree = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
+            snapshot["kv_pool"] = {
+                "total_tokens": scheduler.max_total_num_tokens,
+                "available_tokens": allocator.available_size(),
+                "evictable_tokens": tree.evictable_size(),
+                "protected_tokens": tree.protected_size(),
+            }
+        except AttributeError:  # a scheduler without a token pool (e.g. embedding-only)
+            pass
+    result.internal_state["sglang_vc"] = snapshot
     return result
 
 

@@ -9,3 +9,16 @@ def register_all() -> None:
     if _done:
         return
     _done = True
+    from sglang_vc import lossy
+
+    lossy.register()  # attention backend "vc_torch", radix cache "vc"
+
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+
+    register_radix_cache_backend("evicpress", _evicpress_factory)  # EvicPress tiers
+
+
+def _evicpress_factory(ctx):
+    from sglang_vc.evicpress.radix import evicpress_factory
+
+    return evicpress_factory(ctx)

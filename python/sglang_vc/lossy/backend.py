@@ -1,0 +1,110 @@
+"""Attention backend ``vc_torch``: SGLang's torch-native backend that also compresses a
+request's KV right after its prefill and attends over compressed KV afterwards.
+
+Batches without compressed requests run exactly SGLang's ``TorchNativeAttnBackend`` code;
+batches with some run a per-request loop over :func:`.kernels.attend` (same SDPA call).
+Compression happens inside the prefill forward, layer by layer, after the layer's
+attention: the prefill itself (and so the first output token) always sees the full KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from . import kernels
+from .runtime import get_runtime
+
+
+class VCTorchAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
+        pool = self.token_to_kv_pool
+        if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "store_dtype", None) != getattr(pool, "dtype", None):
+            raise ValueError("vc_torch: lossy serving needs an unquantized KV cache (no --kv-cache-dtype)")
+        if self.use_sliding_window_kv_pool:
+            raise ValueError("vc_torch: sliding-window (hybrid SWA) models are not supported")
+        self.runtime = get_runtime(model_runner)
+
+    # ------------------------------------------------------------------ metadata
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        self.runtime.begin_forward(forward_batch)
+
+    def _after_layer(self, layer) -> None:
+        if layer.layer_id == self.runtime.last_layer:
+            self.runtime.end_forward()
+
+    # ------------------------------------------------------------------ extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        batch = self.runtime.batch
+        if batch is None or not batch.any_compressed or layer.is_cross_attention:
+            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            o = self._forward_per_request(q, k, v, layer, forward_batch, save_kv_cache, extend=True)
+        if batch is not None and batch.pending:
+            self.runtime.compress_layer(layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim))
+        if batch is not None:
+            self._after_layer(layer)
+        return o
+
+    # ------------------------------------------------------------------ decode
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        batch = self.runtime.batch
+        if batch is None or not batch.any_compressed or layer.is_cross_attention:
+            o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+            o = self._forward_per_request(q, k, v, layer, forward_batch, save_kv_cache, extend=False)
+        if batch is not None:
+            self._after_layer(layer)
+        return o
+
+    # ------------------------------------------------------------------ per request
+
+    def _forward_per_request(self, q, k, v, layer, forward_batch, save_kv_cache, *, extend: bool):
+        if layer.qk_head_dim != layer.v_head_dim:
+            o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        else:
+            o = torch.empty_like(q)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        batch = self.runtime.batch
+        seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
+        seq_lens = seq_lens.tolist()
+        pool_idx = forward_batch.req_pool_indices.tolist()
+        q_lens = forward_batch.extend_seq_lens_cpu if extend else [1] * len(seq_lens)
+        start = 0
+        for i, seq_len in enumerate(seq_lens):
+            t = q_lens[i]
+            q_r = q_[start : start + t]
+            entry = batch.entries[i]
+            onl = batch.online.get(i)
+            if entry is None:
+                slots = req_to_token[pool_idx[i], :seq_len].to(torch.int64)
+                k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
+                num_prefix, tail_start = 0, 0
+            else:
+                k_r, v_r, num_prefix = self.runtime.request_kv(entry, layer.layer_id, seq_len, onl)
+                tail_start = entry.attend_from
+            o_[start : start + t] = kernels.attend(
+                q_r, k_r, v_r, num_prefix=num_prefix, tail_start=tail_start,
+                q_start=seq_len - t, scale=layer.scaling, enable_gqa=gqa,
+            )
+            if onl is not None:
+                self.runtime.online_update(layer.layer_id, onl, q_r, k_r, v_r)
+            start += t
+        return o

@@ -1,0 +1,96 @@
+"""Radix-cache backend ``vc``: SGLang's Python ``RadixCache`` made safe for compressed
+requests.
+
+* A lossy request's KV never enters the tree (``checkpoint`` is a no-op for it), so no
+  request is ever handed a compressed prefix.
+* It may still *reuse* a full-KV prefix cached by an earlier full request. The match is
+  capped so that it owns at least the rows its compressed KV needs; the compressed rows go
+  into its own slots only, the shared prefix nodes are never written.
+* ``free_kv_row`` frees exactly the slots a compressed request still owns (its compressed
+  rows and its row past ``attend_from``); the slots it gave back at compression time are
+  not freed twice.
+* Full-KV requests (no compressor, or ``custom_params.vc_compressor = "none"``) use the
+  tree exactly like SGLang's ``RadixCache``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from . import META_INFO_KEY
+from .runtime import get_runtime
+
+logger = logging.getLogger(__name__)
+
+
+def create_lossy_radix_cache(ctx) -> "LossyRadixCache":
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise ValueError("--radix-cache-backend vc supports plain full-attention models without HiCache")
+    if ctx.params.page_size != 1:
+        raise ValueError("--radix-cache-backend vc needs --page-size 1")
+    runtime = get_runtime(ctx.tp_worker.model_runner)
+    return LossyRadixCache(ctx.params, runtime)
+
+
+class LossyRadixCache(RadixCache):
+    def __init__(self, params, runtime):
+        self.runtime = runtime
+        super().__init__(params)
+
+    # ------------------------------------------------------------------ admission
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        req = params.req
+        if req is None or self.runtime.default_spec is None and not _has_override(req):
+            return super().match_prefix(params)
+        prefill_len = len(req.full_untruncated_fill_ids)
+        plan = self.runtime.plan(req.rid, getattr(req.sampling_params, "custom_params", None), prefill_len)
+        cap = prefill_len - plan.min_own_rows()
+        key = params.key
+        if plan.spec is not None and len(key) > cap:
+            # The compressed rows go into the request's own slots: borrow at most `cap`.
+            params.key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram,
+                                  limit=max(cap, 0), cache_salt=key.cache_salt)
+        return super().match_prefix(params)
+
+    # ------------------------------------------------------------------ insertion
+
+    def checkpoint(self, req, *, up_to: int, **kwargs):
+        if not self.runtime.is_lossy(req):
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        # Never insert a lossy request's KV; report what compression did.
+        meta = self.runtime.meta.get(req.rid)
+        if meta is not None:
+            if req.customized_info is None:
+                req.customized_info = {}
+            req.customized_info[META_INFO_KEY] = [meta]
+
+    # ------------------------------------------------------------------ release
+
+    def free_kv_row(self, kv, ranges):
+        entry = self.runtime.index.get(kv.req_pool_idx)
+        if entry is None:
+            return super().free_kv_row(kv, ranges)
+        for start, end in ranges:
+            slots = self.runtime.owned_slots(entry, start, end)
+            if slots.numel():
+                self.token_to_kv_pool_allocator.free(slots)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        self.runtime.release(req.rid, req.kv.req_pool_idx)
+        super().on_release(req, checkpointed=checkpointed)
+
+    def finish(self, handle, outcome) -> None:
+        # An aborted request that never got compressed (e.g. still waiting) has only a
+        # plan to forget; a compressed one is cleaned up when its row is released.
+        if outcome != CacheRequestOutcome.SUCCESS and not self.runtime.has_entry(handle.rid):
+            self.runtime.release(handle.rid, None)
+        super().finish(handle, outcome)
+
+
+def _has_override(req) -> bool:
+    params = getattr(req.sampling_params, "custom_params", None)
+    return isinstance(params, dict) and "vc_compressor" in params

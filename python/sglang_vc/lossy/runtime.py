@@ -1,0 +1,409 @@
+"""Per-process state of lossy serving, shared by the attention backend (which compresses
+and attends) and the radix cache (which plans requests and frees their slots).
+
+Life of a request ``r`` whose spec compresses (see :mod:`.index` for the KV layout):
+
+1. ``plan`` (radix cache, at prefix match): resolve its spec, remember the prefill length.
+2. ``begin_forward`` (backend, once per forward): the forward whose extend ends at the
+   prefill length is ``r``'s last prefill chunk, so ``r`` is *pending*.
+3. ``compress_layer`` (backend, each layer, after the layer's attention): read the
+   layer's K/V of the ``n`` prefill tokens from the pool, compress with that layer's
+   queries, write the kept rows into the request's own slots ``row[p : p + n_keep]``
+   (token dropping) or keep the packed payload (quantization).
+4. ``end_forward`` (backend, after the last layer): free the slots no longer needed, put
+   a :class:`CompressedKVIndex` in ``index``; online methods commit their evictions.
+5. ``free_request_slots`` / ``release`` (radix cache, when SGLang releases the row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Optional
+
+import torch
+
+from sglang_vc import stats
+from sglang_vc.compress import DroppedKV, QuantizedKV, get_compressor
+from sglang_vc.compress.base import Compressor
+from sglang_vc.compress.kivi import KIVI
+
+from . import kernels
+from .index import CompressedKVIndex, QuantPayload
+from .plan import CompressionSpec, RequestPlan, make_spec, resolve_spec
+
+logger = logging.getLogger(__name__)
+
+SNAPKV_WINDOW = 32  # observation window (SnapKV's reference code)
+MAX_SCORING_QUERIES = 512  # last prompt queries H2O/KVzip score with (memory bound)
+# Bytes the quantized payloads may take, as a fraction of the device KV pool's bytes.
+# At 2 bits a payload is ~1/8 of the fp32 KV it replaces, so 0.25 holds ~2 pools' worth.
+PAYLOAD_STORE_FRACTION = 0.25
+
+_runtime: Optional["LossyRuntime"] = None
+
+
+def get_runtime(model_runner=None) -> "LossyRuntime":
+    """The process's runtime, created from the first model runner that asks."""
+    global _runtime
+    if _runtime is None:
+        if model_runner is None:
+            raise RuntimeError("lossy runtime not initialised: no model runner yet")
+        _runtime = LossyRuntime(model_runner)
+    return _runtime
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A request whose prefill ends in this forward and is compressed in it."""
+
+    plan: RequestPlan
+    req_pool_idx: int
+    n: int  # prefill tokens (= seq_len)
+    p: int  # of which borrowed from the tree (row positions [0, p))
+    q_lo: int  # rows of this request in the forward's q
+    q_hi: int
+    n_keep: int = 0  # token dropping: rows kept
+    n_quant: int = 0  # quantization: tokens quantized
+    layers: dict = dataclasses.field(default_factory=dict)  # layer -> QuantizedKV
+
+
+@dataclasses.dataclass
+class _Online:
+    """An online (H2O) request in a decode forward: rows it attends to and evictions."""
+
+    entry: CompressedKVIndex
+    slots: torch.Tensor  # comp_slots ++ row[attend_from : seq_len]
+    seq_len: int
+    kept: Optional[int] = None  # rows kept after this step's eviction (same for all layers)
+
+
+@dataclasses.dataclass
+class BatchView:
+    """The lossy state of one forward's requests, built in ``begin_forward``."""
+
+    entries: list  # per request: CompressedKVIndex or None
+    pending: list  # _Pending
+    online: dict  # batch index -> _Online (decode only)
+
+    @property
+    def any_compressed(self) -> bool:
+        return any(e is not None for e in self.entries)
+
+
+class LossyRuntime:
+    def __init__(self, model_runner):
+        from sglang_vc.config import get_vc_config
+
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.kv_pool = model_runner.token_to_kv_pool
+        self.allocator = model_runner.token_to_kv_pool_allocator
+        self.page_size = getattr(self.allocator, "page_size", 1)
+        if self.page_size != 1:
+            raise ValueError("lossy serving needs --page-size 1 (compressed rows are token slots)")
+        vc = get_vc_config(model_runner.server_args)
+        self.default_spec: Optional[CompressionSpec] = (
+            make_spec(vc.vc_compressor, vc.vc_compression_ratio, vc.vc_kv_bits)
+            if vc.vc_compressor else None
+        )
+        self.start_layer = self.kv_pool.start_layer
+        self.last_layer = self.kv_pool.start_layer + self.kv_pool.layer_num - 1
+        k0 = self.kv_pool.get_key_buffer(self.start_layer)
+        v0 = self.kv_pool.get_value_buffer(self.start_layer)
+        self.bytes_per_slot = self.kv_pool.layer_num * (
+            k0[0].numel() * k0.element_size() + v0[0].numel() * v0.element_size()
+        )
+        self.payload_budget = int(PAYLOAD_STORE_FRACTION * self.bytes_per_slot * k0.shape[0])
+        self.payload_bytes = 0
+        self.plans: dict[str, RequestPlan] = {}
+        self.index: dict[int, CompressedKVIndex] = {}
+        self.meta: dict[str, dict] = {}  # rid -> summary dict shown in meta_info
+        self._compressors: dict[str, Compressor] = {}
+        self.batch: Optional[BatchView] = None
+        logger.info(
+            "lossy serving: default %s, payload store %.1f MB",
+            self.default_spec.describe() if self.default_spec else "full KV",
+            self.payload_budget / 2**20,
+        )
+
+    # ------------------------------------------------------------------ planning
+
+    def compressor(self, name: str) -> Compressor:
+        if name not in self._compressors:
+            self._compressors[name] = get_compressor(name)
+        return self._compressors[name]
+
+    def plan(self, rid: str, custom_params: Any, prefill_len: int) -> RequestPlan:
+        """Plan (or re-plan, e.g. after a retraction) request ``rid``."""
+        spec, error = resolve_spec(self.default_spec, custom_params)
+        plan = self.plans.get(rid)
+        if plan is None or plan.spec != spec or plan.prefill_len != prefill_len:
+            if error and (plan is None or plan.error != error):
+                logger.warning("request %s: %s; using %s", rid, error,
+                               spec.describe() if spec else "full KV")
+            plan = self.plans[rid] = RequestPlan(rid, spec, prefill_len, error)
+        return plan
+
+    def is_lossy(self, req) -> bool:
+        """Whether ``req``'s KV is (or is to be) compressed: it must not enter the tree."""
+        plan = self.plans.get(req.rid)
+        if plan is not None and plan.spec is not None:
+            return True
+        entry = self.index.get(req.kv.req_pool_idx)
+        return entry is not None and entry.rid == req.rid
+
+    def has_entry(self, rid: str) -> bool:
+        return any(entry.rid == rid for entry in self.index.values())
+
+    # ------------------------------------------------------------------ forward
+
+    def begin_forward(self, forward_batch) -> BatchView:
+        mode = forward_batch.forward_mode
+        rids = forward_batch.rids or []
+        pool_idx = forward_batch.req_pool_indices.tolist()
+        seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
+                    else forward_batch.seq_lens).tolist()
+        entries = [self.index.get(i) for i in pool_idx]
+        pending, online = [], {}
+        if mode.is_extend() and not mode.is_target_verify() and rids:
+            prefix = forward_batch.extend_prefix_lens_cpu
+            ext = forward_batch.extend_seq_lens_cpu
+            q_lo = 0
+            for i, rid in enumerate(rids):
+                plan = self.plans.get(rid)
+                if (plan is not None and plan.spec is not None and entries[i] is None
+                        and seq_lens[i] == plan.prefill_len):
+                    pend = self._pending(plan, pool_idx[i], seq_lens[i], prefix[i], q_lo, q_lo + ext[i])
+                    if pend is not None:
+                        pending.append(pend)
+                q_lo += ext[i]
+        elif mode.is_decode():
+            for i, entry in enumerate(entries):
+                if entry is not None and entry.spec.mode == "online":
+                    row = self.req_to_token[entry.req_pool_idx, entry.attend_from : seq_lens[i]]
+                    slots = torch.cat([entry.comp_slots, row.to(torch.int64)])
+                    online[i] = _Online(entry, slots, seq_lens[i])
+        self.batch = BatchView(entries, pending, online)
+        return self.batch
+
+    def _pending(self, plan: RequestPlan, req_pool_idx: int, n: int, extend_prefix: int,
+                 q_lo: int, q_hi: int) -> Optional[_Pending]:
+        # The first extend of a plan starts at the tree-matched prefix: the row's
+        # [0, p) belongs to the tree, [p, n) to the request (lossy requests never
+        # insert, so later chunks do not move that boundary).
+        if plan.tree_prefix_len is None:
+            plan.tree_prefix_len = extend_prefix
+        p = plan.tree_prefix_len
+        pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
+        spec = plan.spec
+        if spec.scenario == "token_dropping":
+            pend.n_keep = spec.rows_kept(n)
+            if n - p < pend.n_keep:  # the match cap should prevent this
+                logger.warning("request %s owns %d of %d prefill rows but keeps %d; not compressed",
+                               plan.rid, n - p, n, pend.n_keep)
+                plan.spec, plan.error = None, "not enough own slots for the compressed rows"
+                return None
+        return pend
+
+    def _queries(self, spec: CompressionSpec, q: torch.Tensor, pend: _Pending) -> Optional[torch.Tensor]:
+        """The queries ``spec`` scores with, from this layer's prefill queries (post-RoPE).
+
+        SnapKV: the last ``SNAPKV_WINDOW`` prompt queries (its observation window).
+        H2O: the last ``MAX_SCORING_QUERIES`` prompt queries (accumulated attention).
+        KVzip: the same prompt queries stand in for its context-reconstruction pass (no
+        second forward is run here; see the package notes)."""
+        need = self.compressor(spec.compressor).needs_queries
+        if need is None:
+            return None
+        qs = q[pend.q_lo : pend.q_hi]
+        if need == "observation_window":
+            w = min(SNAPKV_WINDOW, qs.shape[0], pend.n - 1)
+            return qs[-w:] if w > 0 else None
+        return qs[-MAX_SCORING_QUERIES:]
+
+    def compress_layer(self, layer_id: int, q: torch.Tensor) -> None:
+        """Compress this layer of every pending request (``q [T, Hq, D]`` post-RoPE)."""
+        k_buf = self.kv_pool.get_key_buffer(layer_id)
+        v_buf = self.kv_pool.get_value_buffer(layer_id)
+        for pend in self.batch.pending:
+            spec = pend.plan.spec
+            comp = self.compressor(spec.compressor)
+            row = self.req_to_token[pend.req_pool_idx]
+            slots = row[: pend.n].to(torch.int64)
+            k, v = k_buf[slots], v_buf[slots]
+            queries = self._queries(spec, q, pend)
+            ckv = comp.compress(layer_id, k, v, spec.amount, queries=queries, req_id=pend.plan.rid)
+            if isinstance(ckv, DroppedKV):
+                assert ckv.n_keep == pend.n_keep, (ckv.n_keep, pend.n_keep)
+                dest = row[pend.p : pend.p + pend.n_keep].to(torch.int64)
+                kernels.write_rows(k_buf, dest, ckv.k)
+                kernels.write_rows(v_buf, dest, ckv.v)
+            elif isinstance(ckv, QuantizedKV):
+                pend.n_quant = ckv.num_quantized
+                if ckv.num_quantized:
+                    empty = ckv.k_residual[:0]
+                    pend.layers[layer_id] = dataclasses.replace(
+                        ckv, k_residual=empty.clone(), v_residual=ckv.v_residual[:0].clone()
+                    )
+            else:  # pragma: no cover - the library has only these two kinds
+                raise TypeError(type(ckv).__name__)
+
+    def end_forward(self) -> None:
+        """After the last layer: register compressed requests, free their spare slots,
+        and commit online evictions."""
+        batch = self.batch
+        for pend in batch.pending:
+            entry = self._finish_pending(pend)
+            self.index[pend.req_pool_idx] = entry
+            meta = self.meta.setdefault(entry.rid, {})
+            meta.clear()
+            meta.update(entry.summary())
+            if pend.plan.error:
+                meta["error"] = pend.plan.error
+        for i, onl in batch.online.items():
+            self._commit_online(onl)
+        self.batch = None
+
+    def _finish_pending(self, pend: _Pending) -> CompressedKVIndex:
+        spec = pend.plan.spec
+        row = self.req_to_token[pend.req_pool_idx]
+        empty = torch.empty(0, dtype=torch.int64, device=row.device)
+        if spec.scenario == "token_dropping":
+            comp_slots = row[pend.p : pend.p + pend.n_keep].to(torch.int64).clone()
+            spare = row[pend.p + pend.n_keep : pend.n].to(torch.int64)
+            entry = CompressedKVIndex(pend.plan.rid, pend.req_pool_idx, spec, pend.n, pend.p,
+                                      comp_slots, attend_from=pend.n)
+            tokens_after, payload_bytes = pend.n_keep, 0
+        else:
+            entry = self._finish_quantized(pend, row, empty)
+            spare = (row[pend.p : pend.n_quant].to(torch.int64)
+                     if entry.payload is not None else empty)
+            tokens_after = pend.n
+            payload_bytes = entry.payload.nbytes if entry.payload is not None else 0
+        self.allocator.free(spare.clone())
+        entry.slots_freed = int(spare.numel())
+        saved = entry.slots_freed * self.bytes_per_slot - payload_bytes
+        stats.add(
+            "compression",
+            requests=1,
+            **{f"requests_{spec.compressor}": 1},
+            tokens_before=pend.n,
+            tokens_after=tokens_after,
+            slots_freed=entry.slots_freed,
+            bytes_saved=saved,
+        )
+        logger.debug("compressed %s: %s", entry.rid, entry.summary())
+        return entry
+
+    def _finish_quantized(self, pend: _Pending, row: torch.Tensor, empty: torch.Tensor) -> CompressedKVIndex:
+        spec = pend.plan.spec
+        entry = CompressedKVIndex(pend.plan.rid, pend.req_pool_idx, spec, pend.n, pend.p, empty,
+                                  attend_from=0)
+        if not pend.n_quant:  # 16 bits, or too short to quantize: nothing changes
+            return entry
+        nbytes = sum(c.nbytes() for c in pend.layers.values())
+        entry.quantized_tokens = pend.n_quant
+        if self.payload_bytes + nbytes <= self.payload_budget:
+            self.payload_bytes += nbytes
+            entry.payload = QuantPayload(pend.layers, pend.n_quant, nbytes)
+            entry.attend_from = pend.n_quant
+            return entry
+        # The store is full: write the dequantized values over the request's own rows
+        # (same output as with the payload, no memory saved). Rows [0, p) belong to the
+        # radix tree and keep their full-precision values.
+        own = row[pend.p : pend.n_quant].to(torch.int64)
+        for layer_id, ckv in pend.layers.items():
+            k, v = KIVI.dequantize(ckv)
+            kernels.write_rows(self.kv_pool.get_key_buffer(layer_id), own, k[pend.p :])
+            kernels.write_rows(self.kv_pool.get_value_buffer(layer_id), own, v[pend.p :])
+        entry.in_place = True
+        entry.quantized_tokens = max(0, pend.n_quant - pend.p)
+        stats.add("compression", payload_store_full=1)
+        return entry
+
+    # ------------------------------------------------------------------ attention
+
+    def request_kv(self, entry: CompressedKVIndex, layer_id: int, seq_len: int,
+                   online: Optional[_Online] = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """K, V ``[N, H, D]`` a compressed request attends to in ``layer_id`` and the
+        number of prefix rows (visible to every query)."""
+        k_buf = self.kv_pool.get_key_buffer(layer_id)
+        v_buf = self.kv_pool.get_value_buffer(layer_id)
+        if online is not None:
+            slots = online.slots
+        else:
+            row = self.req_to_token[entry.req_pool_idx, entry.attend_from : seq_len].to(torch.int64)
+            slots = torch.cat([entry.comp_slots, row]) if entry.comp_slots.numel() else row
+        pk = pv = None
+        if entry.payload is not None:
+            pk, pv = KIVI.dequantize(entry.payload.layers[layer_id])
+        k, v = kernels.gather_kv(k_buf, v_buf, slots, pk, pv)
+        return k, v, entry.num_prefix_rows
+
+    # ------------------------------------------------------------------ online
+
+    def online_update(self, layer_id: int, onl: _Online, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """H2O step for one request and layer: score, evict, compact the layer's rows.
+
+        ``k``/``v`` are the rows the request attended to (``onl.slots`` in order)."""
+        entry = onl.entry
+        comp = self.compressor(entry.spec.compressor)
+        kept_before = comp.kept(layer_id, entry.rid)  # [H, c] positions of comp rows
+        h = kept_before.shape[0]
+        fresh = torch.arange(entry.attend_from, onl.seq_len, device=k.device)
+        pos = torch.cat([kept_before, fresh.expand(h, -1)], 1)
+        drops = comp.update(layer_id, q, [k], req_ids=[entry.rid], positions=[pos])[0]
+        m = k.shape[0]
+        if drops.numel() == 0:
+            kept = m
+        else:
+            dropped = (pos.unsqueeze(-1) == drops.unsqueeze(1)).any(-1)  # [H, m]
+            keep_idx = torch.nonzero(~dropped)[:, 1].view(h, -1)
+            kept = keep_idx.shape[1]
+            dest = onl.slots[:kept]
+            kernels.write_rows(self.kv_pool.get_key_buffer(layer_id), dest, kernels.keep_rows(k, keep_idx))
+            kernels.write_rows(self.kv_pool.get_value_buffer(layer_id), dest, kernels.keep_rows(v, keep_idx))
+        if onl.kept is None:
+            onl.kept = kept
+        elif onl.kept != kept:
+            raise RuntimeError(f"h2o evicted different row counts across layers ({onl.kept} vs {kept})")
+
+    def _commit_online(self, onl: _Online) -> None:
+        entry = onl.entry
+        kept = onl.slots.numel() if onl.kept is None else onl.kept
+        spare = onl.slots[kept:]
+        if spare.numel():
+            self.allocator.free(spare.clone())
+            entry.slots_freed += int(spare.numel())
+            entry.online_evicted += int(spare.numel())
+            stats.add("compression", online_evicted=int(spare.numel()), slots_freed=int(spare.numel()),
+                      bytes_saved=int(spare.numel()) * self.bytes_per_slot)
+        entry.comp_slots = onl.slots[:kept].clone()
+        entry.attend_from = onl.seq_len
+        meta = self.meta.get(entry.rid)
+        if meta is not None:
+            meta.update(entry.summary())
+
+    # ------------------------------------------------------------------ release
+
+    def owned_slots(self, entry: CompressedKVIndex, start: int, end: int) -> torch.Tensor:
+        """Slots a compressed request owns for a row range SGLang asks to free: the
+        compressed rows (once) and the row from ``max(start, attend_from)``."""
+        row = self.req_to_token[entry.req_pool_idx, max(start, entry.attend_from) : end].to(torch.int64)
+        if entry.comp_slots.numel():
+            row = torch.cat([entry.comp_slots, row])
+            entry.comp_slots = entry.comp_slots[:0]
+        return row
+
+    def release(self, rid: str, req_pool_idx: Optional[int]) -> None:
+        """Forget a request (finished, aborted or retracted)."""
+        entry = self.index.get(req_pool_idx) if req_pool_idx is not None else None
+        if entry is not None and entry.rid == rid:
+            del self.index[req_pool_idx]
+            if entry.payload is not None:
+                self.payload_bytes -= entry.payload.nbytes
+        plan = self.plans.pop(rid, None)
+        if plan is not None and plan.spec is not None:
+            self.compressor(plan.spec.compressor).release(rid)
+        self.meta.pop(rid, None)
