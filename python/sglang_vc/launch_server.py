@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     load_plugins()
     vc_config, server_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     install_server_info_routes(vc_config)
+    from sglang_vc.evicpress.service import install as install_evicpress
+
+    install_evicpress(vc_config, server_args)  # /evicpress/* routes and the profiler
     try:
         run_server(server_args)
     finally:

@@ -91,13 +91,22 @@ def size_monotone(src: CompressionConfig, dst: CompressionConfig) -> bool:
     return dst.size_fraction <= src.size_fraction
 
 
-def admit(ctx: ContextInfo, tiers: Iterable[Tier], tier: Optional[Tier] = None) -> Placement:
+def admit(
+    ctx: ContextInfo,
+    tiers: Iterable[Tier],
+    tier: Optional[Tier] = None,
+    config: Optional[CompressionConfig] = None,
+) -> Placement:
     """Algorithm 1 line 1: a new context enters ``tier`` (default: the fastest) with
-    ``r_i = argmax Q_i(r)``; among equal qualities the smallest stored form wins."""
+    ``r_i = argmax Q_i(r)``; among equal qualities the smallest stored form wins.
+    ``config`` forces the config instead (a context re-entering a tier in the form it
+    is already stored in)."""
     order = ordered_tiers(tiers)
     target = order[0] if tier is None else tier
     if target not in order:
         raise ValueError(f"tier {target!r} is not configured")
+    if config is not None:
+        return Placement(config, target)
     best = min(
         ctx.candidates(),
         key=lambda c: (-ctx.quality_of(c), c.size_fraction, c.sort_key()),
@@ -263,17 +272,18 @@ def plan_insert(
     utility: UtilityFn,
     *,
     tier: Optional[Tier] = None,
+    config: Optional[CompressionConfig] = None,
     rank: str = "drop",
     can_transform: TransformFn = size_monotone,
 ) -> list[Move]:
     """Algorithm 1 end to end: admit ``new`` at ``tier`` (default fastest) with its
-    highest-quality config, then relieve the tiers. ``new``'s own move (an insert
+    highest-quality config (or ``config``), then relieve the tiers. ``new``'s own move (an insert
     straight to its final placement; absent if it ends up not stored) comes last in
     :func:`execution_order`."""
     others = [c for c in contexts if c.ctx_id != new.ctx_id]
     start = dict(placements)
     start.pop(new.ctx_id, None)
-    start[new.ctx_id] = admit(new, tiers, tier)
+    start[new.ctx_id] = admit(new, tiers, tier, config)
     steps = [Move(new.ctx_id, placements.get(new.ctx_id, DROPPED), start[new.ctx_id])]
     steps += greedy_steps([new, *others], start, tiers, utility, rank=rank, can_transform=can_transform)
     return execution_order(net_moves(steps))

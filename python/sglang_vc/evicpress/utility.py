@@ -44,6 +44,9 @@ class ContextInfo:
     ``quality`` is the context's profile: config -> quality in [0, 1]. Configs absent
     from it are not candidates for this context (except :data:`FULL`, always 1.0).
     ``query_tokens`` is the typical suffix (question) length in tokens.
+    ``sizes`` optionally gives the real stored bytes of some configs (e.g. measured
+    blob sizes, which depend on the KV dtype); other configs use
+    ``stored_bytes(full_bytes, config)``.
     """
 
     ctx_id: Hashable
@@ -52,6 +55,12 @@ class ContextInfo:
     frequency: float = 1.0
     quality: Mapping[CompressionConfig, float] = field(default_factory=dict)
     query_tokens: int = 0
+    sizes: Mapping[CompressionConfig, int] = field(default_factory=dict)
+
+    def stored_bytes(self, config: CompressionConfig) -> int:
+        """Bytes of this context's KV stored under ``config``."""
+        size = self.sizes.get(config)
+        return stored_bytes(self.full_bytes, config) if size is None else int(size)
 
     def quality_of(self, config: CompressionConfig) -> Optional[float]:
         """Profiled quality of ``config``; 1.0 for full; None when not profiled."""
@@ -65,7 +74,7 @@ class ContextInfo:
 
     def bytes_at(self, placement: Placement) -> int:
         """Bytes this context occupies on ``placement.tier`` (0 when dropped)."""
-        return placement.bytes(self.full_bytes)
+        return 0 if placement.dropped else self.stored_bytes(placement.config)
 
 
 class TTFT(NamedTuple):
@@ -114,7 +123,7 @@ class UtilityModel:
         if placement.dropped:
             return TTFT(0.0, 0.0, suffix, ctx.num_tokens / self.prefill_tokens_per_s)
         cfg = placement.config
-        load = self.tiers[placement.tier].load_seconds(stored_bytes(ctx.full_bytes, cfg))
+        load = self.tiers[placement.tier].load_seconds(ctx.stored_bytes(cfg))
         rate = self.decompress_bytes_per_s.get(cfg.method) if cfg.method else None
         # Decompression writes the expanded KV: all tokens for quantization, the kept
         # ones for token dropping.

@@ -1,0 +1,374 @@
+"""EvicPress benchmark: TTFT vs quality of EvicPress and its baselines (paper fig. 7).
+
+    python -m sglang_vc.bench.evicpress --json OUT.json [--quick]
+
+One real server (``--radix-cache-backend evicpress`` with SGLang's hierarchical cache)
+serves every system in turn, so all of them run in the same runtime with the same
+tiers (``POST /evicpress/reconfigure`` empties the tiers and switches the policy):
+
+* ``evicpress:alpha=A`` -- the utility knapsack, for each alpha;
+* ``lru`` -- eviction only: full KV, LRU demotion host -> disk -> dropped;
+* ``fixed:kivi@4b``, ``fixed:kivi@2b`` -- one compression config for every context + LRU;
+* ``full-prefill`` -- no reuse: every request in its own cache namespace, so its
+  context is prefilled from scratch. Its answers are the full-KV references.
+
+Workload: >= 30 contexts from real text on the machine (:mod:`.workloads` ``reading``
+and ``code`` items: documents / source files; the item's question is the test query,
+two generic questions are the profiling set), a Zipf-skewed stream of queries over
+them, and tiers sized so the contexts do not all fit in the fast ones (device pool a
+few contexts, host tier ``--host-contexts`` full contexts, disk ``--disk-contexts``).
+
+Phases: (1) register the contexts with their profiling queries and let the server's
+profiler measure each config's quality (the paper's offline phase, section 4.1);
+(2) for each system: reconfigure, one unmeasured pass over all contexts (initial
+placement), then the measured stream, one request at a time (TTFT = time to the first
+streamed token, client side). Quality = MiniLM-L6-v2 cosine of each answer with the
+full-prefill answer to the same prompt (section 6.1); the hit tier of each request is
+read from the server's EvicPress counters.
+
+Writes ``OUT.json`` (``{"results": [{"system", "ttft_mean_s", "quality", ...}]}``) and
+``OUT.png`` (TTFT vs quality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+GENERIC_QUESTIONS = (
+    "Question: Summarize the text above in one sentence.",
+    "Question: What is the main topic of the text above?",
+)
+KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M, float32: 2 * 30 layers * 3 heads * 64 * 4
+
+
+def build_contexts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[dict]:
+    """``n`` contexts (half reading, half code items), each with its test question and
+    the generic profiling questions, as token ids."""
+    from transformers import AutoTokenizer
+
+    from sglang_vc.bench.workloads import load_workload
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    n_read = n // 2
+    items = list(load_workload("reading", tokenizer=tokenizer_dir, n=n_read, seed=seed, lengths=(length,)))
+    items += list(load_workload("code", tokenizer=tokenizer_dir, n=n - n_read, seed=seed, lengths=(length,)))
+    out = []
+    for it in items:
+        context = it["prompt"][: len(it["prompt"]) - len(it["question"])]
+        ids = tok(context)["input_ids"]
+
+        def suffix(q: str) -> list[int]:
+            return tok(q + "\nAnswer:", add_special_tokens=False)["input_ids"]
+
+        out.append({
+            "id": it["id"],
+            "source": it["task"],
+            "token_ids": ids,
+            "test": suffix(it["question"].rstrip()),
+            "profile": [suffix(q) for q in GENERIC_QUESTIONS],
+            "answer": it.get("answer"),
+        })
+    return out
+
+
+def zipf_stream(n_ctx: int, n_req: int, s: float, seed: int) -> list[tuple[int, int]]:
+    """(context index, query index) pairs; context popularity ~ 1 / rank**s, ranks
+    shuffled so popularity is unrelated to context order. Query 0 is the workload's own
+    question, 1-2 the generic ones (used by the stream too, as repeats of a context
+    with other questions)."""
+    rng = random.Random(seed)
+    ranks = list(range(n_ctx))
+    rng.shuffle(ranks)
+    weights = [1.0 / (ranks[i] + 1) ** s for i in range(n_ctx)]
+    ctxs = rng.choices(range(n_ctx), weights=weights, k=n_req)
+    return [(c, rng.choice((0, 0, 1, 2))) for c in ctxs]
+
+
+class Client:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.s = requests.Session()
+
+    def api(self, method: str, path: str, body=None, timeout: float = 1800) -> dict:
+        r = self.s.request(method, self.url + path, json=body, timeout=timeout)
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:500]}")
+        return r.json()
+
+    def counters(self) -> dict:
+        info = self.api("GET", "/server_info")
+        return dict(info["sglang_vc"]["counters"].get("evicpress", {}))
+
+    def stream(self, input_ids, max_new_tokens: int, extra_key: Optional[str] = None) -> tuple[float, str, dict]:
+        """(TTFT seconds, text, meta_info) of a streamed greedy request."""
+        body = {"input_ids": input_ids, "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+        if extra_key:
+            body["extra_key"] = extra_key
+        t0 = time.perf_counter()
+        ttft = None
+        last = {}
+        with self.s.post(self.url + "/generate", json=body, stream=True, timeout=1800) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line or not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                last = json.loads(data)
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+        return (ttft if ttft is not None else time.perf_counter() - t0), last.get("text", ""), last.get("meta_info", {})
+
+
+TIERS = ("device", "host", "disk", "miss")
+
+
+def _tier_of(before: dict, after: dict) -> str:
+    for t, key in (("device", "hits_device"), ("host", "hits_host"), ("disk", "hits_disk"), ("miss", "misses")):
+        if after.get(key, 0) > before.get(key, 0):
+            return t
+    return "none"
+
+
+def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict, warm: bool,
+               reconfig: Optional[dict], log) -> tuple[dict, list]:
+    """Run the stream under one system; returns its row and per-request records."""
+    if reconfig is not None:
+        cl.api("POST", "/evicpress/reconfigure", reconfig)
+    full_prefill = reconfig is None
+    if warm and not full_prefill:
+        for c in contexts:  # initial placement, not measured
+            cl.stream(c["token_ids"] + c["profile"][0], 1)
+    c0 = cl.counters()
+    recs = []
+    for i, (ci, qi) in enumerate(stream):
+        c = contexts[ci]
+        q = c["test"] if qi == 0 else c["profile"][qi - 1]
+        before = cl.counters()
+        ns = f"bench-nocache-{name}-{i}" if full_prefill else None
+        ttft, text, meta = cl.stream(c["token_ids"] + q, max_new, extra_key=ns)
+        after = cl.counters()
+        key = (ci, qi)
+        if full_prefill:
+            refs.setdefault(key, text)
+        recs.append({"ctx": c["id"], "query": qi, "ttft_s": ttft, "text": text,
+                     "tier": "miss" if full_prefill else _tier_of(before, after),
+                     "cached_tokens": meta.get("cached_tokens", 0)})
+        log(f"  {name} {i + 1}/{len(stream)} ttft={ttft:.3f}s tier={recs[-1]['tier']} cached={recs[-1]['cached_tokens']}")
+    c1 = cl.counters()
+    status = cl.api("GET", "/evicpress/status")
+    row = {
+        "system": name,
+        "requests": len(recs),
+        "ttft_mean_s": sum(r["ttft_s"] for r in recs) / len(recs),
+        "ttft_p50_s": sorted(r["ttft_s"] for r in recs)[len(recs) // 2],
+        "hit_rate_by_tier": {t: sum(r["tier"] == t for r in recs) / len(recs) for t in TIERS},
+        "compressed_contexts": 0 if full_prefill else int(status["counters"].get("compressed_contexts", 0)),
+        "stored_contexts": 0 if full_prefill else int(status["counters"].get("stored_contexts", 0)),
+        "counters_delta": {k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c1) | set(c0))
+                           if not k.endswith("_used_bytes") and c1.get(k, 0) != c0.get(k, 0)},
+    }
+    if not full_prefill:
+        row["placements"] = _placements(cl)
+    return row, recs
+
+
+def _placements(cl: Client) -> dict:
+    out: dict = {}
+    for c in cl.api("GET", "/evicpress/contexts")["contexts"]:
+        p = c["placement"]
+        key = "dropped" if p["tier"] is None else f"{p['config']}/{p['tier']}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_vc.bench.evicpress", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="output JSON path (a PNG is written next to it)")
+    ap.add_argument("--quick", action="store_true", help="small run (a few minutes on an idle 2-core CPU)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--contexts", type=int, default=None, help="number of contexts (>= 30)")
+    ap.add_argument("--context-tokens", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=None, help="measured requests per system")
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--alphas", type=str, default=None, help="comma-separated EvicPress alphas")
+    ap.add_argument("--fixed", type=str, default="kivi@4b,kivi@2b", help="fixed-compression baselines")
+    ap.add_argument("--host-contexts", type=float, default=None, help="host tier size, in full contexts")
+    ap.add_argument("--disk-contexts", type=float, default=None, help="disk tier size, in full contexts")
+    ap.add_argument("--device-tokens", type=int, default=None, help="device KV pool (--max-total-tokens)")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--no-warm", action="store_true", help="skip the unmeasured placement pass")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--url", default=None, help="use a running server (started with matching flags)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    n_ctx = args.contexts or 30 if q else args.contexts or 48
+    if n_ctx < 30:
+        ap.error("--contexts must be >= 30")
+    length = args.context_tokens or (256 if q else 512)
+    n_req = args.requests or (40 if q else 150)
+    alphas = [float(a) for a in (args.alphas or ("1" if q else "0.2,1,5")).split(",")]
+    fixed = [f for f in args.fixed.split(",") if f]
+    host_ctx = args.host_contexts or 5.0
+    disk_ctx = args.disk_contexts or 10.0
+    device_tokens = args.device_tokens or 4 * length
+    max_new = args.max_new_tokens or (12 if q else 24)
+    out_json = Path(args.json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    from sglang_vc import models
+
+    model_dir = models.resolve(args.model)
+    t_start = time.time()
+    log(f"building {n_ctx} contexts of ~{length} tokens")
+    contexts = build_contexts(model_dir, n_ctx, length, args.seed)
+    stream = zipf_stream(n_ctx, n_req, args.zipf, args.seed)
+    ctx_bytes = KV_BYTES_PER_TOKEN * sum(len(c["token_ids"]) for c in contexts) / len(contexts)
+    gb = 1 << 30
+    server = None
+    tmp = tempfile.TemporaryDirectory(prefix="evicpress-bench-")
+    server_args = [
+        "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", str(device_tokens),
+        "--enable-hierarchical-cache", "--hicache-ratio", str(max(2.0, 1.2 * host_ctx * ctx_bytes / KV_BYTES_PER_TOKEN / device_tokens)),
+        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+        "--radix-cache-backend", "evicpress", "--sleep-on-idle",
+        "--evicpress-disk-dir", os.path.join(tmp.name, "disk"),
+        "--evicpress-host-size-gb", f"{host_ctx * ctx_bytes / gb:.6f}",
+        "--evicpress-disk-size-gb", f"{disk_ctx * ctx_bytes / gb:.6f}",
+        "--evicpress-methods", "kivi", "--evicpress-bits", "2,4",
+        "--evicpress-profile-queries", "1" if q else "2",
+        "--evicpress-profile-max-new-tokens", str(max_new),
+        "--evicpress-generate-queries", "0", "--evicpress-observe-rate", "0",
+        "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
+        "--chunked-prefill-size", str(max(1024, 2 * length)),
+    ]
+    try:
+        if args.url:
+            url = args.url
+        else:
+            from sglang_vc.testing.server import ServerProcess
+
+            log("starting the server: " + " ".join(server_args))
+            server = ServerProcess(server_args, log_path=Path(tmp.name) / "server.log", timeout=900)
+            url = server.url
+        cl = Client(url)
+        # phase 1: contexts, profiling (offline phase)
+        t0 = time.time()
+        for c in contexts:
+            cl.api("POST", "/evicpress/contexts", {"id": c["id"], "token_ids": c["token_ids"],
+                                                   "query_suffix_ids": c["profile"]})
+        while True:
+            st = cl.api("GET", "/evicpress/status")
+            if st["pending_profiles"] == 0:
+                break
+            log(f"profiling: {st['pending_profiles']} contexts left")
+            time.sleep(5)
+        t_profile = time.time() - t0
+        profiles = {c["id"]: c["quality"] for c in cl.api("GET", "/evicpress/contexts")["contexts"]}
+        log(f"profiled {len(profiles)} contexts in {t_profile:.0f}s")
+        # phase 2: systems
+        refs: dict = {}
+        rows, records = [], {}
+        systems = [("full-prefill", None)]
+        systems += [(f"evicpress:alpha={a:g}", {"policy": "evicpress", "alpha": a}) for a in alphas]
+        systems += [("lru", {"policy": "lru"})]
+        systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
+        from sglang_vc.evicpress.quality import EmbeddingScorer
+
+        scorer = EmbeddingScorer()
+        for name, reconfig in systems:
+            log(f"system {name}")
+            t1 = time.time()
+            row, recs = run_system(cl, name, contexts, stream, max_new, refs, not args.no_warm, reconfig, log)
+            ids = {c["id"]: i for i, c in enumerate(contexts)}
+            ref_texts = [refs[(ids[r["ctx"]], r["query"])] for r in recs]
+            scores = scorer.score_many([r["text"] for r in recs], ref_texts)
+            for r, s in zip(recs, scores):
+                r["quality"] = s
+            row["quality"] = sum(scores) / len(scores)
+            row["seconds"] = time.time() - t1
+            rows.append(row)
+            records[name] = recs
+            log(f"  -> ttft_mean={row['ttft_mean_s']:.3f}s quality={row['quality']:.3f} "
+                f"tiers={row['hit_rate_by_tier']} compressed={row['compressed_contexts']}")
+        status = cl.api("GET", "/evicpress/status")
+    finally:
+        if server is not None:
+            server.stop()
+        tmp.cleanup()
+    result = {
+        "benchmark": "evicpress",
+        "command": "python -m sglang_vc.bench.evicpress " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": q,
+        "model": args.model,
+        "contexts": n_ctx,
+        "context_tokens_mean": sum(len(c["token_ids"]) for c in contexts) / n_ctx,
+        "context_kv_bytes_mean": ctx_bytes,
+        "requests_per_system": n_req,
+        "zipf_s": args.zipf,
+        "max_new_tokens": max_new,
+        "tiers": {"device_tokens": device_tokens, "host_contexts": host_ctx, "disk_contexts": disk_ctx,
+                  "measured": {k: v for k, v in status["tiers"].items()},
+                  "prefill_tokens_per_s": status["prefill_tokens_per_s"],
+                  "decompress_bytes_per_s": status["decompress_bytes_per_s"]},
+        "profiling_seconds": t_profile,
+        "profiles": profiles,
+        "results": rows,
+        "not_built": {"fixed:knorm@0.5": "token-dropped contexts need the lossy attention backend; "
+                                         "EvicPress serves quantized (KIVI) configs only"},
+        "server_args": server_args,
+        "seconds": time.time() - t_start,
+        "records": records,
+    }
+    out_json.write_text(json.dumps(result, indent=1))
+    png = out_json.with_suffix(".png")
+    try:
+        plot(rows, png)
+    except Exception as exc:  # pragma: no cover - plotting is optional
+        log(f"no plot: {exc}")
+    log(f"wrote {out_json} and {png}")
+    for r in rows:
+        log(f"{r['system']:>24}  ttft {r['ttft_mean_s']:.3f}s  quality {r['quality']:.3f}  "
+            f"hits {json.dumps({k: round(v, 2) for k, v in r['hit_rate_by_tier'].items()})}")
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for r in rows:
+        name = r["system"]
+        marker = "*" if name.startswith("evicpress") else ("s" if name == "lru" else ("^" if name.startswith("fixed") else "o"))
+        ax.scatter(r["ttft_mean_s"], r["quality"], marker=marker, s=120 if marker == "*" else 60, label=name)
+    ax.set_xlabel("mean TTFT (s)")
+    ax.set_ylabel("quality (MiniLM cosine vs full-KV answer)")
+    ax.set_title("EvicPress vs baselines (paper fig. 7)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

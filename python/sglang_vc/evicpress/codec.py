@@ -1,0 +1,182 @@
+"""A context's KV as bytes, under a compression config (EvicPress's stored form).
+
+The KV of one context is two tensors, ``k`` of shape ``[layers, tokens, heads, head_dim]``
+and ``v`` of shape ``[layers, tokens, heads, v_head_dim]``, gathered from SGLang's device
+pool (``k_buffer[layer][slots]``). :func:`encode` turns it into one self-describing blob
+for a :class:`~.config.CompressionConfig`; :func:`decode` reverses it (lossy configs come
+back dequantized / with the kept rows only).
+
+* ``full``: the two tensors, bit-exact.
+* quantization (``kivi@2b``, ``kivi@4b``, ``kivi1@1b``): the compressor library's KIVI on
+  all layers at once -- a layer's heads become extra heads (``[tokens, layers*heads,
+  dim]``), which is exactly per-layer KIVI because KIVI groups never span heads. The
+  residual window is 0: a stored context is complete, nothing is appended to it
+  afterwards (the KIVI residual exists for decoding). Tokens past the last whole group
+  of 32 stay in full precision.
+* token dropping (``knorm@0.5``...): the :class:`DroppedKV` rows and positions, encoded
+  the same way; serving them needs an attention backend that reads dropped KV.
+
+Blob layout: safetensors, with every tensor field of the compressor's result and a
+``__meta__`` uint8 tensor holding JSON (config label, shapes, the result's scalar
+fields). Pure torch; no SGLang import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .config import FULL, QUANT_GROUP_SIZE, CompressionConfig
+
+__all__ = ["FullKV", "encode", "decode", "estimate_bytes", "full_bytes", "blob_config"]
+
+_META = "__meta__"
+_DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+class FullKV(NamedTuple):
+    """A context's dense KV: ``k [L, N, H, D]``, ``v [L, N, Hv, Dv]`` (CPU tensors)."""
+
+    k: Tensor
+    v: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def prefix(self, n: int) -> "FullKV":
+        return FullKV(self.k[:, :n], self.v[:, :n])
+
+
+def full_bytes(num_layers: int, num_tokens: int, heads: int, head_dim: int,
+               v_heads: int, v_head_dim: int, itemsize: int) -> int:
+    return num_layers * num_tokens * (heads * head_dim + v_heads * v_head_dim) * itemsize
+
+
+def _compressor(method: str):
+    from sglang_vc.compress.registry import get_compressor
+
+    if method in ("kivi", "kivi1"):
+        # Stored contexts are complete: no full-precision residual window.
+        return get_compressor(method, residual_length=0, group_size=QUANT_GROUP_SIZE)
+    return get_compressor(method)
+
+
+def _merge_layers(x: Tensor) -> Tensor:
+    """[L, N, H, D] -> [N, L*H, D] (layers become extra heads)."""
+    L, N, H, D = x.shape
+    return x.permute(1, 0, 2, 3).reshape(N, L * H, D)
+
+
+def _split_layers(x: Tensor, L: int) -> Tensor:
+    """[N, L*H, D] -> [L, N, H, D]."""
+    N, LH, D = x.shape
+    return x.reshape(N, L, LH // L, D).permute(1, 0, 2, 3).contiguous()
+
+
+def encode(kv: FullKV, config: CompressionConfig) -> bytes:
+    """The blob of ``kv`` under ``config`` (see the module docstring)."""
+    from safetensors.torch import save
+
+    k, v = kv.k.detach().cpu().contiguous(), kv.v.detach().cpu().contiguous()
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"expected k [L,N,H,D] and v [L,N,Hv,Dv], got {tuple(k.shape)} {tuple(v.shape)}")
+    L, N = int(k.shape[0]), int(k.shape[1])
+    meta = {
+        "config": config.label,
+        "layers": L,
+        "tokens": N,
+        "k_shape": list(k.shape),
+        "v_shape": list(v.shape),
+        "dtype": str(k.dtype),
+    }
+    if config.is_full:
+        tensors = {"k": k, "v": v}
+    else:
+        comp = _compressor(config.method)
+        knob = config.bits if config.is_quantized else config.ratio
+        res = comp.compress(0, _merge_layers(k), _merge_layers(v), knob)
+        tensors, scalars = {}, {}
+        for f in dataclasses.fields(res):
+            val = getattr(res, f.name)
+            if isinstance(val, Tensor):
+                tensors[f.name] = val.contiguous()
+            elif isinstance(val, torch.dtype):
+                scalars[f.name] = str(val)
+            else:
+                scalars[f.name] = val
+        meta["result"] = type(res).__name__
+        meta["fields"] = scalars
+    tensors[_META] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+    return save(tensors)
+
+
+def _load(blob: bytes) -> tuple[dict, dict]:
+    from safetensors.torch import load
+
+    tensors = load(bytes(blob))
+    meta = json.loads(bytes(tensors.pop(_META).numpy()).decode())
+    return meta, tensors
+
+
+def blob_config(blob: bytes) -> CompressionConfig:
+    """The config a blob was encoded with."""
+    return CompressionConfig.parse(_load(blob)[0]["config"])
+
+
+def decode(blob: bytes) -> tuple[CompressionConfig, FullKV, Optional[Tensor]]:
+    """``(config, kv, positions)``. For full and quantized configs ``kv`` has every
+    token and ``positions`` is None; for token dropping ``kv`` holds the kept rows
+    ``[L, n_keep, H, D]`` and ``positions [L, H, n_keep]`` the original positions."""
+    from sglang_vc.compress.base import DroppedKV, QuantizedKV
+
+    meta, tensors = _load(blob)
+    config = CompressionConfig.parse(meta["config"])
+    if config.is_full:
+        return config, FullKV(tensors["k"], tensors["v"]), None
+    L = int(meta["layers"])
+    fields = dict(meta["fields"])
+    if "dtype" in fields:
+        fields["dtype"] = _DTYPES[fields["dtype"]]
+    cls = {"QuantizedKV": QuantizedKV, "DroppedKV": DroppedKV}[meta["result"]]
+    res = cls(**fields, **tensors)
+    k, v, pos = _compressor(config.method).decompress(res)
+    kv = FullKV(_split_layers(k, L), _split_layers(v, L))
+    if config.is_quantized:
+        return config, kv, None
+    H = int(meta["k_shape"][2])
+    return config, kv, pos.reshape(L, H, -1)
+
+
+def estimate_bytes(full: int, num_tokens: int, config: CompressionConfig, itemsize: int = 4) -> int:
+    """Blob size of a context of ``full`` dense bytes and ``num_tokens`` tokens under
+    ``config``, without encoding it (within a few hundred bytes of the real blob).
+
+    Quantized: codes of ``bits`` per element plus a scale and a zero-point in the KV
+    dtype per group of 32 (keys per channel over 32 tokens, values per token over 32
+    channels), and the tail past the last whole group of tokens in full precision.
+    """
+    header = 512
+    if config.is_full:
+        return full + header
+    if config.is_quantized:
+        g = QUANT_GROUP_SIZE
+        n_q = num_tokens // g * g
+        per_tok = full / max(num_tokens, 1)  # dense bytes per token
+        elems = per_tok / itemsize  # K and V elements per token
+        quant = n_q * elems * (config.bits / 8 + 2 * itemsize / g)
+        tail = (num_tokens - n_q) * per_tok
+        return int(math.ceil(quant + tail)) + header
+    # token dropping: kept rows (all heads keep the same count) + int64 positions
+    keep = max(1, math.floor(config.ratio * num_tokens))
+    per_tok = full / max(num_tokens, 1)
+    return int(keep * per_tok) + header + keep * 8 * 64

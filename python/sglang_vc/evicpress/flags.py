@@ -1,0 +1,227 @@
+"""``--evicpress-*`` server flags: parsing, validation (argparse-style errors, exit 2 in
+the launcher) and the :class:`~.manager.Settings` they build.
+
+The flags only take effect with ``--radix-cache-backend evicpress`` (and SGLang's
+hierarchical-cache flags, which give EvicPress its host tier); the launcher checks that
+combination in :func:`sglang_vc.evicpress.service.check_server_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, Optional
+
+from .config import FULL, QUANT_METHODS, CompressionConfig
+
+POLICIES = ("evicpress", "lru", "fixed")
+GB = 1 << 30
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("EvicPress (--radix-cache-backend evicpress)")
+    a = g.add_argument
+    a("--evicpress-disk-dir", type=str, default=None,
+      help="Directory of the disk tier (one checksummed file per context).")
+    a("--evicpress-disk-size-gb", type=float, default=10.0,
+      help="Byte budget of the disk tier, in GiB (default 10).")
+    a("--evicpress-host-size-gb", type=float, default=None,
+      help="Byte budget of the host tier, in GiB; default: the whole HiCache host pool "
+      "(--hicache-size / --hicache-ratio).")
+    a("--evicpress-alpha", type=float, default=1.0,
+      help="Quality-vs-TTFT trade-off of the utility (alpha*quality - TTFT)*frequency; "
+      "a 0.1 quality drop is worth 0.1/alpha s (default 1).")
+    a("--evicpress-methods", type=str, default="kivi",
+      help="Comma-separated compression methods the profiler tries (compressor "
+      "registry names; quantization: kivi, kivi1). Default: kivi.")
+    a("--evicpress-ratios", type=str, default="0.3,0.6,0.9",
+      help="Kept fractions for token-dropping methods (default 0.3,0.6,0.9).")
+    a("--evicpress-bits", type=str, default="2,4",
+      help="Bit widths for quantization methods (default 2,4; kivi1 always uses 1).")
+    a("--evicpress-policy", type=str, default="evicpress", choices=POLICIES,
+      help="evicpress (utility knapsack), lru (eviction only, full KV) or fixed "
+      "(one compression config + LRU, see --evicpress-fixed-config).")
+    a("--evicpress-fixed-config", type=str, default=None,
+      help="Config of the fixed policy, e.g. kivi@4b or knorm@0.5.")
+    a("--evicpress-host-bandwidth", type=float, default=None,
+      help="Host tier load bandwidth in GB/s for the delay model (default: measured at start).")
+    a("--evicpress-disk-bandwidth", type=float, default=None,
+      help="Disk tier load bandwidth in GB/s for the delay model (default: measured at start).")
+    a("--evicpress-prefill-tokens-per-s", type=float, default=None,
+      help="Prefill throughput for the recompute term of the delay model "
+      "(default: measured online from misses).")
+    a("--evicpress-throttle", action="store_true",
+      help="Make loads take at least bytes/bandwidth of their tier (emulates slower "
+      "tiers given with --evicpress-*-bandwidth).")
+    a("--evicpress-reprofile-threshold", type=float, default=0.3,
+      help="Re-profile a context when its observed quality falls this far below its "
+      "profiled quality (quality units; 0.3 as in the paper, section 6.3).")
+    a("--evicpress-profile-queries", type=int, default=4,
+      help="Queries per context used to profile it (default 4).")
+    a("--evicpress-generate-queries", type=int, default=2,
+      help="Questions the served model writes for a context without a query set "
+      "(0: never profile such contexts).")
+    a("--evicpress-profile-max-new-tokens", type=int, default=24,
+      help="Answer length when profiling (default 24).")
+    a("--evicpress-observe-rate", type=float, default=0.25,
+      help="Fraction of answers served from compressed KV that are checked against "
+      "the full-KV answer in idle time, feeding the re-profiling trigger.")
+    a("--evicpress-idle-seconds", type=float, default=1.0,
+      help="Profiling waits until no user request ran for this long.")
+    a("--evicpress-auto-context-tokens", type=int, default=256,
+      help="Treat a prompt of at least this many tokens that matches no registered "
+      "context as a new context (0: only registered contexts).")
+    a("--evicpress-no-profiler", action="store_true",
+      help="Do not run the background profiler (profiles come only from the API).")
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"{name} is empty")
+    return vals
+
+
+def from_cli_args(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The validated EvicPress settings as a plain dict. ``enabled`` is True when a
+    disk dir is given (the evicpress backend requires one); ``control_port`` is the
+    localhost port of the scheduler's control server (chosen here, carried to the
+    scheduler on ``server_args``)."""
+    from sglang_vc.config import ConfigError
+
+    names = [n for n in vars(args) if n.startswith("evicpress_")]
+    raw = {n[len("evicpress_"):]: getattr(args, n) for n in names}
+    try:
+        out = _validate(raw)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    out["enabled"] = out["disk_dir"] is not None
+    if out["enabled"]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            out["control_port"] = s.getsockname()[1]
+    return out
+
+
+def _validate(raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    for key in ("disk_size_gb", "alpha", "reprofile_threshold", "observe_rate", "idle_seconds"):
+        v = out[key]
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"--evicpress-{key.replace('_', '-')} must be a finite number >= 0, got {v}")
+    if out["disk_size_gb"] <= 0:
+        raise ValueError("--evicpress-disk-size-gb must be > 0")
+    if not 0 <= out["observe_rate"] <= 1:
+        raise ValueError(f"--evicpress-observe-rate must be in [0, 1], got {out['observe_rate']}")
+    for key in ("host_size_gb", "host_bandwidth", "disk_bandwidth", "prefill_tokens_per_s"):
+        v = out[key]
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            raise ValueError(f"--evicpress-{key.replace('_', '-')} must be > 0, got {v}")
+    for key in ("profile_queries", "profile_max_new_tokens"):
+        if out[key] < 1:
+            raise ValueError(f"--evicpress-{key.replace('_', '-')} must be >= 1, got {out[key]}")
+    for key in ("generate_queries", "auto_context_tokens"):
+        if out[key] < 0:
+            raise ValueError(f"--evicpress-{key.replace('_', '-')} must be >= 0, got {out[key]}")
+    if 0 < out["auto_context_tokens"] < 16:
+        raise ValueError("--evicpress-auto-context-tokens must be 0 or >= 16")
+    ratios = _floats(out["ratios"], "--evicpress-ratios")
+    for r in ratios:
+        if not 0 < r <= 1:
+            raise ValueError(f"--evicpress-ratios: {r} is not a kept fraction in (0, 1]")
+    try:
+        bits = tuple(int(b) for b in out["bits"].split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--evicpress-bits must be comma-separated integers, got {out['bits']!r}") from None
+    if not bits:
+        raise ValueError("--evicpress-bits is empty")
+    methods = tuple(m.strip().lower() for m in out["methods"].split(",") if m.strip())
+    if not methods:
+        raise ValueError("--evicpress-methods is empty")
+    from sglang_vc.compress.registry import get_compressor, list_compressors
+
+    candidates = []
+    for m in methods:
+        if m not in list_compressors():
+            raise ValueError(f"--evicpress-methods: unknown method {m!r}; known: {', '.join(list_compressors())}")
+        comp = get_compressor(m)
+        if comp.scenario == "quantization":
+            for b in (bits if m == "kivi" else (1,)):
+                if b not in comp.supported_bits or b >= 16:
+                    raise ValueError(f"--evicpress-bits: {m} supports {comp.supported_bits[:-1]}, got {b}")
+                candidates.append(CompressionConfig(m, bits=b))
+        else:
+            _check_token_dropping(m, "--evicpress-methods")
+            candidates.extend(CompressionConfig(m, ratio=r) for r in ratios if r < 1)
+    out["candidates"] = [c.label for c in sorted(set(candidates), key=CompressionConfig.sort_key)]
+    fixed = out["fixed_config"]
+    if out["policy"] == "fixed":
+        if not fixed:
+            raise ValueError("--evicpress-policy fixed needs --evicpress-fixed-config (e.g. kivi@4b)")
+        try:
+            cfg = CompressionConfig.parse(fixed)
+        except ValueError as exc:
+            raise ValueError(f"--evicpress-fixed-config: {exc}") from None
+        if cfg.method is not None:
+            if cfg.method not in list_compressors():
+                raise ValueError(f"--evicpress-fixed-config: unknown method {cfg.method!r}")
+            if cfg.method not in QUANT_METHODS:
+                _check_token_dropping(cfg.method, "--evicpress-fixed-config")
+        out["fixed_config"] = cfg.label
+    elif fixed:
+        raise ValueError("--evicpress-fixed-config needs --evicpress-policy fixed")
+    if out["disk_dir"] is not None and not str(out["disk_dir"]).strip():
+        raise ValueError("--evicpress-disk-dir is empty")
+    return out
+
+
+def _check_token_dropping(method: str, flag: str) -> None:
+    """Serving token-dropped KV needs an attention backend that attends over the kept
+    rows (the lossy serving mode); until it is wired to EvicPress such configs are
+    rejected rather than silently ignored."""
+    raise ValueError(
+        f"{flag}: {method} drops tokens; serving token-dropped contexts needs the lossy "
+        "attention backend, which EvicPress does not use yet. Use kivi or kivi1."
+    )
+
+
+def settings_from_dict(d: dict[str, Any], **measured):
+    """Build :class:`~.manager.Settings` from the validated dict plus measured values
+    (``host_bandwidth``, ``disk_bandwidth``, ``decompress_bytes_per_s`` in B/s)."""
+    from .manager import Settings
+
+    s = Settings(
+        alpha=float(d["alpha"]),
+        policy=d["policy"],
+        fixed_config=CompressionConfig.parse(d["fixed_config"]) if d.get("fixed_config") else FULL,
+        candidates=tuple(CompressionConfig.parse(c) for c in d["candidates"]),
+        host_capacity=None if d["host_size_gb"] is None else int(d["host_size_gb"] * GB),
+        disk_capacity=int(d["disk_size_gb"] * GB),
+        reprofile_threshold=float(d["reprofile_threshold"]),
+        profile_queries=int(d["profile_queries"]),
+        generate_queries=int(d["generate_queries"]),
+        profile_max_new_tokens=int(d["profile_max_new_tokens"]),
+        observe_rate=float(d["observe_rate"]),
+        idle_seconds=float(d["idle_seconds"]),
+        auto_context_tokens=int(d["auto_context_tokens"]),
+        throttle=bool(d["throttle"]),
+    )
+    if d.get("host_bandwidth"):
+        s.host_bandwidth = d["host_bandwidth"] * 1e9
+    elif measured.get("host_bandwidth"):
+        s.host_bandwidth = measured["host_bandwidth"]
+    if d.get("disk_bandwidth"):
+        s.disk_bandwidth = d["disk_bandwidth"] * 1e9
+    elif measured.get("disk_bandwidth"):
+        s.disk_bandwidth = measured["disk_bandwidth"]
+    if d.get("prefill_tokens_per_s"):
+        s.prefill_tokens_per_s = float(d["prefill_tokens_per_s"])
+        s.prefill_measured = False
+    if measured.get("decompress_bytes_per_s"):
+        s.decompress_bytes_per_s = dict(measured["decompress_bytes_per_s"])
+    return s

@@ -1,0 +1,870 @@
+"""EvicPress's runtime state: contexts, their placement across tiers, and the real moves.
+
+The manager is the SGLang-independent half of the radix-cache backend (:mod:`.radix`
+is the other): it owns
+
+* the **context registry** -- a context is a token prefix (a document, a system prompt,
+  a conversation history) registered through the API or seen as a long prompt; it
+  carries its query set, access frequency, quality profile (config -> quality) and its
+  **placement** (config, tier) among the tiers it manages, host and disk;
+* the **stores** -- the host tier (:mod:`.host_tier`, slots of SGLang's HiCache host
+  pool) and the disk tier (:class:`~.disk_tier.DiskTierStore`), one blob per context
+  (:mod:`.codec`);
+* the **policy** (:mod:`.policy`) and the execution of its moves on the real blobs:
+  compress (re-encode), demote (host -> disk), promote, drop;
+* the **profiling state** -- which contexts need (re-)profiling, the online query log,
+  sampled observations of served answers and the drift tracker (:mod:`.profiler`).
+
+The device tier is SGLang's radix tree itself; the backend asks the manager where a
+matched context is stored and loads it into device slots (see :mod:`.radix`).
+
+Threading: every method takes ``self.lock``. Moves (which touch the host pool) run on
+the scheduler thread only; other threads (the control server) enqueue work with
+:meth:`submit`, which the scheduler thread drains in :meth:`run_pending`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from . import codec
+from .codec import FullKV
+from .config import DROPPED, FULL, CompressionConfig, Placement, Tier, TierSpec
+from .placement import Move
+from .policy import LRUPolicy, Policy, UtilityPolicy
+from .profiler import QualityTracker, QueryLog
+from .utility import ContextInfo, UtilityModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Settings", "Context", "EvicPressManager", "KVDims", "Fetched"]
+
+PROFILE_NAMESPACE = "evicpress:"  # extra_key prefix of the profiler's own requests
+REF_NAMESPACE = "evicpress:ref"
+CFG_NAMESPACE = "evicpress:cfg:"
+MIN_CONTEXT_TOKENS = 16
+
+
+@dataclass
+class Settings:
+    alpha: float = 1.0
+    policy: str = "evicpress"  # evicpress | lru | fixed
+    fixed_config: CompressionConfig = FULL
+    candidates: tuple[CompressionConfig, ...] = ()  # lossy configs the profiler tries
+    host_capacity: Optional[int] = None  # bytes (None: the whole store)
+    disk_capacity: int = 10 << 30
+    host_bandwidth: float = 10e9  # bytes/s into the device
+    disk_bandwidth: float = 1e9
+    prefill_tokens_per_s: float = 1000.0
+    prefill_measured: bool = True  # update prefill_tokens_per_s from observed misses
+    decompress_bytes_per_s: dict = field(default_factory=dict)
+    reprofile_threshold: float = 0.3  # paper section 6.3
+    profile_queries: int = 4
+    generate_queries: int = 2
+    profile_max_new_tokens: int = 24
+    observe_rate: float = 0.25
+    idle_seconds: float = 1.0
+    auto_context_tokens: int = 256  # 0: only registered contexts
+    max_contexts: int = 4096
+    throttle: bool = False  # sleep to the modelled tier bandwidth on loads
+
+
+@dataclass(frozen=True)
+class KVDims:
+    """Shape of one token's KV in the device pool."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    v_heads: int
+    v_head_dim: int
+    itemsize: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * (self.heads * self.head_dim + self.v_heads * self.v_head_dim) * self.itemsize
+
+
+@dataclass
+class Context:
+    ctx_id: str
+    token_ids: np.ndarray  # int64
+    namespace: Optional[str] = None
+    source: str = "api"  # api | auto
+    queries: list = field(default_factory=list)  # registered query suffixes (token id lists)
+    query_texts: list = field(default_factory=list)
+    frequency: float = 0.0
+    last_access: float = 0.0
+    quality: dict = field(default_factory=lambda: {FULL: 1.0})
+    profiled: bool = False
+    profile_reason: Optional[str] = None  # why a (re-)profile is pending
+    profile_in_flight: bool = False
+    placement: Placement = DROPPED
+    stored_len: int = 0  # tokens covered by the stored blob
+    sizes: dict = field(default_factory=dict)  # config -> exact blob bytes
+    device_config: Optional[CompressionConfig] = None  # form of the copy we put on the device
+    hits: dict = field(default_factory=lambda: collections.Counter())
+    suffix_tokens: float = 32.0  # running mean of the question length
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.token_ids))
+
+    @property
+    def stored(self) -> bool:
+        return not self.placement.dropped
+
+    def describe(self, with_tokens: bool = False) -> dict:
+        out = {
+            "id": self.ctx_id,
+            "num_tokens": self.num_tokens,
+            "namespace": self.namespace,
+            "source": self.source,
+            "num_queries": len(self.queries),
+            "frequency": self.frequency,
+            "placement": {
+                "tier": None if self.placement.dropped else self.placement.tier.name.lower(),
+                "config": None if self.placement.dropped else self.placement.config.label,
+                "stored_tokens": self.stored_len,
+                "stored_bytes": self.sizes.get(self.placement.config) if self.stored else 0,
+            },
+            "device_config": None if self.device_config is None else self.device_config.label,
+            "quality": {c.label: q for c, q in sorted(self.quality.items(), key=lambda x: x[0].sort_key())},
+            "profiled": self.profiled,
+            "profile_pending": self.profile_reason,
+            "hits": dict(self.hits),
+        }
+        if with_tokens:
+            out["token_ids"] = self.token_ids.tolist()
+        return out
+
+
+class Fetched:
+    """A context's stored KV, read and decoded for loading onto the device."""
+
+    def __init__(self, kv: FullKV, config: CompressionConfig, tier: Tier, nbytes: int, seconds: float):
+        self.kv, self.config, self.tier, self.nbytes, self.seconds = kv, config, tier, nbytes, seconds
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    eq = a[:n] == b[:n]
+    return n if bool(eq.all()) else int(np.argmin(eq))
+
+
+def _as_array(ids) -> np.ndarray:
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False)
+    try:
+        import array
+
+        if isinstance(ids, array.array) and ids.itemsize == 8:
+            return np.frombuffer(ids, dtype=np.int64)
+    except Exception:  # pragma: no cover
+        pass
+    return np.asarray(list(ids), dtype=np.int64)
+
+
+class EvicPressManager:
+    INDEX_TOKENS = 8
+
+    def __init__(
+        self,
+        settings: Settings,
+        dims: KVDims,
+        host_store,
+        disk_store,
+        *,
+        counters: Optional[Callable[..., None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.dims = dims
+        self.host = host_store
+        self.disk = disk_store
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.contexts: dict[str, Context] = {}
+        self._index: dict[tuple, list[str]] = collections.defaultdict(list)
+        self.tracker = QualityTracker(settings.reprofile_threshold)
+        self.querylog = QueryLog(maxlen=50)
+        self.observations: collections.deque = collections.deque(maxlen=256)
+        self._obs_counter = itertools.count()
+        self._tasks: "queue.Queue[tuple[Callable, concurrent.futures.Future]]" = queue.Queue()
+        self.rebalance_pending = False
+        self.active_requests: dict[str, float] = {}
+        self.last_user_activity = clock()
+        self._local = collections.Counter()
+        self._counters = counters
+        host_cap = settings.host_capacity
+        if host_cap is None:
+            host_cap = host_store.capacity_bytes
+        self.tier_specs = {
+            Tier.HOST: TierSpec(int(min(host_cap, host_store.capacity_bytes)), settings.host_bandwidth),
+            Tier.DISK: TierSpec(int(settings.disk_capacity), settings.disk_bandwidth),
+        }
+        self.policy = self._make_policy()
+
+    def _make_policy(self) -> Policy:
+        s = self.settings
+        if s.policy == "evicpress":
+            return UtilityPolicy(self.utility_model)
+        if s.policy == "lru":
+            return LRUPolicy(self.tier_specs, FULL)
+        if s.policy == "fixed":
+            if s.fixed_config.is_full or s.fixed_config.is_quantized:
+                return LRUPolicy(self.tier_specs, s.fixed_config)
+            raise ValueError(f"fixed config {s.fixed_config} drops tokens: not servable without the lossy backend")
+        raise ValueError(f"unknown EvicPress policy {s.policy!r}")
+
+    def reconfigure(self, policy: Optional[str] = None, alpha: Optional[float] = None,
+                    fixed_config: Optional[str] = None) -> dict:
+        """Empty the host and disk tiers, forget access statistics (profiles are kept)
+        and switch policy / alpha -- runs several systems in one runtime (benchmarks).
+        Scheduler thread."""
+        with self.lock:
+            s = self.settings
+            old = (s.policy, s.alpha, s.fixed_config)
+            try:
+                if policy is not None:
+                    s.policy = policy
+                if alpha is not None:
+                    if not alpha >= 0:
+                        raise ValueError("alpha must be >= 0")
+                    s.alpha = float(alpha)
+                if fixed_config is not None:
+                    s.fixed_config = CompressionConfig.parse(fixed_config)
+                self.policy = self._make_policy()
+            except ValueError:
+                s.policy, s.alpha, s.fixed_config = old
+                raise
+            for ctx in self.contexts.values():
+                self._delete_blob(ctx, ctx.placement)
+                self._set_placement(ctx, DROPPED)
+                ctx.frequency = 0.0
+                ctx.hits.clear()
+                ctx.device_config = None
+                ctx.sizes.clear()
+                ctx.profile_in_flight = False
+            self.tracker = QualityTracker(s.reprofile_threshold)
+            self.observations.clear()
+            self._publish_usage()
+            return {"policy": self.policy.name, "alpha": s.alpha}
+
+    # ------------------------------------------------------------------ counters
+    def count(self, **incs: float) -> None:
+        for k, v in incs.items():
+            self._local[k] += v
+        if self._counters is not None:
+            self._counters(**incs)
+
+    @property
+    def counters(self) -> dict:
+        return dict(self._local)
+
+    # ------------------------------------------------------------------ registry
+    def register(
+        self,
+        token_ids,
+        *,
+        ctx_id: Optional[str] = None,
+        namespace: Optional[str] = None,
+        queries: Sequence[Sequence[int]] = (),
+        query_texts: Sequence[str] = (),
+        source: str = "api",
+    ) -> Context:
+        ids = _as_array(token_ids).copy()
+        if len(ids) < MIN_CONTEXT_TOKENS:
+            raise ValueError(f"a context needs at least {MIN_CONTEXT_TOKENS} tokens, got {len(ids)}")
+        with self.lock:
+            if ctx_id is None:
+                ctx_id = uuid.uuid4().hex[:12]
+            ctx_id = str(ctx_id)
+            old = self.contexts.get(ctx_id)
+            if old is not None:
+                if old.namespace == namespace and np.array_equal(old.token_ids, ids):
+                    self._add_queries(old, queries, query_texts)
+                    return old
+                raise ValueError(f"context {ctx_id!r} exists with other tokens; delete it first")
+            if len(self.contexts) >= self.settings.max_contexts:
+                raise ValueError(f"too many contexts (max {self.settings.max_contexts})")
+            ctx = Context(ctx_id, ids, namespace=namespace, source=source, last_access=self.clock())
+            self._add_queries(ctx, queries, query_texts)
+            self.contexts[ctx_id] = ctx
+            self._index[self._key(ids, namespace)].append(ctx_id)
+            self.count(contexts_registered=1)
+            if self.settings.policy == "evicpress" and self.settings.candidates:
+                ctx.profile_reason = "new"
+            return ctx
+
+    def _add_queries(self, ctx: Context, queries, texts) -> None:
+        for q in queries:
+            q = [int(t) for t in q]
+            if q and q not in ctx.queries:
+                ctx.queries.append(q)
+        for t in texts:
+            if t not in ctx.query_texts:
+                ctx.query_texts.append(t)
+
+    def _key(self, ids: np.ndarray, namespace) -> tuple:
+        return (namespace, tuple(int(x) for x in ids[: self.INDEX_TOKENS]))
+
+    def get(self, ctx_id: str) -> Optional[Context]:
+        return self.contexts.get(str(ctx_id))
+
+    def forget(self, ctx_id: str) -> bool:
+        """Remove a context and its stored copies (scheduler thread)."""
+        with self.lock:
+            ctx = self.contexts.pop(str(ctx_id), None)
+            if ctx is None:
+                return False
+            self._delete_blob(ctx, ctx.placement)
+            lst = self._index.get(self._key(ctx.token_ids, ctx.namespace), [])
+            if ctx.ctx_id in lst:
+                lst.remove(ctx.ctx_id)
+            self.tracker.forget(ctx.ctx_id)
+            self.querylog.forget(ctx.ctx_id)
+            return True
+
+    def match(self, token_ids, namespace=None) -> Optional[tuple[Context, int]]:
+        """The registered context sharing the longest prefix with ``token_ids``, and
+        that prefix length; None unless it covers at least half of the context."""
+        ids = _as_array(token_ids)
+        if len(ids) < MIN_CONTEXT_TOKENS:
+            return None
+        with self.lock:
+            best = None
+            for cid in self._index.get(self._key(ids, namespace), ()):
+                ctx = self.contexts[cid]
+                n = _lcp(ids, ctx.token_ids)
+                if n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2) and (best is None or n > best[1]):
+                    best = (ctx, n)
+            return best
+
+    # ------------------------------------------------------------------ model
+    def info(self, ctx: Context) -> ContextInfo:
+        n = ctx.stored_len if ctx.stored else ctx.num_tokens
+        full = self.dims.bytes_per_token * n
+        sizes = {}
+        quality = {}
+        for cfg, q in ctx.quality.items():
+            if cfg.is_full:
+                continue
+            quality[cfg] = q
+        for cfg in (FULL, *quality):
+            exact = ctx.sizes.get(cfg) if ctx.stored_len == n else None
+            sizes[cfg] = exact if exact is not None else codec.estimate_bytes(full, n, cfg, self.dims.itemsize)
+        sizes = {c: self._footprint(c, s) for c, s in sizes.items()}
+        return ContextInfo(
+            ctx_id=ctx.ctx_id,
+            num_tokens=n,
+            full_bytes=full,
+            frequency=max(ctx.frequency, 1.0),
+            quality=quality,
+            query_tokens=int(ctx.suffix_tokens),
+            sizes=sizes,
+        )
+
+    def _footprint(self, cfg, nbytes: int) -> int:
+        # bytes a blob occupies: host slots round up; disk adds a header
+        return max(self.host.footprint(nbytes), self.disk.entry_bytes("ctx/x" * 4, nbytes))
+
+    def utility_model(self) -> UtilityModel:
+        s = self.settings
+        return UtilityModel(
+            alpha=s.alpha,
+            tiers=self.tier_specs,
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            decompress_bytes_per_s=dict(s.decompress_bytes_per_s),
+        )
+
+    def _stored(self) -> list[Context]:
+        return [c for c in self.contexts.values() if c.stored]
+
+    # ------------------------------------------------------------------ stores
+    def _store(self, tier: Tier):
+        return self.host if tier == Tier.HOST else self.disk
+
+    @staticmethod
+    def _blob_key(ctx: Context) -> str:
+        return f"ctx/{ctx.ctx_id}"
+
+    def _read_blob(self, ctx: Context, placement: Placement) -> Optional[bytes]:
+        """The stored bytes; None (and the context marked dropped) when absent or
+        corrupted -- a corrupted disk entry is never served."""
+        store = self._store(placement.tier)
+        if placement.tier == Tier.DISK:
+            before = self.disk.stats.corrupted
+            blob = self.disk.get(self._blob_key(ctx))
+            if self.disk.stats.corrupted > before:
+                self.count(disk_corrupted=1)
+                logger.warning("EvicPress: disk entry of context %s is corrupted; it will be recomputed", ctx.ctx_id)
+        else:
+            blob = store.get(self._blob_key(ctx))
+        if blob is None:
+            self._set_placement(ctx, DROPPED)
+            self.count(lost=1)
+        return blob
+
+    def _delete_blob(self, ctx: Context, placement: Placement) -> None:
+        if placement.tier is not None:
+            self._store(placement.tier).delete(self._blob_key(ctx))
+
+    def _put_blob(self, ctx: Context, tier: Tier, blob: bytes) -> bool:
+        store = self._store(tier)
+        before = getattr(store.stats, "write_errors", 0)
+        ok = store.put(self._blob_key(ctx), blob)
+        if not ok:
+            if tier == Tier.DISK:
+                if getattr(store.stats, "write_errors", 0) > before:
+                    self.count(disk_write_errors=1)
+                else:
+                    self.count(disk_full=1)
+            else:
+                self.count(host_full=1)
+            return False
+        self.count(**{f"bytes_written_{tier.name.lower()}": len(blob)})
+        return True
+
+    def _set_placement(self, ctx: Context, placement: Placement) -> None:
+        old = ctx.placement
+        ctx.placement = placement
+        if placement.dropped:
+            ctx.stored_len = 0
+            self.tracker.forget(ctx.ctx_id)
+        elif placement.config != old.config or old.dropped:
+            q = ctx.quality.get(placement.config)
+            if q is not None and not placement.config.is_full:
+                self.tracker.set_profile(ctx.ctx_id, placement.config, q)
+            else:
+                self.tracker.forget(ctx.ctx_id)
+
+    # ------------------------------------------------------------------ moves
+    def apply(self, moves: Sequence[Move], sources: Optional[dict] = None) -> int:
+        """Apply ``moves`` to the stored blobs; returns how many took effect.
+
+        ``sources`` maps a context id to the data an insert starts from: a
+        :class:`FullKV` (with its config) or a blob. Every source is read and removed
+        before any destination is written, so a plan whose end state fits never needs
+        more than that end state's bytes on any tier.
+        """
+        sources = dict(sources or {})
+        staged = []  # (ctx, move, blob or None, kv or None, kv_config)
+        for m in moves:
+            ctx = self.contexts.get(m.ctx_id)
+            if ctx is None:
+                continue
+            if m.src.dropped:
+                src = sources.get(m.ctx_id)
+                if src is None:
+                    continue
+                if isinstance(src, tuple):  # (FullKV, config)
+                    staged.append((ctx, m, None, src[0], src[1]))
+                else:
+                    staged.append((ctx, m, src, None, None))
+                continue
+            if ctx.placement != m.src:
+                logger.warning("EvicPress: stale move %s (context is %s)", m, ctx.placement)
+                continue
+            blob = self._read_blob(ctx, m.src)
+            if blob is None:
+                continue
+            self._delete_blob(ctx, m.src)
+            staged.append((ctx, m, blob, None, None))
+        done = 0
+        for ctx, m, blob, kv, kv_cfg in staged:
+            dst = m.dst
+            if dst.dropped:
+                self._set_placement(ctx, DROPPED)
+                self.count(drops=1)
+                done += 1
+                continue
+            try:
+                if blob is not None:
+                    cfg = codec.blob_config(blob)
+                    if cfg != dst.config:
+                        _, kv, _ = codec.decode(blob)
+                        blob = codec.encode(kv, dst.config)
+                        self.count(compressions=1)
+                else:
+                    if kv_cfg != dst.config:
+                        self.count(compressions=1)
+                    blob = codec.encode(kv, dst.config)
+            except Exception:
+                logger.exception("EvicPress: could not encode context %s as %s", ctx.ctx_id, dst.config)
+                self._set_placement(ctx, DROPPED)
+                self.count(drops=1)
+                continue
+            if not self._put_blob(ctx, dst.tier, blob):
+                # The tier is full after all (slot rounding, a full file system):
+                # try the next tier down, else drop (recomputed on demand).
+                placed = False
+                for lower in (t for t in sorted(self.tier_specs) if t > dst.tier):
+                    if self._put_blob(ctx, lower, blob):
+                        dst = Placement(dst.config, lower)
+                        placed = True
+                        break
+                if not placed:
+                    self._set_placement(ctx, DROPPED)
+                    self.count(drops=1)
+                    continue
+            ctx.sizes[dst.config] = len(blob)
+            if m.src.dropped:
+                ctx.stored_len = kv.num_tokens if kv is not None else ctx.stored_len
+            if m.src.tier is not None and dst.tier is not None:
+                if dst.tier > m.src.tier:
+                    self.count(demotions=1)
+                elif dst.tier < m.src.tier:
+                    self.count(promotions=1)
+            elif m.src.dropped:
+                self.count(**{f"stores_{dst.tier.name.lower()}": 1})
+            self._set_placement(ctx, dst)
+            done += 1
+        self._publish_usage()
+        return done
+
+    def _publish_usage(self) -> None:
+        self._local["host_used_bytes"] = self.host.used_bytes
+        self._local["disk_used_bytes"] = self.disk.used_bytes
+        self._local["compressed_contexts"] = sum(1 for c in self._stored() if not c.placement.config.is_full)
+        self._local["stored_contexts"] = len(self._stored())
+
+    def _state(self, exclude: Optional[Context] = None):
+        ctxs = [c for c in self._stored() if c is not exclude]
+        infos = [self.info(c) for c in ctxs]
+        placements = {c.ctx_id: c.placement for c in ctxs}
+        last = {c.ctx_id: c.last_access for c in self.contexts.values()}
+        return infos, placements, last
+
+    def store_computed(self, ctx: Context, kv: FullKV, source_config: CompressionConfig = FULL) -> list[Move]:
+        """A context's KV was just computed (or reached the device): store it (paper
+        section 5: ``store`` then ``manage``)."""
+        with self.lock:
+            if ctx.ctx_id not in self.contexts or ctx.stored:
+                return []
+            ctx.stored_len = kv.num_tokens
+            ctx.sizes.clear()
+            if not source_config.is_full and source_config not in ctx.quality:
+                ctx.quality[source_config] = ctx.quality.get(source_config, 1.0)
+            infos, placements, last = self._state(exclude=ctx)
+            new = self.info(ctx)
+            cfg = None if source_config.is_full else source_config
+            if cfg is None and isinstance(self.policy, LRUPolicy):
+                cfg = self.policy.config
+            moves = self.policy.plan_insert(new, infos, placements, last, config=cfg)
+            self.apply(moves, {ctx.ctx_id: (kv, source_config)})
+            return moves
+
+    def fetch(self, ctx: Context) -> Optional[Fetched]:
+        """Read and decode ``ctx``'s stored blob (for a load onto the device). None when
+        it is not stored or its entry is corrupted (then it is dropped)."""
+        with self.lock:
+            p = ctx.placement
+            if p.dropped:
+                return None
+            t0 = time.perf_counter()
+            blob = self._read_blob(ctx, p)
+            if blob is None:
+                self._publish_usage()
+                return None
+            try:
+                cfg, kv, positions = codec.decode(blob)
+            except Exception:
+                logger.exception("EvicPress: stored blob of %s does not decode; dropping it", ctx.ctx_id)
+                self._delete_blob(ctx, p)
+                self._set_placement(ctx, DROPPED)
+                self.count(lost=1)
+                return None
+            if positions is not None:  # token-dropped KV needs the lossy attention backend
+                return None
+            elapsed = time.perf_counter() - t0
+            if self.settings.throttle:
+                target = self.tier_specs[p.tier].load_seconds(len(blob))
+                if target > elapsed:
+                    time.sleep(target - elapsed)
+                    elapsed = target
+            tier = p.tier.name.lower()
+            self.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
+            return Fetched(kv, cfg, p.tier, len(blob), elapsed)
+
+    def after_hit(self, ctx: Context, tier: Tier) -> list[Move]:
+        """A context was served from ``tier``: promote it to the host tier when the
+        policy keeps it there."""
+        with self.lock:
+            if tier != Tier.DISK or ctx.placement.tier != Tier.DISK:
+                return []
+            infos, placements, last = self._state(exclude=ctx)
+            placements[ctx.ctx_id] = ctx.placement
+            new = self.info(ctx)
+            moves = self.policy.plan_insert(new, infos, placements, last, config=ctx.placement.config)
+            self.apply(moves)
+            return moves
+
+    def set_placement(self, ctx: Context, placement: Placement) -> bool:
+        """Manual move (admin API). Only to a config reachable from the stored one."""
+        with self.lock:
+            if ctx.placement == placement:
+                return True
+            if ctx.placement.dropped:
+                raise ValueError(f"context {ctx.ctx_id} is not stored")
+            if not placement.dropped:
+                if placement.config.size_fraction > ctx.placement.config.size_fraction:
+                    raise ValueError(
+                        f"cannot go from {ctx.placement.config} to {placement.config}: "
+                        "compression is one-way (drop and recompute instead)")
+                if placement.config not in ctx.quality:
+                    ctx.quality[placement.config] = ctx.quality.get(placement.config, 0.0)
+            return self.apply([Move(ctx.ctx_id, ctx.placement, placement)]) == 1
+
+    def rebalance(self) -> list[Move]:
+        with self.lock:
+            self.rebalance_pending = False
+            infos, placements, last = self._state()
+            moves = self.policy.rebalance(infos, placements, last)
+            if moves:
+                self.apply(moves)
+            return moves
+
+    def on_host_cleared(self) -> None:
+        """SGLang reset its cache (flush_cache): the host pool is empty again."""
+        with self.lock:
+            self.host.clear(pool_was_cleared=True) if hasattr(self.host, "pool") else self.host.clear()
+            for ctx in self.contexts.values():
+                if ctx.placement.tier == Tier.HOST:
+                    self._set_placement(ctx, DROPPED)
+                ctx.device_config = None
+            self._publish_usage()
+
+    # ------------------------------------------------------------------ requests
+    def on_request(self, ctx: Context, tier: Optional[Tier], served: Optional[CompressionConfig],
+                   suffix: Sequence[int] = (), prefix_len: int = 0) -> None:
+        """Account one user request that matched ``ctx`` (``tier`` None: device hit,
+        or miss when ``served`` is None)."""
+        with self.lock:
+            ctx.frequency += 1
+            ctx.last_access = self.clock()
+            name = "miss" if served is None and tier is None else ("device" if tier is None else tier.name.lower())
+            ctx.hits[name] += 1
+            self.count(**{("misses" if name == "miss" else f"hits_{name}"): 1})
+            if len(suffix):
+                ctx.suffix_tokens = 0.8 * ctx.suffix_tokens + 0.2 * len(suffix)
+                self.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
+
+    def observe_served(self, ctx: Context, config: CompressionConfig, prompt_ids, output_ids,
+                       max_new_tokens: int) -> bool:
+        """Maybe keep a served answer of a lossy config for a shadow quality check."""
+        with self.lock:
+            if config.is_full or not len(output_ids) or self.settings.observe_rate <= 0:
+                return False
+            n = next(self._obs_counter)
+            every = max(1, round(1 / self.settings.observe_rate))
+            if n % every:
+                return False
+            self.observations.append({
+                "obs_id": f"{ctx.ctx_id}-{n}",
+                "ctx_id": ctx.ctx_id,
+                "config": config.label,
+                "prompt_ids": [int(t) for t in prompt_ids],
+                "output_ids": [int(t) for t in output_ids],
+                "max_new_tokens": int(max_new_tokens),
+            })
+            return True
+
+    def record_observation(self, ctx_id: str, config: str, quality: float) -> bool:
+        """An observed quality of a served answer (vs. the full-KV answer); True when
+        it flags the context for re-profiling (section 4.3)."""
+        with self.lock:
+            ctx = self.contexts.get(str(ctx_id))
+            if ctx is None:
+                return False
+            self.count(observations=1)
+            fired = self.tracker.observe(ctx.ctx_id, float(quality), CompressionConfig.parse(config))
+            if fired:
+                self.count(drift_flags=1)
+                ctx.profile_reason = "drift"
+            return fired
+
+    def note_activity(self, rid: str, active: bool) -> None:
+        with self.lock:
+            if active:
+                self.active_requests[rid] = self.clock()
+            else:
+                self.active_requests.pop(rid, None)
+            self.last_user_activity = self.clock()
+
+    def idle_for(self) -> float:
+        with self.lock:
+            now = self.clock()
+            # a request we never saw finish (aborted early) stops counting after 10 min
+            for rid, t in list(self.active_requests.items()):
+                if now - t > 600:
+                    self.active_requests.pop(rid, None)
+            if self.active_requests:
+                return 0.0
+            return now - self.last_user_activity
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        if not self.settings.prefill_measured or tokens < 64 or seconds <= 0:
+            return
+        with self.lock:
+            rate = tokens / seconds
+            s = self.settings
+            s.prefill_tokens_per_s = 0.8 * s.prefill_tokens_per_s + 0.2 * rate
+
+    # ------------------------------------------------------------------ profiling
+    def profile_work(self, limit: int = 4) -> list[dict]:
+        """Contexts that need (re-)profiling, with the queries to profile them on."""
+        with self.lock:
+            jobs = []
+            if self.settings.policy != "evicpress" or not self.settings.candidates:
+                return jobs
+            for ctx in self.contexts.values():
+                if ctx.profile_reason is None or ctx.profile_in_flight:
+                    continue
+                online = self.querylog.latest(ctx.ctx_id)
+                queries = []
+                if ctx.profile_reason == "drift":
+                    queries = [ctx.token_ids[:p].tolist() + s for p, s in online]
+                queries += [ctx.token_ids.tolist() + q for q in ctx.queries]
+                if ctx.profile_reason != "drift":
+                    queries += [ctx.token_ids[:p].tolist() + s for p, s in online]
+                queries = queries[: self.settings.profile_queries]
+                job = {
+                    "ctx_id": ctx.ctx_id,
+                    "reason": ctx.profile_reason,
+                    "token_ids": ctx.token_ids.tolist(),
+                    "prompts": queries,
+                    "candidates": [c.label for c in self.settings.candidates],
+                    "generate_queries": self.settings.generate_queries if not queries else 0,
+                    "max_new_tokens": self.settings.profile_max_new_tokens,
+                }
+                if not queries and not job["generate_queries"]:
+                    continue
+                ctx.profile_in_flight = True
+                jobs.append(job)
+                if len(jobs) >= limit:
+                    break
+            return jobs
+
+    def add_queries(self, ctx_id: str, suffixes: Sequence[Sequence[int]], texts: Sequence[str] = ()) -> None:
+        with self.lock:
+            ctx = self.contexts.get(str(ctx_id))
+            if ctx is not None:
+                self._add_queries(ctx, suffixes, texts)
+                ctx.profile_in_flight = False
+
+    def set_profile(self, ctx_id: str, quality: dict, reason: Optional[str] = None) -> bool:
+        """Profile results (label -> quality); the placement is re-balanced with them."""
+        with self.lock:
+            ctx = self.contexts.get(str(ctx_id))
+            if ctx is None:
+                return False
+            prof = {FULL: 1.0}
+            for label, q in quality.items():
+                cfg = CompressionConfig.parse(label)
+                if not cfg.is_full:
+                    prof[cfg] = min(1.0, max(0.0, float(q)))
+            cur = ctx.placement.config
+            if ctx.stored and cur not in prof:
+                prof[cur] = ctx.quality.get(cur, 0.0)
+            was_profiled = ctx.profiled
+            ctx.quality = prof
+            ctx.profiled = True
+            ctx.profile_in_flight = False
+            ctx.profile_reason = None
+            self.count(profiles=1)
+            if was_profiled or reason == "drift":
+                self.count(reprofilings=1)
+            if ctx.stored and not cur.is_full:
+                self.tracker.set_profile(ctx.ctx_id, cur, prof[cur])
+            self.rebalance_pending = True
+            return True
+
+    def release_profile(self, ctx_id: str) -> None:
+        with self.lock:
+            ctx = self.contexts.get(str(ctx_id))
+            if ctx is not None:
+                ctx.profile_in_flight = False
+
+    def request_profile(self, ctx_id: str) -> bool:
+        with self.lock:
+            ctx = self.contexts.get(str(ctx_id))
+            if ctx is None:
+                return False
+            ctx.profile_reason = ctx.profile_reason or "api"
+            return True
+
+    def take_observations(self, limit: int = 16) -> list[dict]:
+        with self.lock:
+            out = []
+            while self.observations and len(out) < limit:
+                out.append(self.observations.popleft())
+            return out
+
+    # ------------------------------------------------------------------ scheduler tasks
+    def submit(self, fn: Callable[[], Any], timeout: float = 120.0) -> Any:
+        """Run ``fn`` on the scheduler thread (see :meth:`run_pending`) and wait."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((fn, fut))
+        return fut.result(timeout)
+
+    def run_pending(self) -> None:
+        """Scheduler thread: run queued tasks and a pending rebalance."""
+        while True:
+            try:
+                fn, fut = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(exc)
+        if self.rebalance_pending:
+            try:
+                self.rebalance()
+            except Exception:
+                logger.exception("EvicPress: rebalance failed")
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        with self.lock:
+            self._publish_usage()
+            s = self.settings
+            return {
+                "policy": self.policy.name,
+                "alpha": s.alpha,
+                "candidates": [c.label for c in s.candidates],
+                "tiers": {
+                    t.name.lower(): {
+                        "capacity_bytes": spec.capacity_bytes,
+                        "used_bytes": self._store(t).used_bytes,
+                        "load_bandwidth": spec.load_bandwidth,
+                        "contexts": sum(1 for c in self.contexts.values() if c.placement.tier == t),
+                    }
+                    for t, spec in self.tier_specs.items()
+                },
+                "prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "decompress_bytes_per_s": dict(s.decompress_bytes_per_s),
+                "contexts": len(self.contexts),
+                "idle_seconds": self.idle_for(),
+                "active_requests": len(self.active_requests),
+                "pending_profiles": sum(1 for c in self.contexts.values() if c.profile_reason),
+                "pending_observations": len(self.observations),
+                "counters": self.counters,
+            }

@@ -1,0 +1,453 @@
+"""Radix-cache backend ``evicpress`` (``--radix-cache-backend evicpress``).
+
+:class:`EvicPressRadixCache` is SGLang's default cache (``UnifiedRadixCache``, built by
+``create_unified_radix_cache`` with SGLang's hierarchical-cache flags) plus EvicPress:
+
+* **device tier** -- the radix tree and SGLang's device KV pool, unchanged (LRU);
+* **host tier** -- the HiCache host pool SGLang allocates for ``--enable-hierarchical-cache``.
+  The tree no longer backs its nodes up into it by itself (write-through threshold set
+  out of reach, write-back off); EvicPress stores whole contexts there, compressed or
+  not (:mod:`.host_tier`), so a compressed context takes fewer host slots;
+* **disk tier** -- :class:`~.disk_tier.DiskTierStore` under ``--evicpress-disk-dir``.
+
+A request whose prompt starts with a known context (registered through the API, or a
+long prompt seen before) is looked up in ``match_prefix``: if the device tree has the
+context, it is a device hit; otherwise the context's blob is read from its tier (a
+corrupted disk entry is detected by its checksum and dropped, never served), decoded
+(dequantized) and written into freshly allocated device slots, which are inserted into
+the tree -- SGLang's own match then finds them. A miss is computed by prefill as usual,
+and its KV is captured from the device right after (``checkpoint_into_tree``) and stored
+by the placement policy (:mod:`.manager`, :mod:`.policy`).
+
+The profiler's requests carry an ``extra_key`` namespace (``evicpress:ref`` for full-KV
+reference answers, ``evicpress:cfg:<config>`` to answer on a compressed version of the
+context), so they never share tree nodes with user requests.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from . import codec
+from .codec import FullKV
+from .config import FULL, CompressionConfig, Tier
+from .disk_tier import DiskTierStore, measure_bandwidth
+from .host_tier import HostSlotStore
+from .manager import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, EvicPressManager, KVDims
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "evicpress"
+_SAME = object()  # "the namespace of the key given"
+
+
+@dataclass
+class _Req:
+    ctx: Optional[Context]
+    lcp: int
+    usable: int
+    tier: str  # device | host | disk | miss | none
+    served: Optional[CompressionConfig]
+    capture_len: int
+    base_config: CompressionConfig
+    t0: float
+    prefix_have: int = 0
+
+
+def evicpress_factory(ctx):
+    """``register_radix_cache_backend("evicpress", evicpress_factory)``."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from sglang_vc.config import get_vc_config
+
+    ep = get_vc_config(ctx.server_args).evicpress or {}
+    if not ep.get("enabled"):
+        raise ValueError("--radix-cache-backend evicpress needs --evicpress-disk-dir")
+    if not ctx.enable_hierarchical_cache:
+        raise ValueError(
+            "--radix-cache-backend evicpress needs SGLang's hierarchical cache for its host "
+            "tier: --enable-hierarchical-cache (with --hicache-size or --hicache-ratio)"
+        )
+    if ctx.tp_size > 1 or ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
+        raise NotImplementedError(
+            "--radix-cache-backend evicpress supports one TP rank, full-attention models "
+            "and an enabled radix cache"
+        )
+    return create_unified_radix_cache(ctx, cache_class=EvicPressRadixCache)
+
+
+class EvicPressRadixCache(UnifiedRadixCache):
+    evicpress: Optional[EvicPressManager] = None
+
+    # ------------------------------------------------------------------ set-up
+    def init_hicache(self, server_args, params) -> None:
+        super().init_hicache(server_args, params)
+        from sglang_vc import stats
+        from sglang_vc.config import get_vc_config
+
+        from . import flags
+        from .control import ControlServer
+
+        if self.cache_controller is None:
+            raise ValueError("evicpress: the HiCache controller was not created")
+        # EvicPress owns the host pool: the tree never writes its nodes there itself.
+        self.write_through_threshold = 1 << 62
+        self.is_write_back = False
+
+        ep = dict(get_vc_config(server_args).evicpress)
+        pool = self.token_to_kv_pool_allocator.get_kvcache()
+        self._kv_pool = pool
+        itemsize = torch.empty((), dtype=pool.dtype).element_size()
+        dims = KVDims(
+            layers=pool.layer_num, heads=pool.head_num, head_dim=pool.head_dim,
+            v_heads=pool.head_num, v_head_dim=pool.v_head_dim, itemsize=itemsize,
+        )
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        host_pool = self.cache_controller.mem_pool_host
+        if hasattr(host_pool, "get_pool"):  # a HostPoolGroup: its KV pool is the anchor
+            host_pool = host_pool.get_pool(PoolName.KV)
+        host = HostSlotStore(host_pool)
+        disk_dir = Path(ep["disk_dir"])
+        disk_dir.mkdir(parents=True, exist_ok=True)
+        for stale in disk_dir.glob("*.kv"):  # blobs of an earlier run: no registry maps them
+            stale.unlink(missing_ok=True)
+        disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB))
+        measured = _measure(ep, dims, disk_dir)
+        settings = flags.settings_from_dict(ep, **measured)
+        self.evicpress = EvicPressManager(
+            settings, dims, host, disk,
+            counters=lambda **kw: stats.add("evicpress", **kw),
+        )
+        self._reqs: dict[str, _Req] = {}
+        self._control = ControlServer(self, int(ep["control_port"]))
+        self._control.start()
+        logger.info(
+            "EvicPress: policy=%s host=%.1f MB (%d B/token slot) disk=%.1f MB at %s; "
+            "bandwidth host=%.2f GB/s disk=%.2f GB/s; candidates=%s",
+            settings.policy, self.evicpress.tier_specs[Tier.HOST].capacity_bytes / 2**20,
+            host.slot_bytes, settings.disk_capacity / 2**20, disk_dir,
+            settings.host_bandwidth / 1e9, settings.disk_bandwidth / 1e9,
+            [c.label for c in settings.candidates],
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        if self.evicpress is not None:
+            self.evicpress.on_host_cleared()
+            self._reqs.clear()
+
+    def check_hicache_events(self) -> None:
+        super().check_hicache_events()
+        if self.evicpress is not None:
+            self.evicpress.run_pending()
+
+    # ------------------------------------------------------------------ helpers
+    def _key(self, ids, like: Optional[RadixKey], namespace=_SAME) -> RadixKey:
+        """A key for ``ids`` in ``like``'s namespace (or in ``namespace``)."""
+        return RadixKey(
+            array.array("q", [int(t) for t in ids]),
+            like.extra_key if namespace is _SAME else namespace,
+            is_bigram=self.tree_core.is_eagle,
+            cache_salt=like.cache_salt if like is not None and namespace is _SAME else None,
+        )
+
+    def _floor(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def _device_match(self, key: RadixKey):
+        """(device tokens, last device node, their device indices) for ``key``."""
+        r = self._match_tree(MatchPrefixParams(key=key))
+        have = int(r.device_prefix_len)
+        if have == 0:
+            return 0, r.last_device_node, torch.empty(0, dtype=torch.int64)
+        idx = self.tree_core.collect_full_device_indices(
+            r.last_device_node, self.root_node_handle(key.extra_key)
+        )
+        return have, r.last_device_node, idx[:have]
+
+    def _gather(self, indices: torch.Tensor) -> FullKV:
+        pool = self._kv_pool
+        idx = indices.to(torch.int64).to(pool.k_buffer[0].device)
+        k = torch.stack([pool.k_buffer[l][idx] for l in range(pool.layer_num)]).cpu()
+        v = torch.stack([pool.v_buffer[l][idx] for l in range(pool.layer_num)]).cpu()
+        return FullKV(k, v)
+
+    def _write(self, indices: torch.Tensor, kv: FullKV) -> None:
+        pool = self._kv_pool
+        dev = pool.k_buffer[0].device
+        idx = indices.to(torch.int64).to(dev)
+        for l in range(pool.layer_num):
+            pool.k_buffer[l][idx] = kv.k[l].to(device=dev, dtype=pool.k_buffer[l].dtype)
+            pool.v_buffer[l][idx] = kv.v[l].to(device=dev, dtype=pool.v_buffer[l].dtype)
+
+    def _alloc(self, n: int) -> Optional[torch.Tensor]:
+        alloc = self.token_to_kv_pool_allocator
+        idx = alloc.alloc(n)
+        if idx is None:
+            self.evict(EvictParams(num_tokens=n))
+            idx = alloc.alloc(n)
+        return idx
+
+    def _inject(self, ids, like: RadixKey, namespace, n: int, kv: FullKV) -> int:
+        """Put tokens ``[have, n)`` of ``kv`` on the device under ``ids[:n]`` and insert
+        them into the tree. Returns the device-resident length afterwards."""
+        key = self._key(ids[:n], like, namespace)
+        have, node, prefix_idx = self._device_match(key)
+        if have >= n:
+            return have
+        lock = self.lock(node) if have > 0 else None
+        try:
+            new = self._alloc(n - have)
+            if new is None:
+                logger.info("EvicPress: no device room to load %d tokens", n - have)
+                return have
+            self._write(new, FullKV(kv.k[:, have:n], kv.v[:, have:n]))
+            value = torch.cat([prefix_idx.to(torch.int64), new.to(torch.int64)])
+            self.insert(InsertParams(key=key, value=value, prev_prefix_len=have, inserted_len=have))
+        finally:
+            self.unlock(lock)
+        return self._device_match(key)[0]
+
+    # ------------------------------------------------------------------ SGLang hooks
+    def match_prefix(self, params: MatchPrefixParams):
+        if self.evicpress is not None and params.req is not None and not self.disable:
+            try:
+                self._before_match(params)
+            except Exception:  # never fail a request because of EvicPress
+                logger.exception("EvicPress: lookup failed; serving without it")
+        return super().match_prefix(params)
+
+    def _before_match(self, params: MatchPrefixParams) -> None:
+        req, key = params.req, params.key
+        ns = key.extra_key
+        mgr = self.evicpress
+        if ns and ns.startswith(PROFILE_NAMESPACE):
+            if ns.startswith(CFG_NAMESPACE):
+                self._inject_variant(req, key, ns)
+            return
+        st = self._reqs.get(req.rid)
+        ids = key.raw_token_ids()
+        first = st is None
+        if first:
+            prompt = req.origin_input_ids
+            m = mgr.match(ids, ns)
+            if m is None:
+                n_auto = mgr.settings.auto_context_tokens
+                if n_auto and len(prompt) - 1 >= n_auto:
+                    n = self._floor(len(prompt) - 1)
+                    try:
+                        ctx = mgr.register(list(prompt[:n]), namespace=ns, source="auto")
+                        m = (ctx, min(n, len(ids)))
+                    except ValueError:
+                        m = None
+            mgr.note_activity(req.rid, True)
+            if m is None:
+                self._reqs[req.rid] = _Req(None, 0, 0, "none", None, 0, FULL, time.perf_counter())
+                return
+            ctx, lcp = m
+            st = _Req(ctx, lcp, self._floor(min(lcp, len(key))), "miss", None, 0,
+                      FULL, time.perf_counter())
+            self._reqs[req.rid] = st
+        ctx = st.ctx
+        if ctx is None or st.usable <= 0 or ctx.ctx_id not in mgr.contexts:
+            return
+        ctx_key = self._key(ids[: st.usable], key)
+        have, _, idx = self._device_match(ctx_key)
+        st.prefix_have = have
+        if have >= st.usable:
+            if first:
+                st.tier, st.served = "device", ctx.device_config or FULL
+                if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
+                    mgr.store_computed(ctx, self._gather(idx), FULL)
+        elif ctx.stored:
+            fetched = mgr.fetch(ctx)
+            if fetched is not None:
+                n = self._floor(min(st.usable, fetched.kv.num_tokens))
+                got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
+                loaded = got >= n and n > have
+                if loaded:
+                    ctx.device_config = fetched.config
+                    if first:
+                        st.tier, st.served = fetched.tier.name.lower(), fetched.config
+            if first and st.served is None:  # corrupted or lost: recompute, then store again
+                st.tier, st.capture_len = "miss", st.usable
+                st.base_config = (ctx.device_config or FULL) if have else FULL
+        elif first:
+            st.tier, st.capture_len = "miss", st.usable
+            st.base_config = (ctx.device_config or FULL) if have else FULL
+        if first:
+            tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
+            mgr.on_request(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp)
+            if tier is not None:
+                mgr.after_hit(ctx, tier)
+
+    def _inject_variant(self, req, key: RadixKey, ns: str) -> None:
+        """Profiler request: answer on config ``ns[len(CFG_NAMESPACE):]`` of the context.
+        Its own KV never enters the tree (a failed load must not leave full KV in this
+        namespace); the profiler checks ``cached_tokens`` to know the load happened."""
+        req.skip_radix_cache_insert = True
+        mgr = self.evicpress
+        cfg = CompressionConfig.parse(ns[len(CFG_NAMESPACE):])
+        ids = key.raw_token_ids()
+        m = mgr.match(ids, None)
+        if m is None:
+            return
+        ctx, lcp = m
+        n = self._floor(min(lcp, len(key)))
+        if self._device_match(self._key(ids[:n], key))[0] >= n:
+            return
+        # The full KV to compress: the profiler's reference copy, the user copy when it
+        # is full precision, or a full stored blob.
+        spaces = [REF_NAMESPACE]
+        if ctx.device_config is None or ctx.device_config.is_full:
+            spaces.append(ctx.namespace)
+        src = None
+        for space in spaces:
+            have, _, idx = self._device_match(self._key(ids[:n], None, space))
+            if have >= n:
+                src = self._gather(idx[:n])
+                break
+        if src is None and ctx.stored and ctx.placement.config.is_full:
+            fetched = mgr.fetch(ctx)
+            if fetched is not None and fetched.kv.num_tokens >= n:
+                src = fetched.kv.prefix(n)
+        if src is None:
+            return
+        if not cfg.is_full:
+            _, src, _ = codec.decode(codec.encode(src, cfg))
+        self._inject(ids, key, ns, n, src)
+        mgr.count(profile_loads=1)
+
+    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        if self.evicpress is None:
+            return
+        st = self._reqs.get(req.rid)
+        if st is None or st.ctx is None or not st.capture_len or up_to < st.capture_len:
+            return
+        n, st.capture_len = st.capture_len, 0
+        try:
+            ctx = st.ctx
+            if ctx.stored or ctx.ctx_id not in self.evicpress.contexts:
+                return
+            ids = req.origin_input_ids[:n]
+            key = RadixKey(array.array("q", [int(t) for t in ids]), req.extra_key,
+                           is_bigram=self.tree_core.is_eagle, cache_salt=req.cache_salt)
+            have, _, idx = self._device_match(key)
+            if have < n:
+                return
+            elapsed = time.perf_counter() - st.t0
+            self.evicpress.note_prefill(n - st.prefix_have, elapsed)
+            ctx.device_config = st.base_config
+            self.evicpress.store_computed(ctx, self._gather(idx), st.base_config)
+            self.evicpress.count(captures=1)
+        except Exception:
+            logger.exception("EvicPress: could not store context %s", st.ctx.ctx_id)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if self.evicpress is None:
+            return
+        st = self._reqs.pop(req.rid, None)
+        if st is None:
+            return
+        self.evicpress.note_activity(req.rid, False)
+        if st.ctx is None or st.served is None or st.served.is_full:
+            return
+        try:
+            sp = req.sampling_params
+            greedy = getattr(sp, "temperature", 1.0) == 0 or getattr(sp, "top_k", 0) == 1
+            if greedy and req.finished() and len(req.output_ids):
+                self.evicpress.observe_served(
+                    st.ctx, st.served, req.origin_input_ids, req.output_ids,
+                    getattr(sp, "max_new_tokens", len(req.output_ids)) or len(req.output_ids))
+        except Exception:
+            logger.exception("EvicPress: could not record an observation")
+
+    # ------------------------------------------------------------------ control
+    def device_digest(self, ctx: Context) -> dict:
+        """xxh3 of the device copy of ``ctx`` (the stored length) and of its stored KV
+        decoded, for tests of moves between tiers."""
+        import xxhash
+
+        n = ctx.stored_len or ctx.num_tokens
+        key = RadixKey(array.array("q", ctx.token_ids[:n].tolist()), ctx.namespace,
+                       is_bigram=self.tree_core.is_eagle)
+        have, _, idx = self._device_match(key)
+        out = {"device_tokens": have, "device": None, "stored": None, "stored_config": None}
+        if have:
+            kv = self._gather(idx)
+            out["device"] = _digest(kv)
+        if ctx.stored:
+            blob = self.evicpress._store(ctx.placement.tier).get(self.evicpress._blob_key(ctx))
+            if blob is not None:
+                cfg, kv, _ = codec.decode(blob)
+                out["stored"] = _digest(kv)
+                out["stored_config"] = cfg.label
+                out["blob"] = xxhash.xxh3_64_hexdigest(blob)
+        return out
+
+    def evict_device_all(self) -> int:
+        """Evict every evictable node from the device tree (admin / tests)."""
+        n = self.evictable_size()
+        if n:
+            self.evict(EvictParams(num_tokens=n))
+        return n
+
+
+def _digest(kv: FullKV) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    h.update(kv.k.contiguous().numpy().tobytes())
+    h.update(kv.v.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _measure(ep: dict, dims: KVDims, disk_dir: Path) -> dict:
+    """Tier load bandwidths and decompression rates for the delay model, unless flags
+    give them: a 64 MiB host copy, a 32 MiB disk write+read (page cache dropped), and
+    decoding a 256-token context of this model under each quantization candidate."""
+    out: dict = {}
+    if not ep.get("host_bandwidth"):
+        src = torch.empty(64 << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src)
+        out["host_bandwidth"] = 3 * src.numel() / max(time.perf_counter() - t, 1e-9)
+    if not ep.get("disk_bandwidth"):
+        try:
+            out["disk_bandwidth"] = measure_bandwidth(disk_dir, 32 << 20).read_bytes_per_s
+        except OSError:
+            logger.warning("EvicPress: could not measure the disk bandwidth; assuming 1 GB/s")
+    rates = {}
+    n = 256
+    k = torch.randn(dims.layers, n, dims.heads, dims.head_dim)
+    v = torch.randn(dims.layers, n, dims.v_heads, dims.v_head_dim)
+    kv = FullKV(k, v)
+    for label in ep.get("candidates", ()):
+        cfg = CompressionConfig.parse(label)
+        if not cfg.is_quantized or cfg.method in rates:
+            continue
+        blob = codec.encode(kv, cfg)
+        t = time.perf_counter()
+        codec.decode(blob)
+        rates[cfg.method] = kv.nbytes / max(time.perf_counter() - t, 1e-9)
+    out["decompress_bytes_per_s"] = rates
+    return out

@@ -1,0 +1,390 @@
+"""EvicPress in the launcher process: flag checks, the ``/evicpress/*`` HTTP routes and
+the background profiler.
+
+Routes (JSON; added to SGLang's FastAPI app by ``python -m sglang_vc.launch_server``):
+
+* ``POST /evicpress/contexts`` -- register a context: ``{"id"?, "text" | "token_ids",
+  "queries"?: [str], "query_template"?: str, "query_suffix_ids"?: [[int]],
+  "extra_key"?: str, "quality"?: {config: q}, "prefill"?: bool}``. The query set is what
+  the profiler answers under each candidate config; ``query_template`` (default
+  ``"\\n\\nQuestion: {query}\\nAnswer:"``) turns a query into the prompt suffix after the
+  context. ``prefill`` computes (and so stores) the context right away.
+* ``GET /evicpress/contexts``, ``GET|DELETE /evicpress/contexts/{id}`` -- placement
+  (tier, config, stored bytes), device form, frequency, quality profile, hits per tier.
+* ``POST /evicpress/contexts/{id}/placement`` ``{"tier": "host"|"disk"|"dropped",
+  "config"?: "kivi@4b"}`` -- move a context by hand (compression is one-way).
+* ``POST /evicpress/contexts/{id}/profile`` -- (re-)profile it when idle;
+  ``POST /evicpress/contexts/{id}/quality`` ``{"quality": {...}}`` -- give its profile.
+* ``POST /evicpress/contexts/{id}/observations`` ``{"config", "quality"}`` -- report the
+  quality of an answer served under ``config`` (e.g. a task metric from the
+  application); it feeds the same re-profiling trigger as the profiler's own checks.
+* ``GET /evicpress/contexts/{id}/digest`` -- xxh3 of its device and stored KV (tests).
+* ``GET /evicpress/status`` -- tiers, delay-model inputs, counters;
+  ``POST /evicpress/evict_device`` -- evict every unlocked node from the device tree;
+  ``POST /evicpress/reconfigure`` ``{"policy"?, "alpha"?, "fixed_config"?}`` -- empty
+  the tiers and switch policy (profiles are kept): several systems in one runtime.
+
+Counters also appear in the ``sglang_vc`` section of ``/server_info`` and, with
+``--enable-metrics``, on ``/metrics`` (``sglang_vc:evicpress_*``).
+
+The profiler (:class:`ProfilerService`, a thread here) waits until the server has been
+idle for ``--evicpress-idle-seconds``, then (paper section 4.3):
+
+* profiles contexts: full-KV reference answers (namespace ``evicpress:ref``) and answers
+  under each candidate config (``evicpress:cfg:<config>``, the scheduler loads the
+  compressed version), concurrently so SGLang batches them; quality = mean MiniLM-L6-v2
+  cosine of each answer with its reference. Contexts without queries get questions
+  written by the served model (``--evicpress-generate-queries``);
+* checks sampled answers served from compressed KV against the full-KV answer and
+  reports the quality; a drop below the profile by ``--evicpress-reprofile-threshold``
+  makes the scheduler queue a re-profile on the newest online queries.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import requests
+
+from .control import ControlClient, ControlError
+from .manager import CFG_NAMESPACE, REF_NAMESPACE
+
+logger = logging.getLogger(__name__)
+
+PROG = "python -m sglang_vc.launch_server"
+DEFAULT_TEMPLATE = "\n\nQuestion: {query}\nAnswer:"
+QUESTION_PROMPT = "\n\nWrite one short question about the text above.\nQuestion:"
+
+
+def _die(msg: str) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _explicit(ep: dict) -> list[str]:
+    """EvicPress flags given with a non-default value."""
+    import argparse
+
+    from .flags import add_cli_args
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_cli_args(p)
+    defaults = vars(p.parse_args([]))
+    return [
+        "--" + k.replace("_", "-")
+        for k, v in defaults.items()
+        if k.startswith("evicpress_") and ep.get(k[len("evicpress_"):]) != v
+        and k not in ("evicpress_methods", "evicpress_bits", "evicpress_ratios", "evicpress_fixed_config")
+    ]
+
+
+def check_server_args(vc_config, server_args) -> bool:
+    """Exit 2 (argparse style) on EvicPress flags that cannot work together with
+    SGLang's; True when EvicPress is in use."""
+    ep = vc_config.evicpress or {}
+    backend = getattr(server_args, "radix_cache_backend", None)
+    if backend != "evicpress":
+        given = _explicit(ep) if ep else []
+        if given:
+            _die(f"{given[0]} needs --radix-cache-backend evicpress")
+        return False
+    if not ep.get("enabled"):
+        _die("--radix-cache-backend evicpress needs --evicpress-disk-dir")
+    if not getattr(server_args, "enable_hierarchical_cache", False):
+        _die("--radix-cache-backend evicpress needs --enable-hierarchical-cache "
+             "(its host tier is the HiCache host pool)")
+    if getattr(server_args, "disable_radix_cache", False):
+        _die("--radix-cache-backend evicpress cannot run with --disable-radix-cache")
+    layout = getattr(server_args, "hicache_mem_layout", "layer_first")
+    if layout not in ("layer_first", "page_first"):
+        _die(f"--radix-cache-backend evicpress needs --hicache-mem-layout layer_first or page_first, got {layout}")
+    if getattr(server_args, "tp_size", 1) != 1 or getattr(server_args, "dp_size", 1) != 1:
+        _die("--radix-cache-backend evicpress supports --tp-size 1 and --dp-size 1 only")
+    if getattr(server_args, "hicache_storage_backend", None):
+        _die("--radix-cache-backend evicpress has its own disk tier; drop --hicache-storage-backend")
+    return True
+
+
+def install(vc_config, server_args) -> None:
+    """Check the flags; with EvicPress in use, add the routes and start the profiler."""
+    if not check_server_args(vc_config, server_args):
+        return
+    from fastapi import Body, HTTPException
+    from sglang.srt.entrypoints import http_server
+
+    ep = vc_config.evicpress
+    client = ControlClient(int(ep["control_port"]))
+    tok = _Tokenizer(server_args)
+    app = http_server.app
+    host = server_args.host if server_args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    base_url = f"http://{host}:{server_args.port}"
+
+    def call(method: str, path: str, body: Any = None, params: Optional[dict] = None):
+        try:
+            return client.call(method, path, body, params)
+        except ControlError as exc:
+            raise HTTPException(status_code=exc.status, detail=str(exc)) from None
+        except requests.RequestException as exc:
+            raise HTTPException(status_code=503, detail=f"EvicPress is not ready: {exc}") from None
+
+    def register(body: dict = Body(...)):
+        body = dict(body)
+        if "token_ids" not in body:
+            if not isinstance(body.get("text"), str):
+                raise HTTPException(400, "give 'text' or 'token_ids'")
+            body["token_ids"] = tok.encode(body["text"])
+        template = body.get("query_template") or DEFAULT_TEMPLATE
+        if "{query}" not in template:
+            raise HTTPException(400, "query_template must contain {query}")
+        queries = body.get("queries") or []
+        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+            raise HTTPException(400, "queries must be a list of strings")
+        suffixes = list(body.get("query_suffix_ids") or [])
+        suffixes += [tok.encode(template.format(query=q), special=False) for q in queries]
+        payload = {
+            "id": body.get("id"),
+            "token_ids": body["token_ids"],
+            "extra_key": body.get("extra_key"),
+            "query_suffixes": suffixes,
+            "query_texts": queries,
+            "quality": body.get("quality"),
+        }
+        info = call("POST", "/contexts", payload)
+        if body.get("prefill"):
+            _generate(base_url, body["token_ids"] + (suffixes[0] if suffixes else []),
+                      max_new_tokens=1, extra_key=body.get("extra_key"))
+            info = call("GET", f"/contexts/{info['id']}")
+        return info
+
+    app.add_api_route("/evicpress/contexts", register, methods=["POST"])
+    app.add_api_route("/evicpress/contexts", lambda: call("GET", "/contexts"), methods=["GET"])
+    app.add_api_route("/evicpress/status", lambda: call("GET", "/status"), methods=["GET"])
+    app.add_api_route("/evicpress/evict_device", lambda: call("POST", "/evict_device"), methods=["POST"])
+
+    def reconfigure(body: dict = Body(...)):
+        return call("POST", "/reconfigure", body)
+
+    app.add_api_route("/evicpress/reconfigure", reconfigure, methods=["POST"])
+
+    def get_ctx(ctx_id: str, tokens: int = 0):
+        return call("GET", f"/contexts/{ctx_id}", params={"tokens": tokens})
+
+    def del_ctx(ctx_id: str):
+        return call("DELETE", f"/contexts/{ctx_id}")
+
+    def place(ctx_id: str, body: dict = Body(...)):
+        return call("POST", f"/contexts/{ctx_id}/placement", body)
+
+    def profile(ctx_id: str):
+        return call("POST", f"/contexts/{ctx_id}/profile")
+
+    def quality(ctx_id: str, body: dict = Body(...)):
+        return call("POST", f"/contexts/{ctx_id}/quality", body)
+
+    def digest(ctx_id: str):
+        return call("GET", f"/contexts/{ctx_id}/digest")
+
+    def observe(ctx_id: str, body: dict = Body(...)):
+        if not isinstance(body.get("quality"), (int, float)) or not isinstance(body.get("config"), str):
+            raise HTTPException(400, "body needs {'config': str, 'quality': number}")
+        return call("POST", "/work/observation", {"ctx_id": ctx_id, **body})
+
+    app.add_api_route("/evicpress/contexts/{ctx_id}", get_ctx, methods=["GET"])
+    app.add_api_route("/evicpress/contexts/{ctx_id}", del_ctx, methods=["DELETE"])
+    app.add_api_route("/evicpress/contexts/{ctx_id}/placement", place, methods=["POST", "PUT"])
+    app.add_api_route("/evicpress/contexts/{ctx_id}/profile", profile, methods=["POST"])
+    app.add_api_route("/evicpress/contexts/{ctx_id}/quality", quality, methods=["POST"])
+    app.add_api_route("/evicpress/contexts/{ctx_id}/digest", digest, methods=["GET"])
+    app.add_api_route("/evicpress/contexts/{ctx_id}/observations", observe, methods=["POST"])
+
+    if not ep.get("no_profiler"):
+        ProfilerService(client, base_url, tok, float(ep["idle_seconds"])).start()
+
+
+class _Tokenizer:
+    """The served model's tokenizer, loaded on first use (as SGLang tokenizes text)."""
+
+    def __init__(self, server_args) -> None:
+        self.path = server_args.tokenizer_path or server_args.model_path
+        self.trust = getattr(server_args, "trust_remote_code", False)
+        self._tok = None
+        self._lock = threading.Lock()
+
+    @property
+    def tok(self):
+        with self._lock:
+            if self._tok is None:
+                from transformers import AutoTokenizer
+
+                self._tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust)
+            return self._tok
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tok(text, add_special_tokens=special)["input_ids"])
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _generate(base_url: str, input_ids, *, max_new_tokens: int, extra_key: Optional[str] = None,
+              temperature: float = 0.0, timeout: float = 600.0, stop=None) -> dict:
+    payload = {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": {"temperature": temperature, "max_new_tokens": int(max_new_tokens)},
+    }
+    if stop:
+        payload["sampling_params"]["stop"] = stop
+    if extra_key:
+        payload["extra_key"] = extra_key
+    r = requests.post(base_url + "/generate", json=payload, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def _parallel(fns: list) -> list:
+    """Run the calls on daemon threads (so SGLang batches them); results in order.
+    (Not a ThreadPoolExecutor: its workers are joined at interpreter exit, which would
+    hold up a server shutdown behind an in-flight request.)"""
+    results: list = [None] * len(fns)
+    errors: list = []
+
+    def run(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class ProfilerService:
+    """Background profiling and drift checks, in idle time (see the module docstring)."""
+
+    def __init__(self, client: ControlClient, base_url: str, tok: _Tokenizer, idle_seconds: float,
+                 scorer=None, poll: float = 0.5) -> None:
+        self.client = client
+        self.base_url = base_url
+        self.tok = tok
+        self.idle_seconds = idle_seconds
+        self._scorer = scorer
+        self.poll = poll
+        self._stop = threading.Event()
+
+    @property
+    def scorer(self):
+        if self._scorer is None:
+            try:
+                from .quality import EmbeddingScorer
+
+                s = EmbeddingScorer()
+                s.score("warm up", "warm up")
+                self._scorer = s
+            except ImportError as exc:
+                from .quality import token_f1
+
+                logger.warning("EvicPress: %s; scoring answers by token F1 instead", exc)
+                self._scorer = token_f1
+        return self._scorer
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="evicpress-profiler", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.step():
+                    self._stop.wait(self.poll)
+            except (requests.RequestException, ControlError):
+                self._stop.wait(2.0)  # server starting or going away
+            except Exception:
+                logger.exception("EvicPress profiler step failed")
+                self._stop.wait(5.0)
+
+    def step(self) -> bool:
+        """One round: True when it did work."""
+        status = self.client.call("GET", "/status")
+        if status["idle_seconds"] < self.idle_seconds or not (
+            status["pending_profiles"] or status["pending_observations"]
+        ):
+            return False
+        work = self.client.call("GET", "/work", params={"limit": 2})
+        for job in work["profiles"]:
+            try:
+                self.profile(job)
+            except Exception:
+                self.client.call("POST", "/work/profile", {"ctx_id": job["ctx_id"], "failed": True})
+                raise
+        for obs in work["observations"]:
+            self.observe(obs)
+        return bool(work["profiles"] or work["observations"])
+
+    # ------------------------------------------------------------------ jobs
+    def _gen(self, ids, ns, max_new_tokens, **kw) -> dict:
+        return _generate(self.base_url, ids, max_new_tokens=max_new_tokens, extra_key=ns, **kw)
+
+    def _questions(self, job: dict) -> list[list[int]]:
+        ids = job["token_ids"] + self.tok.encode(QUESTION_PROMPT, special=False)
+        outs = _parallel([
+            (lambda i=i: self._gen(ids, REF_NAMESPACE, 24, temperature=0.7 + 0.1 * i, stop=["\n"]))
+            for i in range(job["generate_queries"])
+        ])
+        texts = []
+        for o in outs:
+            q = o["text"].strip().split("\n")[0].strip()
+            if q and q not in texts:
+                texts.append(q)
+        suffixes = [self.tok.encode(DEFAULT_TEMPLATE.format(query=q), special=False) for q in texts]
+        self.client.call("POST", f"/contexts/{job['ctx_id']}/queries", {"suffixes": suffixes, "texts": texts})
+        return [job["token_ids"] + s for s in suffixes]
+
+    def profile(self, job: dict) -> dict:
+        prompts = job["prompts"] or self._questions(job)
+        if not prompts:
+            raise RuntimeError(f"no queries to profile context {job['ctx_id']}")
+        m = job["max_new_tokens"]
+        refs = _parallel([(lambda p=p: self._gen(p, REF_NAMESPACE, m)) for p in prompts])
+        quality = {}
+        for label in job["candidates"]:
+            ns = CFG_NAMESPACE + label
+            outs = _parallel([(lambda p=p: self._gen(p, ns, m)) for p in prompts])
+            # the compressed context was loaded when (nearly) all of it was a cache hit
+            loaded = all(
+                o["meta_info"].get("cached_tokens", 0) >= 0.9 * min(len(job["token_ids"]), len(p) - 1)
+                for o, p in zip(outs, prompts)
+            )
+            if not loaded:
+                logger.warning("EvicPress: could not load %s of context %s for profiling", label, job["ctx_id"])
+                continue
+            scores = [self._score(o["text"], r["text"]) for o, r in zip(outs, refs)]
+            quality[label] = sum(scores) / len(scores)
+        if not quality:
+            raise RuntimeError(f"no candidate of context {job['ctx_id']} could be profiled")
+        self.client.call("POST", "/work/profile",
+                         {"ctx_id": job["ctx_id"], "quality": quality, "reason": job["reason"]})
+        return quality
+
+    def _score(self, answer: str, reference: str) -> float:
+        if not answer.strip() and not reference.strip():
+            return 1.0
+        return float(self.scorer(answer, reference))
+
+    def observe(self, obs: dict) -> float:
+        ref = self._gen(obs["prompt_ids"], REF_NAMESPACE, max(1, len(obs["output_ids"])))
+        q = self._score(self.tok.decode(obs["output_ids"]), ref["text"])
+        self.client.call("POST", "/work/observation",
+                         {"ctx_id": obs["ctx_id"], "config": obs["config"], "quality": q})
+        return q

@@ -1,0 +1,515 @@
+"""EvicPress in the runtime: codec, host slots, manager moves and policies (fast, no
+server), flag validation (the launcher exits 2), and a real server with
+``--radix-cache-backend evicpress`` (bytes survive device -> host -> disk -> device,
+corrupted / truncated disk entries are recomputed, a full disk, hits from every tier,
+re-profiling on drift)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from sglang_vc.evicpress import codec
+from sglang_vc.evicpress.codec import FullKV
+from sglang_vc.evicpress.config import DROPPED, FULL, CompressionConfig, Placement, Tier
+from sglang_vc.evicpress.disk_tier import DiskTierStore
+from sglang_vc.evicpress.host_tier import HostSlotStore, RamHostStore
+from sglang_vc.evicpress.manager import EvicPressManager, KVDims, Settings
+
+KIVI4 = CompressionConfig("kivi", bits=4)
+KIVI2 = CompressionConfig("kivi", bits=2)
+DIMS = KVDims(layers=2, heads=2, head_dim=32, v_heads=2, v_head_dim=32, itemsize=4)
+
+
+def _kv(n: int, seed: int = 0) -> FullKV:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(DIMS.layers, n, DIMS.heads, DIMS.head_dim, generator=g)
+    v = torch.randn(DIMS.layers, n, DIMS.v_heads, DIMS.v_head_dim, generator=g)
+    return FullKV(k, v)
+
+
+# ---------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("cfg", [FULL, KIVI4, KIVI2, CompressionConfig("kivi1", bits=1)])
+def test_codec_roundtrip_and_size_estimate(cfg):
+    kv = _kv(100)
+    blob = codec.encode(kv, cfg)
+    got_cfg, out, pos = codec.decode(blob)
+    assert got_cfg == cfg and pos is None
+    assert out.k.shape == kv.k.shape and out.v.shape == kv.v.shape
+    if cfg.is_full:
+        assert torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
+    else:
+        err = (out.k - kv.k).abs().mean() / kv.k.abs().mean()
+        assert 0 < err < {4: 0.15, 2: 0.6, 1: 1.0}[cfg.bits]
+        assert len(blob) < 0.45 * kv.nbytes
+    est = codec.estimate_bytes(kv.nbytes, 100, cfg, 4)
+    assert abs(est - len(blob)) < 2048
+    assert codec.blob_config(blob) == cfg
+
+
+def test_codec_kivi_is_per_layer():
+    """Merging layers into heads must equal compressing each layer on its own."""
+    from sglang_vc.compress.registry import get_compressor
+
+    kv = _kv(64, seed=3)
+    _, out, _ = codec.decode(codec.encode(kv, KIVI2))
+    comp = get_compressor("kivi", residual_length=0)
+    for layer in range(DIMS.layers):
+        res = comp.compress(layer, kv.k[layer], kv.v[layer], 2)
+        k, v, _ = comp.decompress(res)
+        assert torch.equal(k, out.k[layer]) and torch.equal(v, out.v[layer])
+
+
+# ---------------------------------------------------------------------------- host slots
+
+
+class _FakeHostPool:
+    """SGLang's host pool API, as HostSlotStore uses it."""
+
+    def __init__(self, size: int, layout: str = "layer_first"):
+        self.layout, self.page_size, self.size = layout, 1, size
+        dims = (2, DIMS.layers, size, DIMS.heads, DIMS.head_dim)
+        if layout == "page_first":
+            dims = (2, size, DIMS.layers, DIMS.heads, DIMS.head_dim)
+        self.kv_buffer = torch.zeros(dims, dtype=torch.float32)
+        self.free_slots = list(range(size))
+
+    def get_size_per_token(self):
+        return 2 * DIMS.layers * DIMS.heads * DIMS.head_dim * 4
+
+    def alloc(self, n):
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, idx):
+        self.free_slots.extend(int(i) for i in idx)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_slots_roundtrip_bytes(layout):
+    pool = _FakeHostPool(64, layout)
+    store = HostSlotStore(pool)
+    blobs = {f"b{i}": os.urandom(n) for i, n in enumerate([1, 1000, 1024, 5000, 1023 * 3])}
+    # NaN bit patterns and every byte value must survive the float buffer
+    blobs["nan"] = np.full(300, 0x7FC00001, dtype=np.uint32).tobytes()
+    for k, b in blobs.items():
+        assert store.put(k, b)
+    for k, b in blobs.items():
+        assert store.get(k) == b
+    used = store.used_bytes
+    assert used == sum(store.footprint(len(b)) for b in blobs.values())
+    assert store.delete("b3") and store.get("b3") is None
+    assert store.used_bytes == used - store.footprint(5000)
+    assert not store.put("huge", b"x" * store.capacity_bytes)  # does not fit
+    assert store.get("b1") == blobs["b1"]
+
+
+# ---------------------------------------------------------------------------- manager
+
+
+def _manager(tmp_path, host_bytes, disk_bytes, policy="evicpress", fixed=FULL, **kw):
+    kw.setdefault("disk_bandwidth", 1e6)  # a 200 KB test context takes 0.2 s from disk
+    s = Settings(policy=policy, fixed_config=fixed, candidates=(KIVI2, KIVI4), disk_capacity=disk_bytes,
+                 host_bandwidth=10e9, prefill_tokens_per_s=500.0, prefill_measured=False, **kw)
+    host = RamHostStore(host_bytes)
+    disk = DiskTierStore(tmp_path / "disk", disk_bytes, fsync=False)
+    clock = iter(range(1, 10**6)).__next__
+    return EvicPressManager(s, DIMS, host, disk, clock=lambda: float(clock()))
+
+
+def _ctx(mgr, i, n=200, quality=None):
+    ctx = mgr.register(list(range(1000 * i + 1, 1000 * i + 1 + n)), ctx_id=f"c{i}")
+    if quality:
+        mgr.set_profile(ctx.ctx_id, quality)
+    return ctx
+
+
+def test_manager_store_fetch_demote_bytes_equal(tmp_path):
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=int(2.5 * full), disk_bytes=10 * full, policy="lru")
+    kvs = {i: _kv(200, seed=i) for i in range(4)}
+    ctxs = [_ctx(mgr, i) for i in range(4)]
+    for i, c in enumerate(ctxs):
+        mgr.store_computed(c, kvs[i])
+    # two fit on the host; the LRU ones were demoted to disk
+    tiers = [c.placement.tier for c in ctxs]
+    assert tiers == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST]
+    for i, c in enumerate(ctxs):
+        got = mgr.fetch(c)
+        assert got.config == FULL and got.tier == tiers[i]
+        assert torch.equal(got.kv.k, kvs[i].k) and torch.equal(got.kv.v, kvs[i].v)
+    # a disk hit promotes (LRU) and demotes the least recently used host context
+    mgr.on_request(ctxs[0], Tier.DISK, FULL)
+    mgr.after_hit(ctxs[0], Tier.DISK)
+    assert ctxs[0].placement.tier == Tier.HOST
+    assert mgr.counters["promotions"] == 1 and mgr.counters["demotions"] >= 3
+    got = mgr.fetch(ctxs[0])
+    assert torch.equal(got.kv.k, kvs[0].k)
+
+
+def test_manager_corrupted_and_truncated_disk_entries_are_dropped(tmp_path):
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=full // 2, disk_bytes=10 * full, policy="lru")
+    a, b = _ctx(mgr, 1), _ctx(mgr, 2)
+    mgr.store_computed(a, _kv(200, 1))
+    mgr.store_computed(b, _kv(200, 2))
+    assert a.placement.tier == b.placement.tier == Tier.DISK  # the host holds none
+    files = sorted((tmp_path / "disk").glob("*.kv"))
+    pa = tmp_path / "disk" / DiskTierStore.file_name("ctx/c1")
+    pb = tmp_path / "disk" / DiskTierStore.file_name("ctx/c2")
+    assert set(files) == {pa, pb}
+    data = bytearray(pa.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    pa.write_bytes(bytes(data))
+    pb.write_bytes(pb.read_bytes()[:-10])
+    assert mgr.fetch(a) is None and mgr.fetch(b) is None
+    assert a.placement == DROPPED and b.placement == DROPPED
+    assert mgr.counters["disk_corrupted"] == 2
+    assert not pa.exists() and not pb.exists()
+
+
+def test_manager_full_disk_drops(tmp_path):
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=full + 4096, disk_bytes=full // 3, policy="lru")
+    a, b = _ctx(mgr, 1), _ctx(mgr, 2)
+    mgr.store_computed(a, _kv(200, 1))
+    mgr.store_computed(b, _kv(200, 2))
+    assert b.placement.tier == Tier.HOST and a.placement == DROPPED
+    assert mgr.disk.used_bytes == 0
+    # the disk is smaller than any context: a planned demotion that fails drops
+    assert mgr.set_placement(b, Placement(FULL, Tier.DISK)) is False or b.placement == DROPPED
+    assert b.placement == DROPPED and mgr.counters.get("disk_full", 0) >= 1
+
+
+def test_evicpress_compresses_insensitive_context_instead_of_demoting(tmp_path):
+    """Paper fig. 2: the insensitive context is compressed to stay on the fast tier,
+    the sensitive one keeps full KV."""
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=int(1.4 * full), disk_bytes=10 * full, alpha=1.0)
+    robust = _ctx(mgr, 1, quality={"kivi@4b": 0.99, "kivi@2b": 0.97})
+    fragile = _ctx(mgr, 2, quality={"kivi@4b": 0.5, "kivi@2b": 0.2})
+    for c in (robust, fragile):
+        c.frequency = 5
+    mgr.store_computed(robust, _kv(200, 1))
+    mgr.store_computed(fragile, _kv(200, 2))
+    assert fragile.placement == Placement(FULL, Tier.HOST)
+    assert robust.placement.tier == Tier.HOST and not robust.placement.config.is_full
+    assert mgr.counters["compressions"] == 1
+    got = mgr.fetch(robust)
+    assert got.config == robust.placement.config and got.kv.k.shape == (2, 200, 2, 32)
+
+
+def test_fixed_policy_stores_compressed(tmp_path):
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=full, disk_bytes=10 * full, policy="fixed", fixed=KIVI4)
+    ctxs = [_ctx(mgr, i) for i in range(5)]
+    for i, c in enumerate(ctxs):
+        mgr.store_computed(c, _kv(200, i))
+    assert all(c.placement.config == KIVI4 for c in ctxs)
+    on_host = [c for c in ctxs if c.placement.tier == Tier.HOST]
+    assert len(on_host) >= 3  # a 4-bit context takes about a fifth of the space
+    assert mgr.host.used_bytes <= full
+
+
+def test_reprofile_fires_when_quality_drifts(tmp_path):
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=int(0.5 * full), disk_bytes=10 * full, reprofile_threshold=0.3)
+    ctx = _ctx(mgr, 1, quality={"kivi@4b": 0.95, "kivi@2b": 0.9})
+    ctx.profile_reason = None
+    mgr.store_computed(ctx, _kv(200, 1))
+    assert not ctx.placement.config.is_full  # a full copy would not fit the host
+    cfg = ctx.placement.config.label
+    mgr.on_request(ctx, Tier.HOST, ctx.placement.config, suffix=[5, 6, 7], prefix_len=200)
+    fired = [mgr.record_observation("c1", cfg, q) for q in (0.9, 0.92, 0.91)]
+    assert not any(fired) and ctx.profile_reason is None
+    fired = [mgr.record_observation("c1", cfg, 0.2) for _ in range(6)]
+    assert any(fired) and ctx.profile_reason == "drift"
+    jobs = mgr.profile_work()
+    assert jobs and jobs[0]["reason"] == "drift"
+    assert jobs[0]["prompts"][0][-3:] == [5, 6, 7]  # re-profiled on the online query
+    # the new profile says this config is bad now: the lossy copy is dropped (it will
+    # be recomputed in full and stored again with the new profile)
+    mgr.set_profile("c1", {"kivi@4b": 0.1, "kivi@2b": 0.05}, reason="drift")
+    assert mgr.counters["reprofilings"] == 1
+    mgr.run_pending()
+    assert ctx.placement == DROPPED
+
+
+# ---------------------------------------------------------------------------- flags
+
+
+LAUNCH = [sys.executable, "-m", "sglang_vc.launch_server"]
+BAD_FLAGS = [
+    (["--evicpress-alpha", "-1"], "alpha"),
+    (["--evicpress-methods", "nosuch"], "unknown method"),
+    (["--evicpress-methods", "knorm"], "lossy attention backend"),
+    (["--evicpress-bits", "3"], "bits"),
+    (["--evicpress-ratios", "0,2"], "ratios"),
+    (["--evicpress-policy", "fixed"], "fixed-config"),
+    (["--evicpress-fixed-config", "kivi@4b"], "policy fixed"),
+    (["--evicpress-policy", "fixed", "--evicpress-fixed-config", "kivi@3x"], "fixed-config"),
+    (["--evicpress-observe-rate", "1.5"], "observe-rate"),
+    (["--evicpress-disk-size-gb", "0"], "disk-size"),
+    (["--evicpress-host-bandwidth", "0"], "host-bandwidth"),
+    (["--evicpress-profile-queries", "0"], "profile-queries"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_FLAGS)
+def test_bad_flag_values_rejected(extra, message, capsys):
+    from sglang_vc.launch_server import build_vc_parser
+    from sglang_vc.config import ConfigError, VCConfig
+
+    args, _ = build_vc_parser().parse_known_args(["--evicpress-disk-dir", "/tmp/x", *extra])
+    with pytest.raises(ConfigError, match=message):
+        VCConfig.from_cli_args(args)
+
+
+@pytest.mark.parametrize(
+    "backend, ep, hicache, message",
+    [
+        ("evicpress", [], True, "--evicpress-disk-dir"),
+        ("evicpress", ["--evicpress-disk-dir", "/tmp/x"], False, "--enable-hierarchical-cache"),
+        (None, ["--evicpress-disk-dir", "/tmp/x"], True, "--radix-cache-backend evicpress"),
+        (None, ["--evicpress-alpha", "2"], False, "--radix-cache-backend evicpress"),
+    ],
+)
+def test_inconsistent_flags_rejected(backend, ep, hicache, message, capsys):
+    from types import SimpleNamespace
+
+    from sglang_vc.config import VCConfig
+    from sglang_vc.evicpress.service import check_server_args
+    from sglang_vc.launch_server import build_vc_parser
+
+    vc = VCConfig.from_cli_args(build_vc_parser().parse_known_args(ep)[0])
+    sa = SimpleNamespace(radix_cache_backend=backend, enable_hierarchical_cache=hicache,
+                         hicache_mem_layout="layer_first", tp_size=1, dp_size=1)
+    with pytest.raises(SystemExit) as exc:
+        check_server_args(vc, sa)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_evicpress_flags_is_fine():
+    from types import SimpleNamespace
+
+    from sglang_vc.config import VCConfig
+    from sglang_vc.evicpress.service import check_server_args
+    from sglang_vc.launch_server import build_vc_parser
+
+    vc = VCConfig.from_cli_args(build_vc_parser().parse_known_args([])[0])
+    assert check_server_args(vc, SimpleNamespace(radix_cache_backend=None)) is False
+    assert "evicpress" not in vc.enabled_mechanisms()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--evicpress-bits", "3", "--evicpress-disk-dir", "{tmp}"], "--evicpress-bits"),
+        (["--radix-cache-backend", "evicpress", "--evicpress-disk-dir", "{tmp}"], "--enable-hierarchical-cache"),
+    ],
+)
+def test_launcher_exits_2_on_bad_evicpress_flags(argv, message, model_dir, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    r = subprocess.run(LAUNCH + ["--model-path", model_dir] + argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------- real server
+
+CTX_TOKENS = 200  # 9 MB of float32 KV per context for SmolLM2-135M
+QUESTION = "\n\nQuestion: What is this text about?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def ep_server(model_dir, tmp_path_factory):
+    from sglang_vc.testing.server import ServerProcess
+
+    root = tmp_path_factory.mktemp("evicpress")
+    per_ctx_gb = CTX_TOKENS * 46080 / (1 << 30)
+    args = [
+        "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "2048",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2",
+        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+        "--radix-cache-backend", "evicpress", "--sleep-on-idle",
+        "--evicpress-disk-dir", str(root / "disk"),
+        "--evicpress-host-size-gb", f"{2.5 * per_ctx_gb:.6f}",
+        "--evicpress-disk-size-gb", f"{4.5 * per_ctx_gb:.6f}",
+        "--evicpress-observe-rate", "1", "--evicpress-generate-queries", "0",
+        "--evicpress-idle-seconds", "0.3", "--evicpress-profile-max-new-tokens", "8",
+        "--evicpress-profile-queries", "1", "--evicpress-auto-context-tokens", "0",
+    ]
+    proc = ServerProcess(args, log_path=root / "server.log", timeout=420)
+    proc.disk_dir = root / "disk"
+    yield proc
+    proc.stop()
+
+
+def _api(server, method, path, body=None):
+    r = requests.request(method, server.url + path, json=body, timeout=300)
+    assert r.status_code == 200, (r.status_code, r.text, server.log_tail(30))
+    return r.json()
+
+
+def _counters(server) -> dict:
+    return server.server_info()["sglang_vc"]["counters"].get("evicpress", {})
+
+
+def _register(server, tokenizer, ctx_id, passage, **extra):
+    ids = tokenizer(passage)["input_ids"][:CTX_TOKENS]
+    info = _api(server, "POST", "/evicpress/contexts", {"id": ctx_id, "token_ids": ids, **extra})
+    return ids, info
+
+
+def _ask(server, tokenizer, ids, n=8):
+    q = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    return server.generate(input_ids=ids + q, max_new_tokens=n)
+
+
+def _placement(server, ctx_id):
+    return _api(server, "GET", f"/evicpress/contexts/{ctx_id}")["placement"]
+
+
+def test_server_kv_bytes_survive_device_host_disk_device(ep_server, tokenizer):
+    from conftest import real_text_passages
+
+    s = ep_server
+    ids, _ = _register(s, tokenizer, "move", real_text_passages(12, words=220)[0])
+    first = _ask(s, tokenizer, ids)
+    assert _placement(s, "move")["tier"] == "host"
+    d0 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    assert d0["device_tokens"] == CTX_TOKENS and d0["device"] == d0["stored"]  # device -> host
+    before = _counters(s)
+    _api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "disk"})
+    assert _placement(s, "move")["tier"] == "disk"
+    d1 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    assert d1["stored"] == d0["device"] and d1["blob"] == d0["blob"]  # host -> disk
+    _api(s, "POST", "/evicpress/evict_device")
+    assert _api(s, "GET", "/evicpress/contexts/move/digest")["device_tokens"] == 0
+    again = _ask(s, tokenizer, ids)  # disk -> device
+    after = _counters(s)
+    assert after.get("hits_disk", 0) == before.get("hits_disk", 0) + 1, after
+    d2 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    assert d2["device"] == d0["device"]
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] >= CTX_TOKENS
+
+    # compressed: 4-bit on the host, dequantized into device slots on a hit
+    _api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "host", "config": "kivi@4b"})
+    p = _placement(s, "move")
+    assert p["tier"] == "host" and p["config"] == "kivi@4b" and p["stored_bytes"] < 0.3 * 46080 * CTX_TOKENS
+    _api(s, "POST", "/evicpress/evict_device")
+    lossy = _ask(s, tokenizer, ids)
+    d3 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    assert d3["device"] == d3["stored"] != d0["device"]
+    assert lossy["meta_info"]["cached_tokens"] >= CTX_TOKENS
+    assert _counters(s)["hits_host"] >= 1
+    info = _api(s, "GET", "/evicpress/contexts/move")
+    assert info["device_config"] == "kivi@4b"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
+    from conftest import real_text_passages
+    from sglang_vc.evicpress.disk_tier import DiskTierStore
+
+    s = ep_server
+    cid = f"bad-{damage}"
+    ids, _ = _register(s, tokenizer, cid, real_text_passages(12, words=220)[1 if damage == "flip" else 2])
+    first = _ask(s, tokenizer, ids)
+    _api(s, "POST", f"/evicpress/contexts/{cid}/placement", {"tier": "disk"})
+    path = s.disk_dir / DiskTierStore.file_name(f"ctx/{cid}")
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 3] ^= 0x10
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    _api(s, "POST", "/evicpress/evict_device")
+    before = _counters(s)
+    again = _ask(s, tokenizer, ids)
+    after = _counters(s)
+    assert after.get("disk_corrupted", 0) == before.get("disk_corrupted", 0) + 1
+    assert after.get("misses", 0) == before.get("misses", 0) + 1
+    assert after.get("hits_disk", 0) == before.get("hits_disk", 0)
+    assert again["output_ids"] == first["output_ids"]  # recomputed, never served
+    assert not path.exists() or _placement(s, cid)["tier"] == "host"
+    assert _placement(s, cid)["tier"] == "host"  # stored again after the recompute
+
+
+def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
+    """More contexts than the tiers hold (host 2.5, disk 4.5 contexts): the policy keeps
+    the more frequently used ones on the host, demotes to disk and, with the disk full,
+    drops (recomputed on demand). Every tier then serves hits."""
+    from conftest import real_text_passages
+
+    s = ep_server
+    passages = real_text_passages(12, words=220)[4:9]
+    ctxs = {f"t{i}": _register(s, tokenizer, f"t{i}", p)[0] for i, p in enumerate(passages)}
+    before = _counters(s)
+    ref = {cid: _ask(s, tokenizer, ids)["output_ids"] for cid, ids in ctxs.items()}  # misses
+    _ask(s, tokenizer, ctxs["t4"])  # device hit
+    status = _api(s, "GET", "/evicpress/status")
+    for tier in ("host", "disk"):
+        t = status["tiers"][tier]
+        assert t["contexts"] >= 1 and t["used_bytes"] <= t["capacity_bytes"], status["tiers"]
+    assert _counters(s).get("drops", 0) > before.get("drops", 0)  # the full disk dropped one
+    for cid, ids in ctxs.items():
+        _ask(s, tokenizer, ids)  # gives each a second access
+    for c in _api(s, "GET", "/evicpress/contexts")["contexts"]:
+        _api(s, "POST", "/evicpress/evict_device")
+        ids = _api(s, "GET", f"/evicpress/contexts/{c['id']}?tokens=1")["token_ids"]
+        out = _ask(s, tokenizer, ids)
+        if c["id"] in ref and c["placement"]["config"] in (None, "full"):
+            assert out["output_ids"] == ref[c["id"]]
+    after = _counters(s)
+    for key in ("hits_device", "hits_host", "hits_disk", "misses"):
+        assert after.get(key, 0) > before.get(key, 0), (key, before, after)
+    status = _api(s, "GET", "/evicpress/status")
+    for tier in ("host", "disk"):
+        t = status["tiers"][tier]
+        assert t["used_bytes"] <= t["capacity_bytes"], status["tiers"]
+
+
+@pytest.mark.slow
+def test_server_reprofiles_on_quality_drift(ep_server, tokenizer):
+    from conftest import real_text_passages
+
+    s = ep_server
+    ids, info = _register(s, tokenizer, "drift", real_text_passages(12, words=220)[10],
+                          queries=["What is this text about?"],
+                          quality={"kivi@2b": 0.9, "kivi@4b": 0.97})
+    assert info["profile_pending"] is None and info["quality"]["kivi@2b"] == 0.9
+    _ask(s, tokenizer, ids)
+    _api(s, "POST", "/evicpress/contexts/drift/placement", {"tier": "host", "config": "kivi@2b"})
+    _api(s, "POST", "/evicpress/evict_device")
+    _ask(s, tokenizer, ids)  # served from the 2-bit copy: sampled for a shadow check
+    before = _counters(s)
+    fired = [_api(s, "POST", "/evicpress/contexts/drift/observations",
+                  {"config": "kivi@2b", "quality": 0.1})["reprofile"] for _ in range(4)]
+    assert any(fired)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        c = _counters(s)
+        if c.get("reprofilings", 0) > before.get("reprofilings", 0) and c.get("observations", 0) >= 5:
+            break
+        time.sleep(2)
+    else:
+        pytest.fail(f"no re-profiling: {_counters(s)}\n{s.log_tail(40)}")
+    info = _api(s, "GET", "/evicpress/contexts/drift")
+    assert info["profile_pending"] is None and info["profiled"]
+    assert set(info["quality"]) >= {"full", "kivi@2b", "kivi@4b"}
+    assert c.get("observations", 0) >= 5  # ours + the profiler's shadow check
