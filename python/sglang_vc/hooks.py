@@ -60,6 +60,25 @@ def _add_vc_counters(result, *args, **kwargs):
     return result
 
 
+def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
+    """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
+    servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
+    a host pool of a few hundred MB fails whenever other processes hold a few GB. On the
+    CPU platform the reserve is 10 GiB or 20% of the RAM, whichever is smaller; the rest
+    of SGLang's check (cgroup limits, ranks per host, the startup budget scope) is kept
+    by calling the original with the reserve lowered for the call (AROUND hook: the
+    constant has no seam of its own)."""
+    import psutil
+    import sglang.srt.mem_cache.pool_host.base as base
+
+    saved = base.HICACHE_HOST_MEMORY_RESERVE_BYTES
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(saved, int(0.2 * psutil.virtual_memory().total))
+    try:
+        return original(requested_bytes, auto_size=auto_size)
+    finally:
+        base.HICACHE_HOST_MEMORY_RESERVE_BYTES = saved
+
+
 def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -76,6 +95,11 @@ def _install_cpu_shims() -> None:
         "sglang.srt.mem_cache.pool_host.common._cuda_host_register",
         _skip_host_register,
         HookType.REPLACE,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes",
+        _host_memory_budget_bytes,
+        HookType.AROUND,
     )
     # The host pool module binds ``transfer_kv_direct`` only when sgl-kernel is there;
     # HookRegistry can replace a name but not define a missing one, so it is set here.

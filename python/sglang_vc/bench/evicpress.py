@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     fixed = [f for f in args.fixed.split(",") if f]
     host_ctx = args.host_contexts or 5.0
     disk_ctx = args.disk_contexts or 10.0
-    device_tokens = args.device_tokens or 4 * length
+    device_tokens = args.device_tokens or 8 * length
     max_new = args.max_new_tokens or (12 if q else 24)
     out_json = Path(args.json)
     out_json.parent.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,7 @@ class Context:
     profiled: bool = False
     profile_reason: Optional[str] = None  # why a (re-)profile is pending
     profile_in_flight: bool = False
+    profile_failures: int = 0
     placement: Placement = DROPPED
     stored_len: int = 0  # tokens covered by the stored blob
     sizes: dict = field(default_factory=dict)  # config -> exact blob bytes
@@ -301,7 +302,12 @@ class EvicPressManager:
                     return old
                 raise ValueError(f"context {ctx_id!r} exists with other tokens; delete it first")
             if len(self.contexts) >= self.settings.max_contexts:
-                raise ValueError(f"too many contexts (max {self.settings.max_contexts})")
+                # an automatic context makes room by forgetting the least recently used
+                # automatic one (scheduler thread); registered contexts are never forgotten
+                autos = [c for c in self.contexts.values() if c.source == "auto"]
+                if source != "auto" or not autos:
+                    raise ValueError(f"too many contexts (max {self.settings.max_contexts})")
+                self.forget(min(autos, key=lambda c: (c.stored, c.last_access)).ctx_id)
             ctx = Context(ctx_id, ids, namespace=namespace, source=source, last_access=self.clock())
             self._add_queries(ctx, queries, query_texts)
             self.contexts[ctx_id] = ctx
@@ -357,7 +363,7 @@ class EvicPressManager:
 
     # ------------------------------------------------------------------ model
     def info(self, ctx: Context) -> ContextInfo:
-        n = ctx.stored_len if ctx.stored else ctx.num_tokens
+        n = ctx.stored_len or ctx.num_tokens
         full = self.dims.bytes_per_token * n
         sizes = {}
         quality = {}
@@ -365,7 +371,10 @@ class EvicPressManager:
             if cfg.is_full:
                 continue
             quality[cfg] = q
-        for cfg in (FULL, *quality):
+        cfgs = {FULL, *quality, self.settings.fixed_config}
+        if ctx.stored:
+            cfgs.add(ctx.placement.config)
+        for cfg in cfgs:
             exact = ctx.sizes.get(cfg) if ctx.stored_len == n else None
             sizes[cfg] = exact if exact is not None else codec.estimate_bytes(full, n, cfg, self.dims.itemsize)
         sizes = {c: self._footprint(c, s) for c, s in sizes.items()}
@@ -786,6 +795,7 @@ class EvicPressManager:
             ctx.profiled = True
             ctx.profile_in_flight = False
             ctx.profile_reason = None
+            ctx.profile_failures = 0
             self.count(profiles=1)
             if was_profiled or reason == "drift":
                 self.count(reprofilings=1)
@@ -794,11 +804,18 @@ class EvicPressManager:
             self.rebalance_pending = True
             return True
 
+    MAX_PROFILE_FAILURES = 3
+
     def release_profile(self, ctx_id: str) -> None:
+        """A profile attempt failed; retried, up to :attr:`MAX_PROFILE_FAILURES` times."""
         with self.lock:
             ctx = self.contexts.get(str(ctx_id))
             if ctx is not None:
                 ctx.profile_in_flight = False
+                ctx.profile_failures += 1
+                if ctx.profile_failures >= self.MAX_PROFILE_FAILURES:
+                    logger.warning("EvicPress: giving up profiling context %s", ctx.ctx_id)
+                    ctx.profile_reason = None
 
     def request_profile(self, ctx_id: str) -> bool:
         with self.lock:

@@ -120,7 +120,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         host_pool = self.cache_controller.mem_pool_host
         if hasattr(host_pool, "get_pool"):  # a HostPoolGroup: its KV pool is the anchor
             host_pool = host_pool.get_pool(PoolName.KV)
-        host = HostSlotStore(host_pool)
+        host_cap = None if ep["host_size_gb"] is None else int(ep["host_size_gb"] * flags.GB)
+        host = HostSlotStore(host_pool, host_cap)
         disk_dir = Path(ep["disk_dir"])
         disk_dir.mkdir(parents=True, exist_ok=True)
         for stale in disk_dir.glob("*.kv"):  # blobs of an earlier run: no registry maps them
