@@ -247,6 +247,38 @@ def test_reprofile_fires_when_quality_drifts(tmp_path):
     assert ctx.placement == DROPPED
 
 
+def test_reconfigure_empties_tiers_keeps_profiles(tmp_path):
+    full = DIMS.bytes_per_token * 200
+    mgr = _manager(tmp_path, host_bytes=full + 4096, disk_bytes=10 * full, policy="lru")
+    ctxs = [_ctx(mgr, i, quality={"kivi@4b": 0.9}) for i in range(3)]
+    for i, c in enumerate(ctxs):
+        mgr.store_computed(c, _kv(200, i))
+    assert mgr.host.used_bytes > 0 and mgr.disk.used_bytes > 0
+    out = mgr.reconfigure(policy="fixed", fixed_config="kivi@4b")
+    assert out["policy"] == "fixed:kivi@4b"
+    assert mgr.host.used_bytes == 0 and mgr.disk.used_bytes == 0
+    assert all(c.placement == DROPPED and c.frequency == 0 and c.quality[KIVI4] == 0.9 for c in ctxs)
+    with pytest.raises(ValueError):
+        mgr.reconfigure(policy="nosuch")
+    assert mgr.policy.name == "fixed:kivi@4b"
+    mgr.store_computed(ctxs[0], _kv(200, 0))
+    assert ctxs[0].placement == Placement(KIVI4, Tier.HOST)
+
+
+def test_auto_contexts_are_recycled_at_the_limit(tmp_path):
+    mgr = _manager(tmp_path, host_bytes=1 << 30, disk_bytes=1 << 30, max_contexts=3)
+    api = mgr.register(list(range(1, 40)), ctx_id="api")
+    a1 = mgr.register(list(range(100, 140)), source="auto")
+    a2 = mgr.register(list(range(200, 240)), source="auto")
+    a3 = mgr.register(list(range(300, 340)), source="auto")  # forgets a1 (least recent)
+    assert set(mgr.contexts) == {"api", a2.ctx_id, a3.ctx_id}
+    with pytest.raises(ValueError):
+        mgr.register(list(range(400, 440)))  # an API context is refused instead
+    assert mgr.match(list(range(200, 260)))[0] is a2
+    assert mgr.match(list(range(100, 140))) is None
+    assert mgr.match(list(range(1, 30)))[1] == 29  # the longest prefix, >= half of it
+
+
 # ---------------------------------------------------------------------------- flags
 
 

@@ -9,7 +9,26 @@ SGLang-independent core:
 * :mod:`.quality`   -- MiniLM-L6-v2 / task-metric answer scorers (section 6.1; lazy)
 * :mod:`.disk_tier` -- checksummed, atomic on-disk KV store with a byte budget
 
-The radix-cache backend and the tier controller build on these.
+Runtime (``--radix-cache-backend evicpress`` with SGLang's hierarchical-cache flags):
+
+* :mod:`.codec`     -- a context's KV as one blob per config (full, KIVI 2/4-bit, 1-bit)
+* :mod:`.host_tier` -- host tier: blobs in the slots of SGLang's HiCache host pool
+* :mod:`.policy`    -- the utility knapsack and the LRU / fixed-compression baselines
+* :mod:`.manager`   -- contexts, placements, the real moves, profiling state, counters
+* :mod:`.radix`     -- the SGLang radix cache: loads stored contexts into device slots
+  on a match, stores computed ones, routes the profiler's namespaces
+* :mod:`.control`   -- the scheduler's control channel (JSON over localhost HTTP)
+* :mod:`.service`   -- ``/evicpress/*`` routes, flag checks and the idle-time profiler
+* :mod:`.flags`     -- ``--evicpress-*`` flags
+
+Quick start::
+
+    python -m sglang_vc.launch_server --dtype float32 \
+        --enable-hierarchical-cache --hicache-ratio 2 --hicache-io-backend direct \
+        --hicache-mem-layout layer_first --radix-cache-backend evicpress \
+        --evicpress-disk-dir /tmp/evicpress --evicpress-disk-size-gb 4
+    curl -H 'Content-Type: application/json' localhost:30000/evicpress/contexts \
+        -d '{"id": "doc1", "text": "...", "queries": ["What is it about?"]}'
 """
 
 from .config import (

@@ -115,13 +115,18 @@ class DiskTierStore:
     temporary files of an interrupted writer are removed.
     """
 
-    def __init__(self, root: Union[str, os.PathLike], capacity_bytes: int, *, fsync: bool = True) -> None:
+    def __init__(self, root: Union[str, os.PathLike], capacity_bytes: int, *, fsync: bool = True,
+                 drop_cache: bool = False) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = int(capacity_bytes)
         self.fsync = fsync
+        # Ask the kernel to drop an entry's pages after writing and reading it, so that
+        # reads come from the device rather than from the page cache (which would
+        # otherwise be an unbudgeted RAM tier in front of the disk). Best effort.
+        self.drop_cache = drop_cache and hasattr(os, "posix_fadvise")
         self.stats = DiskTierStats()
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}  # file name -> bytes
@@ -186,8 +191,10 @@ class DiskTierStore:
                     f.write(kb)
                     f.write(payload)
                     f.flush()
-                    if self.fsync:
+                    if self.fsync or self.drop_cache:
                         os.fsync(f.fileno())
+                    if self.drop_cache:
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
                 os.replace(tmp, self.root / name)
                 tmp = None
                 if self.fsync:
@@ -214,7 +221,7 @@ class DiskTierStore:
         with self._lock:
             self.stats.gets += 1
             try:
-                blob = (self.root / name).read_bytes()
+                blob = self._read(self.root / name)
             except FileNotFoundError:
                 self._forget(name)
                 self.stats.misses += 1
@@ -251,6 +258,14 @@ class DiskTierStore:
             return existed
 
     # -- internals ----------------------------------------------------------------------
+    def _read(self, path: Path) -> bytes:
+        if not self.drop_cache:
+            return path.read_bytes()
+        with open(path, "rb") as f:
+            blob = f.read()
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return blob
+
     @staticmethod
     def _parse(blob: bytes) -> Optional[tuple[int, bytes, bytes]]:
         """(kind, key, payload) of a well-formed entry, else None."""

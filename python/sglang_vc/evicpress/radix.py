@@ -27,6 +27,7 @@ context), so they never share tree nodes with user requests.
 from __future__ import annotations
 
 import array
+import collections
 import logging
 import math
 import os
@@ -126,7 +127,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         disk_dir.mkdir(parents=True, exist_ok=True)
         for stale in disk_dir.glob("*.kv"):  # blobs of an earlier run: no registry maps them
             stale.unlink(missing_ok=True)
-        disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB))
+        disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB), drop_cache=True)
         measured = _measure(ep, dims, disk_dir)
         settings = flags.settings_from_dict(ep, **measured)
         self.evicpress = EvicPressManager(
@@ -134,6 +135,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
             counters=lambda **kw: stats.add("evicpress", **kw),
         )
         self._reqs: dict[str, _Req] = {}
+        # full KV of contexts the profiler just computed (reference answers), the source
+        # of the compressed versions it answers on next; a few entries, LRU
+        self._profile_kv: "collections.OrderedDict[str, FullKV]" = collections.OrderedDict()
         self._control = ControlServer(self, int(ep["control_port"]))
         self._control.start()
         logger.info(
@@ -239,6 +243,11 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if ns and ns.startswith(PROFILE_NAMESPACE):
             if ns.startswith(CFG_NAMESPACE):
                 self._inject_variant(req, key, ns)
+            elif ns == REF_NAMESPACE and req.rid not in self._reqs:
+                m = mgr.match(key.raw_token_ids(), None)
+                if m is not None and m[0].ctx_id not in self._profile_kv:
+                    n = self._floor(min(m[1], len(key)))
+                    self._reqs[req.rid] = _Req(m[0], m[1], n, "ref", None, n, FULL, time.perf_counter())
             return
         st = self._reqs.get(req.rid)
         ids = key.raw_token_ids()
@@ -317,6 +326,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if ctx.device_config is None or ctx.device_config.is_full:
             spaces.append(ctx.namespace)
         src = None
+        kept = self._profile_kv.get(ctx.ctx_id)
+        if kept is not None and kept.num_tokens >= n:
+            src = kept.prefix(n)
+            spaces = []
         for space in spaces:
             have, _, idx = self._device_match(self._key(ids[:n], None, space))
             if have >= n:
@@ -341,6 +354,15 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if st is None or st.ctx is None or not st.capture_len or up_to < st.capture_len:
             return
         n, st.capture_len = st.capture_len, 0
+        if st.tier == "ref":  # the profiler's full-KV copy: keep it for the variants
+            have, _, idx = self._device_match(RadixKey(
+                array.array("q", [int(t) for t in req.origin_input_ids[:n]]), REF_NAMESPACE,
+                is_bigram=self.tree_core.is_eagle))
+            if have >= n:
+                self._profile_kv[st.ctx.ctx_id] = self._gather(idx)
+                while len(self._profile_kv) > 8:
+                    self._profile_kv.popitem(last=False)
+            return
         try:
             ctx = st.ctx
             if ctx.stored or ctx.ctx_id not in self.evicpress.contexts:
@@ -364,7 +386,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if self.evicpress is None:
             return
         st = self._reqs.pop(req.rid, None)
-        if st is None:
+        if st is None or st.tier == "ref":
             return
         self.evicpress.note_activity(req.rid, False)
         if st.ctx is None or st.served is None or st.served.is_full:

@@ -272,13 +272,14 @@ class ProfilerService:
     """Background profiling and drift checks, in idle time (see the module docstring)."""
 
     def __init__(self, client: ControlClient, base_url: str, tok: _Tokenizer, idle_seconds: float,
-                 scorer=None, poll: float = 0.5) -> None:
+                 scorer=None, poll: float = 0.5, jobs_per_round: int = 4) -> None:
         self.client = client
         self.base_url = base_url
         self.tok = tok
         self.idle_seconds = idle_seconds
         self._scorer = scorer
         self.poll = poll
+        self.jobs_per_round = jobs_per_round
         self._stop = threading.Event()
 
     @property
@@ -303,8 +304,22 @@ class ProfilerService:
     def stop(self) -> None:
         self._stop.set()
 
+    @staticmethod
+    def _server_exiting() -> bool:
+        """True once SGLang drains for shutdown (SIGTERM): issuing more requests would
+        keep the drain waiting."""
+        try:
+            from sglang.srt.entrypoints import http_server
+
+            state = http_server._global_state
+            return bool(state is not None and getattr(state.tokenizer_manager, "gracefully_exit", False))
+        except Exception:  # pragma: no cover - another SGLang layout
+            return False
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._server_exiting():
+                return
             try:
                 if not self.step():
                     self._stop.wait(self.poll)
@@ -321,19 +336,24 @@ class ProfilerService:
             status["pending_profiles"] or status["pending_observations"]
         ):
             return False
-        work = self.client.call("GET", "/work", params={"limit": 2})
-        for job in work["profiles"]:
+        work = self.client.call("GET", "/work", params={"limit": self.jobs_per_round})
+
+        def run(job):
             try:
                 self.profile(job)
             except Exception:
+                logger.exception("EvicPress: profiling context %s failed", job["ctx_id"])
                 self.client.call("POST", "/work/profile", {"ctx_id": job["ctx_id"], "failed": True})
-                raise
-        for obs in work["observations"]:
-            self.observe(obs)
+
+        # several contexts at once: SGLang batches their decodes
+        _parallel([(lambda j=j: run(j)) for j in work["profiles"]])
+        _parallel([(lambda o=o: self.observe(o)) for o in work["observations"]])
         return bool(work["profiles"] or work["observations"])
 
     # ------------------------------------------------------------------ jobs
     def _gen(self, ids, ns, max_new_tokens, **kw) -> dict:
+        if self._server_exiting():
+            raise RuntimeError("the server is shutting down")
         return _generate(self.base_url, ids, max_new_tokens=max_new_tokens, extra_key=ns, **kw)
 
     def _questions(self, job: dict) -> list[list[int]]:
@@ -357,10 +377,13 @@ class ProfilerService:
             raise RuntimeError(f"no queries to profile context {job['ctx_id']}")
         m = job["max_new_tokens"]
         refs = _parallel([(lambda p=p: self._gen(p, REF_NAMESPACE, m)) for p in prompts])
+        labels = list(job["candidates"])
+        answers = _parallel([
+            (lambda p=p, ns=CFG_NAMESPACE + label: self._gen(p, ns, m)) for label in labels for p in prompts
+        ])
         quality = {}
-        for label in job["candidates"]:
-            ns = CFG_NAMESPACE + label
-            outs = _parallel([(lambda p=p: self._gen(p, ns, m)) for p in prompts])
+        for i, label in enumerate(labels):
+            outs = answers[i * len(prompts): (i + 1) * len(prompts)]
             # the compressed context was loaded when (nearly) all of it was a cache hit
             loaded = all(
                 o["meta_info"].get("cached_tokens", 0) >= 0.9 * min(len(job["token_ids"]), len(p) - 1)
