@@ -397,7 +397,8 @@ def _api(server, method, path, body=None):
 
 
 def _counters(server) -> dict:
-    return server.server_info()["sglang_vc"]["counters"].get("evicpress", {})
+    # /evicpress/status runs after the stores the backend deferred to the next step
+    return _api(server, "GET", "/evicpress/status")["counters"]
 
 
 def _register(server, tokenizer, ctx_id, passage, **extra):
@@ -510,6 +511,10 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     after = _counters(s)
     for key in ("hits_device", "hits_host", "hits_disk", "misses"):
         assert after.get(key, 0) > before.get(key, 0), (key, before, after)
+    # the same counters in the sglang_vc section of /server_info
+    info = s.server_info()["sglang_vc"]["counters"]["evicpress"]
+    for key in ("hits_device", "hits_host", "hits_disk", "misses", "demotions"):
+        assert info.get(key, 0) > 0, info
     status = _api(s, "GET", "/evicpress/status")
     for tier in ("host", "disk"):
         t = status["tiers"][tier]

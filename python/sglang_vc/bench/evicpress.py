@@ -265,7 +265,7 @@ def main(argv=None) -> int:
             from sglang_vc.testing.server import ServerProcess
 
             log("starting the server: " + " ".join(server_args))
-            server = ServerProcess(server_args, log_path=Path(tmp.name) / "server.log", timeout=900)
+            server = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
             url = server.url
         cl = Client(url)
         # phase 1: contexts, profiling (offline phase)

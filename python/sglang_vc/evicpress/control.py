@@ -72,22 +72,30 @@ class ControlServer:
         threading.Thread(target=self._server.serve_forever, name="evicpress-control", daemon=True).start()
 
     # ------------------------------------------------------------------ routes
+    def _consistent(self, fn):
+        """Run a read on the scheduler thread, after the stores and promotions the
+        backend deferred (so a reply reflects every request already answered); falls
+        back to a direct read when the scheduler is busy for long."""
+        try:
+            return self.mgr.submit(fn, timeout=30)
+        except TimeoutError:
+            with self.mgr.lock:
+                return fn()
+
     def handle(self, method: str, path: str, query: dict, body: Any) -> Any:
         mgr = self.mgr
         parts = [p for p in path.split("/") if p]
         if parts == ["status"] and method == "GET":
-            return mgr.status()
+            return self._consistent(mgr.status) if query.get("sync") == ["1"] else mgr.status()
         if parts == ["contexts"] and method == "GET":
-            with mgr.lock:
-                return {"contexts": [c.describe() for c in mgr.contexts.values()]}
+            return self._consistent(lambda: {"contexts": [c.describe() for c in mgr.contexts.values()]})
         if parts == ["contexts"] and method == "POST":
             return self._register(body or {})
         if len(parts) >= 2 and parts[0] == "contexts":
             ctx = _ctx_or_404(mgr, parts[1])
             rest = parts[2:]
             if not rest and method == "GET":
-                with mgr.lock:
-                    return ctx.describe(with_tokens=query.get("tokens") == ["1"])
+                return self._consistent(lambda: ctx.describe(with_tokens=query.get("tokens") == ["1"]))
             if not rest and method == "DELETE":
                 return {"deleted": mgr.submit(lambda: mgr.forget(ctx.ctx_id))}
             if rest == ["placement"] and method in ("POST", "PUT"):

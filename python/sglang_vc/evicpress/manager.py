@@ -153,10 +153,13 @@ class Context:
 
 
 class Fetched:
-    """A context's stored KV, read and decoded for loading onto the device."""
+    """A context's stored KV, read and decoded for loading onto the device (``blob``
+    is the stored bytes, reused when the context is then promoted)."""
 
-    def __init__(self, kv: FullKV, config: CompressionConfig, tier: Tier, nbytes: int, seconds: float):
+    def __init__(self, kv: FullKV, config: CompressionConfig, tier: Tier, nbytes: int, seconds: float,
+                 blob: Optional[bytes] = None):
         self.kv, self.config, self.tier, self.nbytes, self.seconds = kv, config, tier, nbytes, seconds
+        self.blob = blob
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -463,11 +466,13 @@ class EvicPressManager:
                 self.tracker.forget(ctx.ctx_id)
 
     # ------------------------------------------------------------------ moves
-    def apply(self, moves: Sequence[Move], sources: Optional[dict] = None) -> int:
+    def apply(self, moves: Sequence[Move], sources: Optional[dict] = None,
+              blobs: Optional[dict] = None) -> int:
         """Apply ``moves`` to the stored blobs; returns how many took effect.
 
         ``sources`` maps a context id to the data an insert starts from: a
-        :class:`FullKV` (with its config) or a blob. Every source is read and removed
+        :class:`FullKV` (with its config) or a blob. ``blobs`` gives stored bytes
+        already read (a context just fetched), so they are not read again. Every source is read and removed
         before any destination is written, so a plan whose end state fits never needs
         more than that end state's bytes on any tier.
         """
@@ -489,7 +494,7 @@ class EvicPressManager:
             if ctx.placement != m.src:
                 logger.warning("EvicPress: stale move %s (context is %s)", m, ctx.placement)
                 continue
-            blob = self._read_blob(ctx, m.src)
+            blob = (blobs or {}).get(m.ctx_id) or self._read_blob(ctx, m.src)
             if blob is None:
                 continue
             self._delete_blob(ctx, m.src)
@@ -608,9 +613,9 @@ class EvicPressManager:
                     elapsed = target
             tier = p.tier.name.lower()
             self.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
-            return Fetched(kv, cfg, p.tier, len(blob), elapsed)
+            return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob)
 
-    def after_hit(self, ctx: Context, tier: Tier) -> list[Move]:
+    def after_hit(self, ctx: Context, tier: Tier, blob: Optional[bytes] = None) -> list[Move]:
         """A context was served from ``tier``: promote it to the host tier when the
         policy keeps it there."""
         with self.lock:
@@ -620,7 +625,7 @@ class EvicPressManager:
             placements[ctx.ctx_id] = ctx.placement
             new = self.info(ctx)
             moves = self.policy.plan_insert(new, infos, placements, last, config=ctx.placement.config)
-            self.apply(moves)
+            self.apply(moves, blobs={ctx.ctx_id: blob} if blob is not None else None)
             return moves
 
     def set_placement(self, ctx: Context, placement: Placement) -> bool:

@@ -66,6 +66,7 @@ class _Req:
     base_config: CompressionConfig
     t0: float
     prefix_have: int = 0
+    fetched: object = None
 
 
 def evicpress_factory(ctx):
@@ -138,6 +139,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         # full KV of contexts the profiler just computed (reference answers), the source
         # of the compressed versions it answers on next; a few entries, LRU
         self._profile_kv: "collections.OrderedDict[str, FullKV]" = collections.OrderedDict()
+        # stores and promotions wait for the next scheduler step, off the TTFT path
+        self._deferred: collections.deque = collections.deque()
         self._control = ControlServer(self, int(ep["control_port"]))
         self._control.start()
         logger.info(
@@ -158,6 +161,12 @@ class EvicPressRadixCache(UnifiedRadixCache):
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
         if self.evicpress is not None:
+            while self._deferred:
+                fn = self._deferred.popleft()
+                try:
+                    fn()
+                except Exception:
+                    logger.exception("EvicPress: deferred store/promotion failed")
             self.evicpress.run_pending()
 
     # ------------------------------------------------------------------ helpers
@@ -282,10 +291,12 @@ class EvicPressRadixCache(UnifiedRadixCache):
             if first:
                 st.tier, st.served = "device", ctx.device_config or FULL
                 if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
-                    mgr.store_computed(ctx, self._gather(idx), FULL)
+                    kv = self._gather(idx)
+                    self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
         elif ctx.stored:
             fetched = mgr.fetch(ctx)
             if fetched is not None:
+                st.fetched = fetched
                 n = self._floor(min(st.usable, fetched.kv.num_tokens))
                 got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
                 loaded = got >= n and n > have
@@ -303,7 +314,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
             tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
             mgr.on_request(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp)
             if tier is not None:
-                mgr.after_hit(ctx, tier)
+                blob = st.fetched.blob if st.fetched is not None else None
+                self._deferred.append(lambda: mgr.after_hit(ctx, tier, blob))
+            st.fetched = None
 
     def _inject_variant(self, req, key: RadixKey, ns: str) -> None:
         """Profiler request: answer on config ``ns[len(CFG_NAMESPACE):]`` of the context.
@@ -376,7 +389,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
             elapsed = time.perf_counter() - st.t0
             self.evicpress.note_prefill(n - st.prefix_have, elapsed)
             ctx.device_config = st.base_config
-            self.evicpress.store_computed(ctx, self._gather(idx), st.base_config)
+            kv, cfg, mgr = self._gather(idx), st.base_config, self.evicpress
+            self._deferred.append(lambda: mgr.store_computed(ctx, kv, cfg))
             self.evicpress.count(captures=1)
         except Exception:
             logger.exception("EvicPress: could not store context %s", st.ctx.ctx_id)

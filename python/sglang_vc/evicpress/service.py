@@ -162,7 +162,7 @@ def install(vc_config, server_args) -> None:
 
     app.add_api_route("/evicpress/contexts", register, methods=["POST"])
     app.add_api_route("/evicpress/contexts", lambda: call("GET", "/contexts"), methods=["GET"])
-    app.add_api_route("/evicpress/status", lambda: call("GET", "/status"), methods=["GET"])
+    app.add_api_route("/evicpress/status", lambda: call("GET", "/status", params={"sync": 1}), methods=["GET"])
     app.add_api_route("/evicpress/evict_device", lambda: call("POST", "/evict_device"), methods=["POST"])
 
     def reconfigure(body: dict = Body(...)):
@@ -272,7 +272,7 @@ class ProfilerService:
     """Background profiling and drift checks, in idle time (see the module docstring)."""
 
     def __init__(self, client: ControlClient, base_url: str, tok: _Tokenizer, idle_seconds: float,
-                 scorer=None, poll: float = 0.5, jobs_per_round: int = 4) -> None:
+                 scorer=None, poll: float = 0.5, jobs_per_round: int = 2) -> None:
         self.client = client
         self.base_url = base_url
         self.tok = tok
