@@ -110,6 +110,9 @@ class VCConfig:
                 "radix_cache_backend": RADIX_CACHE_BACKEND,
                 "per_request_keys": list(REQUEST_KEYS),  # in sampling_params.custom_params
             }
+        vericache = self.__dict__.get("vericache")  # set when VERICACHE is resolved
+        if vericache:
+            mechanisms["vericache"] = dict(vericache)
         if self.evicpress and self.evicpress.get("enabled"):
             ep = self.evicpress
             mechanisms["evicpress"] = {

@@ -79,6 +79,24 @@ def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: 
         base.HICACHE_HOST_MEMORY_RESERVE_BYTES = saved
 
 
+def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
+                             out_cache_loc, batch_size):
+    """Pure-torch ``assign_req_to_token_pool_func``: write the freshly allocated slots
+    ``out_cache_loc`` (concatenated per request) into ``req_to_token[row, start:end]``.
+    Speculative decoding's per-round allocation (``alloc_for_spec_decode``) calls it; SGLang
+    runs a Triton kernel there unless its in-tree CPU engine (with sgl-kernel) is active,
+    and has no platform seam for the op (VERICACHE on the CPU platform needs it)."""
+    rows = req_pool_indices.tolist()
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    off = 0
+    for row, start, end in zip(rows[:batch_size], starts, ends):
+        n = end - start
+        if n > 0:
+            req_to_token[row, start:end] = out_cache_loc[off : off + n].to(req_to_token.dtype)
+        off += max(n, 0)
+
+
 def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -100,6 +118,11 @@ def _install_cpu_shims() -> None:
         "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes",
         _host_memory_budget_bytes,
         HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func",
+        assign_req_to_token_pool,
+        HookType.REPLACE,
     )
     # The host pool module binds ``transfer_kv_direct`` only when sgl-kernel is there;
     # HookRegistry can replace a name but not define a missing one, so it is set here.

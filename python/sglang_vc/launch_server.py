@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     install_evicpress(vc_config, server_args)  # /evicpress/* routes and the profiler
     try:
         run_server(server_args)
+    except ConfigError as exc:  # a project check run while SGLang resolves its args
+        build_vc_parser().error(str(exc))  # usage error, exit 2
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
 

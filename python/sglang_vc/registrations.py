@@ -13,6 +13,10 @@ def register_all() -> None:
 
     lossy.register()  # attention backend "vc_torch", radix cache "vc"
 
+    from sglang_vc.vericache import worker_spec
+
+    worker_spec.register()  # speculative algorithm "VERICACHE", attention backend "vc_verify"
+
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
 
     register_radix_cache_backend("evicpress", _evicpress_factory)  # EvicPress tiers

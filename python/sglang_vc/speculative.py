@@ -1,6 +1,8 @@
 """Speculative algorithms that sglang-vc adds, and their workers on the CPU platform."""
 
-_WORKERS: dict[str, str] = {}
+_WORKERS: dict[str, str] = {
+    "VERICACHE": "sglang_vc.vericache.worker:VeriCacheWorker",
+}
 
 
 def supported_algorithms() -> set[str]:

@@ -120,6 +120,10 @@ class LossyRuntime:
         self.meta: dict[str, dict] = {}  # rid -> summary dict shown in meta_info
         self._compressors: dict[str, Compressor] = {}
         self.batch: Optional[BatchView] = None
+        # VeriCache keeps the full KV of what compression replaces: when set, called as
+        # sink(rid, req_pool_idx, layer_id, p, k, v) with the layer's full prefill K/V
+        # (row positions [0, n)) right before they are compressed.
+        self.full_kv_sink = None
         logger.info(
             "lossy serving: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
@@ -231,6 +235,8 @@ class LossyRuntime:
             row = self.req_to_token[pend.req_pool_idx]
             slots = row[: pend.n].to(torch.int64)
             k, v = k_buf[slots], v_buf[slots]
+            if self.full_kv_sink is not None:
+                self.full_kv_sink(pend.plan.rid, pend.req_pool_idx, layer_id, pend.p, k, v)
             queries = self._queries(spec, q, pend)
             ckv = comp.compress(layer_id, k, v, spec.amount, queries=queries, req_id=pend.plan.rid)
             if isinstance(ckv, DroppedKV):

@@ -5,6 +5,7 @@ this platform is out-of-tree (``PlatformEnum.OOT``): SGLang then routes every fu
 its ``forward_native`` torch path (dispatch key ``native``) and never assumes CUDA.
 """
 
+import functools
 import logging
 
 import psutil
@@ -47,6 +48,11 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
 
         apply_lossy_defaults(server_args)  # --vc-compressor: vc_torch + radix cache "vc"
 
+    def get_kv_pool_cls(self, *, kind):
+        # Speculative decoding builds the pool with enable_kv_cache_copy, whose warmup
+        # launches a Triton kernel; on CPU the pool moves KV with SGLang's torch move.
+        return _torch_mha_pool_cls() if kind == "mha" else None
+
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
         from sglang_vc.speculative import supported_algorithms
 
@@ -56,6 +62,21 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
         from sglang_vc.speculative import worker_cls_for
 
         return worker_cls_for(algorithm)
+
+
+@functools.cache
+def _torch_mha_pool_cls():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    class TorchMHATokenToKVPool(MHATokenToKVPool):
+        """SGLang's MHA pool whose KV moves (speculative decoding) use the native torch
+        path instead of the Triton tiled copy."""
+
+        def _init_kv_copy_and_warmup(self):
+            self._kv_copy_config = None
+            self.use_native_move_kv_cache = True
+
+    return TorchMHATokenToKVPool
 
 
 def _kv_pool_tokens_from_free_ram(server_args) -> int:

@@ -1,0 +1,177 @@
+"""Speculative algorithm ``VERICACHE`` registered with SGLang's registry.
+
+``--speculative-algorithm VERICACHE --speculative-num-draft-tokens X --vc-compressor NAME
+--vc-compression-ratio C`` (or ``--vc-kv-bits B`` for a quantizer): drafts ``X`` tokens
+per round from the compressed KV and verifies them in one forward against the full KV
+(:mod:`.worker`). Registration is cheap (no torch model code is imported); the worker
+class is imported only when SGLang builds it.
+
+Flags SGLang resolves for the algorithm (``handle_server_args``): no overlap schedule
+(the worker runs synchronously), ``topk=1`` chains, ``--page-size 1``, the attention
+backend ``vc_verify`` (:class:`.worker.VeriCacheAttnBackend`, the lossy backend plus
+TARGET_VERIFY over the full KV) and the lossy radix cache ``vc``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "VERICACHE"
+ATTENTION_BACKEND = "vc_verify"
+DEFAULT_DRAFT_TOKENS = 4
+META_INFO_KEY = "sglang_vc_vericache"
+WORKER_PATH = "sglang_vc.vericache.worker:VeriCacheWorker"
+# Online compressors evict rows of the request's own row during decode (they compact
+# into the slots of committed tokens), which would overwrite the full KV the verifier
+# reads; VeriCache needs the committed tokens' KV untouched.
+UNSUPPORTED_MODES = ("online",)
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``VERICACHE`` and the ``vc_verify`` attention backend (once per process)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTENTION_BACKEND])
+    if get_spec(ALGORITHM) is None:
+        SpeculativeAlgorithm.register(
+            ALGORITHM,
+            supports_overlap=False,
+            validate_server_args=validate_server_args,
+            spec_class=_spec_class(),
+        )(worker_factory)
+
+
+def worker_factory(server_args):
+    """The worker class (SGLang's ``create_worker`` on CUDA; the CPU platform asks
+    ``sglang_vc.speculative.worker_cls_for`` instead)."""
+    import pkgutil
+
+    return pkgutil.resolve_name(WORKER_PATH)
+
+
+def _create_attention_backend(model_runner):
+    from .worker import VeriCacheAttnBackend
+
+    return VeriCacheAttnBackend(model_runner)
+
+
+def _spec_class():
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    class VeriCacheSpecAlgo(CustomSpecAlgo):
+        def handle_server_args(self, server_args) -> None:
+            handle_server_args(server_args)
+
+        # Methods of SGLang's SpeculativeAlgorithm enum that CustomSpecAlgo lacks in
+        # 0.5.23 but the scheduler calls on any algorithm.
+        def carries_draft_hidden_states(self) -> bool:
+            return False
+
+        def need_topk(self) -> bool:
+            return False
+
+        def get_platform_worker_cls(self):
+            from sglang.srt.platforms import current_platform
+
+            if not current_platform.is_out_of_tree():
+                return None
+            return current_platform.get_speculative_worker_cls(algorithm=self.name)
+
+        def create_worker(self, server_args):
+            return self.get_platform_worker_cls() or super().create_worker(server_args)
+
+        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
+                              needs_confidence_relay: bool = False):
+            from sglang.srt.managers.overlap_utils import FutureMap
+
+            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens,
+                             needs_confidence_relay)
+
+    VeriCacheSpecAlgo.__name__ = VeriCacheSpecAlgo.__qualname__ = "VeriCacheSpecAlgo"
+    return VeriCacheSpecAlgo
+
+
+def _config_error(message: str):
+    from sglang_vc.config import ConfigError
+
+    return ConfigError(f"--speculative-algorithm {ALGORITHM}: {message}")
+
+
+def validate_server_args(server_args) -> None:
+    """Reject a VERICACHE launch without a usable compressor (the launcher turns the
+    :class:`~sglang_vc.config.ConfigError` into a usage error, exit 2)."""
+    from sglang_vc.compress import get_compressor
+    from sglang_vc.config import parsed_config
+
+    config = parsed_config()
+    if config is None or not config.vc_compressor:
+        raise _config_error(
+            "needs --vc-compressor NAME (the compression of the device KV copy it drafts "
+            "from) with --vc-compression-ratio C or --vc-kv-bits B"
+        )
+    compressor = get_compressor(config.vc_compressor)
+    if compressor.mode in UNSUPPORTED_MODES:
+        raise _config_error(
+            f"--vc-compressor {config.vc_compressor} is an online method (it evicts rows during "
+            "decode); use an offline token-dropping method or a quantizer"
+        )
+    x = getattr(server_args, "speculative_num_draft_tokens", None)
+    if x is not None and int(x) < 1:
+        raise _config_error(f"--speculative-num-draft-tokens must be >= 1, got {x}")
+    raw = getattr(server_args, "_raw_input", None) or {}
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        value = raw.get(field)
+        if value not in (None, ATTENTION_BACKEND):
+            raise _config_error(f"drafts and verifies with the {ATTENTION_BACKEND} attention backend; "
+                                f"got {field}={value}")
+    if raw.get("radix_cache_backend") not in (None, "vc"):
+        raise _config_error("needs --radix-cache-backend vc")
+    if raw.get("page_size") not in (None, 1):
+        raise _config_error("needs --page-size 1")
+    if (raw.get("speculative_eagle_topk") or 1) != 1:
+        raise _config_error("drafts a single chain: --speculative-eagle-topk must be 1")
+
+
+def handle_server_args(server_args) -> None:
+    """Resolve the flags VERICACHE needs (runs on SGLang's resolution stand-in)."""
+    x = server_args.speculative_num_draft_tokens
+    if x is None:
+        x = DEFAULT_DRAFT_TOKENS
+        server_args.speculative_num_draft_tokens = x
+    # Draft steps = X, one chain. SGLang reserves 2 * max(steps, X) slots past each
+    # request's committed length per decode round, which holds the X + 1 verify slots.
+    server_args.speculative_num_steps = x
+    server_args.speculative_eagle_topk = 1
+    server_args.disable_overlap_schedule = True
+    server_args.enable_mixed_chunk = False
+    server_args.attention_backend = ATTENTION_BACKEND
+    server_args.radix_cache_backend = "vc"
+    server_args.page_size = 1
+    from sglang_vc.config import parsed_config
+
+    config = parsed_config()
+    if config is not None:
+        config.vericache = {
+            "draft_tokens": int(x),
+            "compressor": config.vc_compressor,
+            "compression_ratio": config.vc_compression_ratio,
+            "kv_bits": config.vc_kv_bits,
+            "attention_backend": ATTENTION_BACKEND,
+            "radix_cache_backend": "vc",
+            "schedule": "verify every round (X drafts, then one verify)",
+        }
+        config.enabled_mechanisms()
