@@ -23,7 +23,22 @@ How it plugs into SGLang (registries only):
 A request may choose its own compression through ``sampling_params.custom_params``:
 ``{"vc_compressor": "h2o", "vc_compression_ratio": 0.5}``, ``{"vc_compressor": "kivi",
 "vc_kv_bits": 4}`` or ``{"vc_compressor": "none"}`` (full KV). Each response's
-``meta_info["sglang_vc_compression"]`` is a one-element list with what was done.
+``meta_info["sglang_vc_compression"]`` is a one-element list with what was done; the
+``compression`` counters of ``/server_info`` sum it up.
+
+Memory: token dropping frees ``n - n_keep`` pool slots per request right after its
+prefill (H2O keeps freeing as it evicts); KIVI frees the slots of the quantized tokens and
+keeps their packed payload in a side store (bounded, ``runtime.PAYLOAD_STORE_FRACTION`` of
+the pool's bytes; when full, the dequantized values are written back in place and nothing
+is saved). Rows borrowed from a cached full prefix stay with the tree.
+
+What the methods score with (queries are the post-RoPE queries the backend receives
+during the prefill's last chunk): SnapKV the last 32 prompt queries (its observation
+window); H2O the last 512 prompt queries, then every decode query (online); KVzip has no
+context-reconstruction pass here: the last 512 prompt queries stand in for the
+reconstruction queries (scored as if they followed the context, as the library does).
+KIVI quantizes the prompt once; generated tokens stay in full precision. ``--page-size 1``
+only; no speculative decoding, HiCache or hybrid (SWA/Mamba) models in this mode.
 """
 
 ATTENTION_BACKEND = "vc_torch"

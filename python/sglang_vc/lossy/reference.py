@@ -4,14 +4,17 @@ compressed cache at the real positions. The server's lossy serving must produce 
 tokens (up to near-ties, see ``sglang_vc.testing.reference``).
 
 Only for methods that need no queries (StreamingLLM, KNorm, KeyDiff) and for the
-quantizers (KIVI): the queries SnapKV/H2O/KVzip score with are not exposed by HF.
+quantizers (KIVI, with the server's streaming rule: once the full-precision tail reaches
+``residual_length + group_size`` tokens its oldest group is quantized); the queries
+SnapKV/H2O/KVzip score with are not exposed by HF.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_vc.compress import get_compressor
+from sglang_vc.compress import QuantizedKV, get_compressor
+from sglang_vc.compress.kivi import KIVI
 from sglang_vc.testing.reference import Reference, load_hf_model
 
 
@@ -28,10 +31,13 @@ def lossy_greedy_reference(model_dir: str, input_ids: list[int], max_new_tokens:
     out = model(torch.tensor([input_ids]), use_cache=True)
     full = out.past_key_values
     cache = DynamicCache(config=model.config)
+    n_quant = 0
     for layer, cached in enumerate(full.layers):
         k = cached.keys[0].transpose(0, 1)  # [n, H, D], RoPE applied
         v = cached.values[0].transpose(0, 1)
-        kk, vv, _ = comp.decompress(comp.compress(layer, k, v, amount))
+        ckv = comp.compress(layer, k, v, amount)
+        n_quant = ckv.num_quantized if isinstance(ckv, QuantizedKV) else 0
+        kk, vv, _ = comp.decompress(ckv)
         cache.update(kk.transpose(0, 1).unsqueeze(0).contiguous(),
                      vv.transpose(0, 1).unsqueeze(0).contiguous(), layer)
     logits = out.logits[0, -1]
@@ -53,4 +59,21 @@ def lossy_greedy_reference(model_dir: str, input_ids: list[int], max_new_tokens:
             use_cache=True,
         )
         logits = out.logits[0, -1]
+        if comp.scenario == "quantization" and amount < 16:
+            n_quant = _quantize_tail(cache, compressor, amount, n_quant)
     return Reference(tokens, gaps, tops)
+
+
+def _quantize_tail(cache, compressor: str, bits: int, n_quant: int) -> int:
+    comp = get_compressor(compressor)
+    g, r = comp.group_size, comp.residual_length
+    if cache.get_seq_length() - n_quant < r + g:
+        return n_quant
+    whole = get_compressor(compressor, residual_length=0)
+    for layer_idx, layer in enumerate(cache.layers):
+        k = layer.keys[0, :, n_quant : n_quant + g].transpose(0, 1)
+        v = layer.values[0, :, n_quant : n_quant + g].transpose(0, 1)
+        kk, vv = KIVI.dequantize(whole.compress(layer_idx, k, v, bits))
+        layer.keys[0, :, n_quant : n_quant + g] = kk.transpose(0, 1)
+        layer.values[0, :, n_quant : n_quant + g] = vv.transpose(0, 1)
+    return n_quant + g

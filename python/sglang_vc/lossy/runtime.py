@@ -85,6 +85,7 @@ class BatchView:
     entries: list  # per request: CompressedKVIndex or None
     pending: list  # _Pending
     online: dict  # batch index -> _Online (decode only)
+    streaming: list = dataclasses.field(default_factory=list)  # (entry, seq_len): KIVI in decode
 
     @property
     def any_compressed(self) -> bool:
@@ -168,7 +169,7 @@ class LossyRuntime:
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens).tolist()
         entries = [self.index.get(i) for i in pool_idx]
-        pending, online = [], {}
+        pending, online, streaming = [], {}, []
         if mode.is_extend() and not mode.is_target_verify() and rids:
             prefix = forward_batch.extend_prefix_lens_cpu
             ext = forward_batch.extend_seq_lens_cpu
@@ -187,7 +188,9 @@ class LossyRuntime:
                     row = self.req_to_token[entry.req_pool_idx, entry.attend_from : seq_lens[i]]
                     slots = torch.cat([entry.comp_slots, row.to(torch.int64)])
                     online[i] = _Online(entry, slots, seq_lens[i])
-        self.batch = BatchView(entries, pending, online)
+                elif entry is not None and entry.spec.scenario == "quantization":
+                    streaming.append((entry, seq_lens[i]))
+        self.batch = BatchView(entries, pending, online, streaming)
         return self.batch
 
     def _pending(self, plan: RequestPlan, req_pool_idx: int, n: int, extend_prefix: int,
@@ -268,6 +271,8 @@ class LossyRuntime:
                 meta["error"] = pend.plan.error
         for i, onl in batch.online.items():
             self._commit_online(onl)
+        for entry, seq_len in batch.streaming:
+            self._quantize_tail(entry, seq_len)
         self.batch = None
 
     def _finish_pending(self, pend: _Pending) -> CompressedKVIndex:
@@ -390,6 +395,60 @@ class LossyRuntime:
         meta = self.meta.get(entry.rid)
         if meta is not None:
             meta.update(entry.summary())
+
+    # ------------------------------------------------------------------ KIVI streaming
+
+    def _quantize_tail(self, entry: CompressedKVIndex, seq_len: int) -> None:
+        """KIVI during decode: once the full-precision tail reaches ``residual_length +
+        group_size`` tokens, quantize its oldest ``group_size`` tokens (one more key group),
+        append them to the payload and free their slots."""
+        spec = entry.spec
+        comp = self.compressor(spec.compressor)
+        g, r = comp.group_size, comp.residual_length
+        if spec.bits >= 16 or entry.in_place or seq_len - entry.attend_from < r + g:
+            return
+        start = entry.attend_from
+        rows = self.req_to_token[entry.req_pool_idx, start : start + g].to(torch.int64)
+        whole = self.compressor_with(spec.compressor, residual_length=0)
+        layers, nbytes = {}, 0
+        old_layers = entry.payload.layers if entry.payload is not None else {}
+        for layer_id in range(self.start_layer, self.last_layer + 1):
+            k = self.kv_pool.get_key_buffer(layer_id)[rows]
+            v = self.kv_pool.get_value_buffer(layer_id)[rows]
+            new = whole.compress(layer_id, k, v, spec.bits)
+            old = old_layers.get(layer_id)
+            if old is not None:
+                cat = {f: torch.cat([getattr(old, f), getattr(new, f)])
+                       for f in ("k_payload", "k_scales", "k_zeros", "v_payload", "v_scales", "v_zeros")}
+                new = dataclasses.replace(old, num_tokens=old.num_tokens + g,
+                                          num_quantized=old.num_quantized + g, **cat)
+            else:
+                new = dataclasses.replace(new, k_residual=new.k_residual[:0].clone(),
+                                          v_residual=new.v_residual[:0].clone())
+            layers[layer_id] = new
+            nbytes += new.nbytes()
+        added = nbytes - (entry.payload.nbytes if entry.payload is not None else 0)
+        if self.payload_bytes + added > self.payload_budget:
+            return  # the store is full: the tail stays in full precision
+        self.payload_bytes += added
+        entry.payload = QuantPayload(layers, start + g, nbytes)
+        entry.attend_from = start + g
+        entry.quantized_tokens += g
+        own = rows[max(0, entry.prefix_len - start) :]  # rows below prefix_len are the tree's
+        if own.numel():
+            self.allocator.free(own.clone())
+            entry.slots_freed += int(own.numel())
+        stats.add("compression", streamed_tokens=g, slots_freed=int(own.numel()),
+                  bytes_saved=int(own.numel()) * self.bytes_per_slot - added)
+        meta = self.meta.get(entry.rid)
+        if meta is not None:
+            meta.update(entry.summary())
+
+    def compressor_with(self, name: str, **config) -> Compressor:
+        key = (name, tuple(sorted(config.items())))
+        if key not in self._compressors:
+            self._compressors[key] = get_compressor(name, **config)
+        return self._compressors[key]
 
     # ------------------------------------------------------------------ release
 
