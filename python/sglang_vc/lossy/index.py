@@ -48,6 +48,9 @@ class CompressedKVIndex:
     quantized_tokens: int = 0  # tokens whose KV was replaced by quantized values
     slots_freed: int = 0  # pool slots given back so far (compression + online evictions)
     online_evicted: int = 0  # tokens evicted per head after the prefill (online methods)
+    # Set by a user of the index that needs the rows after the compressed prefix to stay
+    # full KV (VeriCache verifies against them): no online eviction, no tail quantization.
+    keep_full_rows: bool = False
 
     @property
     def num_prefix_rows(self) -> int:

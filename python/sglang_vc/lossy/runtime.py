@@ -184,11 +184,13 @@ class LossyRuntime:
                 q_lo += ext[i]
         elif mode.is_decode():
             for i, entry in enumerate(entries):
-                if entry is not None and entry.spec.mode == "online":
+                if entry is None or entry.keep_full_rows:
+                    continue
+                if entry.spec.mode == "online":
                     row = self.req_to_token[entry.req_pool_idx, entry.attend_from : seq_lens[i]]
                     slots = torch.cat([entry.comp_slots, row.to(torch.int64)])
                     online[i] = _Online(entry, slots, seq_lens[i])
-                elif entry is not None and entry.spec.scenario == "quantization":
+                elif entry.spec.scenario == "quantization":
                     streaming.append((entry, seq_lens[i]))
         self.batch = BatchView(entries, pending, online, streaming)
         return self.batch
