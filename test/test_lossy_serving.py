@@ -157,6 +157,22 @@ def test_per_request_override_resolution():
         assert spec == default and err  # the server default runs, the error is reported
 
 
+def test_config_needs_the_amount_that_fits_the_compressor():
+    from sglang_vc.config import ConfigError, VCConfig
+
+    VCConfig(vc_compressor="snapkv", vc_compression_ratio=0.25).validate()
+    VCConfig(vc_compressor="kivi", vc_kv_bits=2).validate()
+    for kwargs, message in [
+        ({"vc_compressor": "snapkv"}, "needs --vc-compression-ratio"),
+        ({"vc_compressor": "kivi"}, "needs --vc-kv-bits"),
+        ({"vc_compressor": "kivi", "vc_kv_bits": 3}, "unsupported bit width"),
+        ({"vc_compressor": "kivi", "vc_compression_ratio": 0.5}, "give --vc-kv-bits"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            VCConfig(**kwargs).validate()
+    assert "lossy_serving" not in VCConfig(vc_compressor="knorm", vc_compression_ratio=0.5).enabled_mechanisms()
+
+
 # ----------------------------------------------------------------------------- server
 
 
