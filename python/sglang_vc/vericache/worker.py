@@ -206,8 +206,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 speculative_output_stride=self.width,
             )
         self.host.retain({e.rid for e in runtime.index.values()})
-        live = {r.rid for r in batch.reqs}
-        for rid in [r for r in self.per_request if r not in live and r not in self.host.entries]:
+        live = {r.rid for r in batch.reqs} | set(runtime.plans)
+        for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
         return result
 
