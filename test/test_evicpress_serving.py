@@ -279,6 +279,38 @@ def test_auto_contexts_are_recycled_at_the_limit(tmp_path):
     assert mgr.match(list(range(1, 30)))[1] == 29  # the longest prefix, >= half of it
 
 
+def test_profiler_job_scores_variants_against_reference():
+    """The profiler answers each prompt with full KV (reference) and under each config,
+    scores the agreement, skips a config whose compressed context was not loaded, and
+    posts the profile."""
+    from sglang_vc.evicpress.manager import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.service import ProfilerService
+
+    posted = []
+
+    class Client:
+        def call(self, method, path, body=None, params=None):
+            posted.append((method, path, body))
+            return {}
+
+    ctx = list(range(100, 300))
+    answers = {REF_NAMESPACE: "the cat sat", CFG_NAMESPACE + "kivi@4b": "the cat sat",
+               CFG_NAMESPACE + "kivi@2b": "a dog ran"}
+
+    class Prof(ProfilerService):
+        def _gen(self, ids, ns, max_new_tokens, **kw):
+            cached = len(ctx) if ns != CFG_NAMESPACE + "kivi1@1b" else 3  # 1-bit failed to load
+            return {"text": answers.get(ns, "x"), "meta_info": {"cached_tokens": cached}}
+
+    prof = Prof(Client(), "http://unused", tok=None, idle_seconds=0,
+                scorer=lambda a, b: 1.0 if a == b else 0.25)
+    job = {"ctx_id": "c", "reason": "new", "token_ids": ctx, "prompts": [ctx + [1, 2], ctx + [3]],
+           "candidates": ["kivi@2b", "kivi@4b", "kivi1@1b"], "generate_queries": 0, "max_new_tokens": 4}
+    q = prof.profile(job)
+    assert q == {"kivi@2b": 0.25, "kivi@4b": 1.0}
+    assert posted[-1] == ("POST", "/work/profile", {"ctx_id": "c", "quality": q, "reason": "new"})
+
+
 # ---------------------------------------------------------------------------- flags
 
 
@@ -376,7 +408,7 @@ def ep_server(model_dir, tmp_path_factory):
         "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "2048",
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
         "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-        "--radix-cache-backend", "evicpress", "--sleep-on-idle",
+        "--radix-cache-backend", "evicpress", "--enable-metrics",
         "--evicpress-disk-dir", str(root / "disk"),
         "--evicpress-host-size-gb", f"{2.5 * per_ctx_gb:.6f}",
         "--evicpress-disk-size-gb", f"{4.5 * per_ctx_gb:.6f}",
@@ -515,6 +547,9 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     info = s.server_info()["sglang_vc"]["counters"]["evicpress"]
     for key in ("hits_device", "hits_host", "hits_disk", "misses", "demotions"):
         assert info.get(key, 0) > 0, info
+    metrics = requests.get(s.url + "/metrics", timeout=60).text
+    for key in ("hits_host", "hits_disk", "demotions", "bytes_loaded_disk"):
+        assert f"sglang_vc:evicpress_{key}_total" in metrics, metrics[-3000:]
     status = _api(s, "GET", "/evicpress/status")
     for tier in ("host", "disk"):
         t = status["tiers"][tier]

@@ -219,13 +219,14 @@ def main(argv=None) -> int:
     if n_ctx < 30:
         ap.error("--contexts must be >= 30")
     length = args.context_tokens or (256 if q else 512)
-    n_req = args.requests or (40 if q else 150)
+    n_req = args.requests or (30 if q else 150)
     alphas = [float(a) for a in (args.alphas or ("1" if q else "0.2,1,5")).split(",")]
     fixed = [f for f in args.fixed.split(",") if f]
     host_ctx = args.host_contexts or 5.0
     disk_ctx = args.disk_contexts or 10.0
     device_tokens = args.device_tokens or 8 * length
     max_new = args.max_new_tokens or (12 if q else 24)
+    profile_new = 8 if q else max_new
     out_json = Path(args.json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
 
@@ -241,7 +242,6 @@ def main(argv=None) -> int:
     stream = zipf_stream(n_ctx, n_req, args.zipf, args.seed)
     ctx_bytes = KV_BYTES_PER_TOKEN * sum(len(c["token_ids"]) for c in contexts) / len(contexts)
     gb = 1 << 30
-    server = None
     tmp = tempfile.TemporaryDirectory(prefix="evicpress-bench-")
     server_args = [
         "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", str(device_tokens),
@@ -253,64 +253,93 @@ def main(argv=None) -> int:
         "--evicpress-disk-size-gb", f"{disk_ctx * ctx_bytes / gb:.6f}",
         "--evicpress-methods", "kivi", "--evicpress-bits", "2,4",
         "--evicpress-profile-queries", "1" if q else "2",
-        "--evicpress-profile-max-new-tokens", str(max_new),
+        "--evicpress-profile-max-new-tokens", str(profile_new),
         "--evicpress-generate-queries", "0", "--evicpress-observe-rate", "0",
         "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
         "--chunked-prefill-size", str(max(1024, 2 * length)),
     ]
-    try:
-        if args.url:
-            url = args.url
-        else:
-            from sglang_vc.testing.server import ServerProcess
+    from sglang_vc.evicpress.quality import EmbeddingScorer
+    from sglang_vc.testing.server import ServerProcess
 
+    scorer = EmbeddingScorer()
+    systems = [("full-prefill", None)]
+    systems += [(f"evicpress:alpha={a:g}", {"policy": "evicpress", "alpha": a}) for a in alphas]
+    systems += [("lru", {"policy": "lru"})]
+    systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
+    state = {"server": None, "restarts": 0}
+    profiles: dict = {}
+    refs: dict = {}
+    rows, records = [], {}
+    t_profile = 0.0
+
+    def start() -> Client:
+        """(Re)start the server and register the contexts; profiles already measured
+        are given with the registration, so only the rest is profiled (again)."""
+        if args.url:
+            cl = Client(args.url)
+        else:
+            if state["server"] is not None:
+                state["server"].stop()
             log("starting the server: " + " ".join(server_args))
-            server = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
-            url = server.url
-        cl = Client(url)
-        # phase 1: contexts, profiling (offline phase)
-        t0 = time.time()
+            suffix = f".server-{state['restarts']}.log" if state["restarts"] else ".server.log"
+            state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(suffix), timeout=900)
+            cl = Client(state["server"].url)
         for c in contexts:
-            cl.api("POST", "/evicpress/contexts", {"id": c["id"], "token_ids": c["token_ids"],
-                                                   "query_suffix_ids": c["profile"]})
+            body = {"id": c["id"], "token_ids": c["token_ids"], "query_suffix_ids": c["profile"]}
+            if c["id"] in profiles:
+                body["quality"] = profiles[c["id"]]
+            cl.api("POST", "/evicpress/contexts", body)
+        return cl
+
+    def with_restarts(fn):
+        """Run ``fn(client)``; if the server goes away (a SIGTERM from outside on a
+        shared machine), restart it and run ``fn`` again (up to 4 times)."""
         while True:
+            try:
+                return fn(state.get("client") or state.setdefault("client", start()))
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                state["restarts"] += 1
+                log(f"server lost ({exc.__class__.__name__}); restart {state['restarts']}")
+                if state["restarts"] > 4 or args.url:
+                    raise
+                state["client"] = None
+
+    def profile_phase(cl: Client) -> None:
+        while True:
+            for c in cl.api("GET", "/evicpress/contexts")["contexts"]:
+                if c["profiled"]:
+                    profiles[c["id"]] = {k: v for k, v in c["quality"].items() if k != "full"}
             st = cl.api("GET", "/evicpress/status")
             if st["pending_profiles"] == 0:
-                break
+                return
             log(f"profiling: {st['pending_profiles']} contexts left")
             time.sleep(5)
-        t_profile = time.time() - t0
-        profiles = {c["id"]: c["quality"] for c in cl.api("GET", "/evicpress/contexts")["contexts"]}
-        log(f"profiled {len(profiles)} contexts in {t_profile:.0f}s")
-        # phase 2: systems
-        refs: dict = {}
-        rows, records = [], {}
-        systems = [("full-prefill", None)]
-        systems += [(f"evicpress:alpha={a:g}", {"policy": "evicpress", "alpha": a}) for a in alphas]
-        systems += [("lru", {"policy": "lru"})]
-        systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
-        from sglang_vc.evicpress.quality import EmbeddingScorer
 
-        scorer = EmbeddingScorer()
+    ids = {c["id"]: i for i, c in enumerate(contexts)}
+    try:
+        t0 = time.time()
+        with_restarts(profile_phase)
+        t_profile = time.time() - t0
+        log(f"profiled {len(profiles)} contexts in {t_profile:.0f}s")
         for name, reconfig in systems:
             log(f"system {name}")
             t1 = time.time()
-            row, recs = run_system(cl, name, contexts, stream, max_new, refs, not args.no_warm, reconfig, log)
-            ids = {c["id"]: i for i, c in enumerate(contexts)}
+            row, recs = with_restarts(lambda cl: run_system(
+                cl, name, contexts, stream, max_new, refs, not args.no_warm, reconfig, log))
             ref_texts = [refs[(ids[r["ctx"]], r["query"])] for r in recs]
             scores = scorer.score_many([r["text"] for r in recs], ref_texts)
-            for r, s in zip(recs, scores):
-                r["quality"] = s
+            for r, sc in zip(recs, scores):
+                r["quality"] = sc
             row["quality"] = sum(scores) / len(scores)
             row["seconds"] = time.time() - t1
             rows.append(row)
             records[name] = recs
             log(f"  -> ttft_mean={row['ttft_mean_s']:.3f}s quality={row['quality']:.3f} "
                 f"tiers={row['hit_rate_by_tier']} compressed={row['compressed_contexts']}")
-        status = cl.api("GET", "/evicpress/status")
+        status = with_restarts(lambda cl: cl.api("GET", "/evicpress/status"))
     finally:
-        if server is not None:
-            server.stop()
+        if state["server"] is not None:
+            state["server"].stop()
         tmp.cleanup()
     result = {
         "benchmark": "evicpress",
@@ -328,6 +357,7 @@ def main(argv=None) -> int:
                   "prefill_tokens_per_s": status["prefill_tokens_per_s"],
                   "decompress_bytes_per_s": status["decompress_bytes_per_s"]},
         "profiling_seconds": t_profile,
+        "server_restarts": state["restarts"],
         "profiles": profiles,
         "results": rows,
         "not_built": {"fixed:knorm@0.5": "token-dropped contexts need the lossy attention backend; "

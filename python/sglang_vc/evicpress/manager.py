@@ -779,7 +779,6 @@ class EvicPressManager:
             ctx = self.contexts.get(str(ctx_id))
             if ctx is not None:
                 self._add_queries(ctx, suffixes, texts)
-                ctx.profile_in_flight = False
 
     def set_profile(self, ctx_id: str, quality: dict, reason: Optional[str] = None) -> bool:
         """Profile results (label -> quality); the placement is re-balanced with them."""

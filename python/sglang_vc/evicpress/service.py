@@ -272,7 +272,7 @@ class ProfilerService:
     """Background profiling and drift checks, in idle time (see the module docstring)."""
 
     def __init__(self, client: ControlClient, base_url: str, tok: _Tokenizer, idle_seconds: float,
-                 scorer=None, poll: float = 0.5, jobs_per_round: int = 2) -> None:
+                 scorer=None, poll: float = 0.5, jobs_per_round: int = 4) -> None:
         self.client = client
         self.base_url = base_url
         self.tok = tok
