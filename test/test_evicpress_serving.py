@@ -311,6 +311,39 @@ def test_profiler_job_scores_variants_against_reference():
     assert posted[-1] == ("POST", "/work/profile", {"ctx_id": "c", "quality": q, "reason": "new"})
 
 
+def test_profiler_writes_questions_for_contexts_without_queries():
+    from sglang_vc.evicpress.manager import REF_NAMESPACE
+    from sglang_vc.evicpress.service import ProfilerService
+
+    posted = []
+
+    class Client:
+        def call(self, method, path, body=None, params=None):
+            posted.append((method, path, body))
+            return {}
+
+    class Tok:
+        def encode(self, text, special=True):
+            return [ord(c) % 50 for c in text]
+
+    ctx = list(range(100, 300))
+    questions = {0.7: "What is X?\nmore", 0.8: "What is X?", 0.9: "Who wrote it?"}
+
+    class Prof(ProfilerService):
+        def _gen(self, ids, ns, max_new_tokens, **kw):
+            if kw.get("stop"):  # question writing
+                return {"text": " " + questions[round(kw["temperature"], 1)], "meta_info": {}}
+            return {"text": "same", "meta_info": {"cached_tokens": len(ctx)}}
+
+    prof = Prof(Client(), "http://unused", tok=Tok(), idle_seconds=0, scorer=lambda a, b: 1.0)
+    job = {"ctx_id": "c", "reason": "new", "token_ids": ctx, "prompts": [], "candidates": ["kivi@4b"],
+           "generate_queries": 3, "max_new_tokens": 4}
+    assert prof.profile(job) == {"kivi@4b": 1.0}
+    queries = [b for m, p, b in posted if p == "/contexts/c/queries"][0]
+    assert queries["texts"] == ["What is X?", "Who wrote it?"]  # first line, deduplicated
+    assert len(queries["suffixes"]) == 2
+
+
 # ---------------------------------------------------------------------------- flags
 
 
@@ -414,7 +447,7 @@ def ep_server(model_dir, tmp_path_factory):
         "--evicpress-disk-size-gb", f"{4.5 * per_ctx_gb:.6f}",
         "--evicpress-observe-rate", "1", "--evicpress-generate-queries", "0",
         "--evicpress-idle-seconds", "0.3", "--evicpress-profile-max-new-tokens", "8",
-        "--evicpress-profile-queries", "1", "--evicpress-auto-context-tokens", "0",
+        "--evicpress-profile-queries", "1", "--evicpress-auto-context-tokens", "150",
     ]
     proc = ServerProcess(args, log_path=root / "server.log", timeout=420)
     proc.disk_dir = root / "disk"
@@ -554,6 +587,24 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     for tier in ("host", "disk"):
         t = status["tiers"][tier]
         assert t["used_bytes"] <= t["capacity_bytes"], status["tiers"]
+
+
+def test_server_long_prompt_becomes_a_context(ep_server, tokenizer):
+    """An unregistered prompt of >= --evicpress-auto-context-tokens is a context too."""
+    from conftest import real_text_passages
+
+    s = ep_server
+    ids = tokenizer(real_text_passages(12, words=220)[11])["input_ids"][:CTX_TOKENS]
+    first = _ask(s, tokenizer, ids)
+    autos = [c for c in _api(s, "GET", "/evicpress/contexts")["contexts"] if c["source"] == "auto"]
+    assert len(autos) == 1 and autos[0]["placement"]["tier"] is not None, autos
+    _api(s, "POST", "/evicpress/evict_device")
+    before = _counters(s)
+    again = _ask(s, tokenizer, ids)
+    after = _counters(s)
+    assert sum(after.get(k, 0) - before.get(k, 0) for k in ("hits_host", "hits_disk")) == 1
+    assert again["meta_info"]["cached_tokens"] >= CTX_TOKENS
+    assert again["output_ids"] == first["output_ids"]
 
 
 @pytest.mark.slow

@@ -64,7 +64,8 @@ def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: 
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
     a host pool of a few hundred MB fails whenever other processes hold a few GB. On the
-    CPU platform the reserve is 10 GiB or 20% of the RAM, whichever is smaller; the rest
+    CPU platform the model and the device KV pool are already in RAM when the host pool
+    is sized, so the reserve is only headroom: 1 GiB (or 5% of the RAM if larger); the rest
     of SGLang's check (cgroup limits, ranks per host, the startup budget scope) is kept
     by calling the original with the reserve lowered for the call (AROUND hook: the
     constant has no seam of its own)."""
@@ -72,7 +73,7 @@ def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: 
     import sglang.srt.mem_cache.pool_host.base as base
 
     saved = base.HICACHE_HOST_MEMORY_RESERVE_BYTES
-    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(saved, int(0.2 * psutil.virtual_memory().total))
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = min(saved, max(1 << 30, int(0.05 * psutil.virtual_memory().total)))
     try:
         return original(requested_bytes, auto_size=auto_size)
     finally:

@@ -297,7 +297,7 @@ def main(argv=None) -> int:
         while True:
             try:
                 return fn(state.get("client") or state.setdefault("client", start()))
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except (requests.ConnectionError, requests.Timeout, RuntimeError, TimeoutError) as exc:
                 state["restarts"] += 1
                 log(f"server lost ({exc.__class__.__name__}); restart {state['restarts']}")
                 if state["restarts"] > 4 or args.url:
