@@ -8,6 +8,7 @@ reference for the identity checks.
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from sglang_vc.testing.reference import compare
 from sglang_vc.testing.server import ServerProcess
 
 RATIO = 0.25
+CHUNK = 256
 META = "sglang_vc_compression"
 TOKEN_DROPPING = ["streamingllm", "knorm", "snapkv", "keydiff", "h2o", "kvzip"]
 QUANTIZERS = [("kivi", 2), ("kivi", 4), ("kivi1", 1)]
@@ -36,6 +38,8 @@ def lossy_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("lossy") / "server.log"
     proc = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", "12000",
+         # prompts longer than CHUNK tokens are prefilled in chunks (compressed after the last)
+         "--chunked-prefill-size", str(CHUNK),
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO)],
         log_path=log,
     )
@@ -254,33 +258,27 @@ def test_every_method_serves_concurrently(lossy_server, tokenizer):
 
 def _used_tokens_while_decoding(server, ids, custom, max_new=24):
     """Pool tokens in use (not free, not evictable cache) once the request's prefill is
-    done, read while it decodes."""
+    done (its first token has streamed back), read while it decodes."""
     flush(server)
-    before = vc_section(server)["counters"].get("compression", {}).get("requests", 0)
-    compressing = custom.get("vc_compressor") != "none"
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(out=generate(server, ids, max_new, custom)))
-    thread.start()
-    used = None
-    try:
-        while thread.is_alive():
-            section = vc_section(server)
-            kv = section["counters"]["kv_pool"]
-            in_use = kv["total_tokens"] - kv["available_tokens"] - kv["evictable_tokens"]
-            done = section["counters"].get("compression", {}).get("requests", 0) > before
-            if in_use > 0 and (done or not compressing):
-                used = in_use
-                break
-            time.sleep(0.05)
-    finally:
-        thread.join()
-    assert used is not None, "the request finished before the pool could be read"
-    return used, box["out"]
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, "custom_params": custom}
+    used, first = None, None
+    with requests.post(server.url + "/generate", json={"input_ids": ids, "stream": True,
+                       "sampling_params": params}, stream=True, timeout=600) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            if used is None:
+                first = json.loads(line[6:])
+                kv = pool(server)
+                used = kv["total_tokens"] - kv["available_tokens"] - kv["evictable_tokens"]
+    assert used is not None, "no output streamed"
+    return used, first  # first chunk: its meta_info has the compression summary
 
 
 def test_memory_is_freed_in_the_device_pool(lossy_server, tokenizer):
     """After prefill, a compressed request holds ~ratio of the pool slots of a full one."""
-    ids = prompt_ids(tokenizer, 4, 600)
+    ids = prompt_ids(tokenizer, 4, 600)  # three prefill chunks
     n = len(ids)
     full, _ = _used_tokens_while_decoding(lossy_server, ids, {"vc_compressor": "none"})
     lossy, out = _used_tokens_while_decoding(lossy_server, ids, {"vc_compressor": "knorm"})
@@ -331,8 +329,10 @@ def test_no_slot_leak_after_many_requests(lossy_server, tokenizer):
     ids = [prompt_ids(tokenizer, i, n) for i, n in ((8, 48), (9, 120), (10, 200))]
     customs = ([{"vc_compressor": m} for m in TOKEN_DROPPING]
                + [{"vc_compressor": m, "vc_kv_bits": b} for m, b in QUANTIZERS]
-               + [{"vc_compressor": "none"}, None, {"vc_compressor": "h2o", "vc_compression_ratio": 0.5}])
+               + [{"vc_compressor": "none"}, None])
     jobs = [(ids[i % 3], 1 if i % 4 == 0 else 8, custom, i % 5 == 1) for i, custom in enumerate(customs)]
+    for custom in ({"vc_compressor": "h2o", "vc_compression_ratio": 0.5}, {"vc_compressor": "kivi", "vc_kv_bits": 2}):
+        jobs.append((ids[2] + ids[1], 8, custom, False))  # 320 tokens: a chunked prefill
 
     def run(ids_, max_new, custom, stream):
         if not stream:

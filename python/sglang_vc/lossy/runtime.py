@@ -176,9 +176,14 @@ class LossyRuntime:
             q_lo = 0
             for i, rid in enumerate(rids):
                 plan = self.plans.get(rid)
+                if plan is not None and plan.tree_prefix_len is None:
+                    # A plan's first extend starts at the tree-matched prefix: the row's
+                    # [0, p) belongs to the tree, [p, n) to the request (lossy requests
+                    # never insert, so later prefill chunks do not move that boundary).
+                    plan.tree_prefix_len = prefix[i]
                 if (plan is not None and plan.spec is not None and entries[i] is None
                         and seq_lens[i] == plan.prefill_len):
-                    pend = self._pending(plan, pool_idx[i], seq_lens[i], prefix[i], q_lo, q_lo + ext[i])
+                    pend = self._pending(plan, pool_idx[i], seq_lens[i], q_lo, q_lo + ext[i])
                     if pend is not None:
                         pending.append(pend)
                 q_lo += ext[i]
@@ -195,13 +200,8 @@ class LossyRuntime:
         self.batch = BatchView(entries, pending, online, streaming)
         return self.batch
 
-    def _pending(self, plan: RequestPlan, req_pool_idx: int, n: int, extend_prefix: int,
-                 q_lo: int, q_hi: int) -> Optional[_Pending]:
-        # The first extend of a plan starts at the tree-matched prefix: the row's
-        # [0, p) belongs to the tree, [p, n) to the request (lossy requests never
-        # insert, so later chunks do not move that boundary).
-        if plan.tree_prefix_len is None:
-            plan.tree_prefix_len = extend_prefix
+    def _pending(self, plan: RequestPlan, req_pool_idx: int, n: int, q_lo: int,
+                 q_hi: int) -> Optional[_Pending]:
         p = plan.tree_prefix_len
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
