@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warm", action="store_true", help="skip the unmeasured placement pass")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--url", default=None, help="use a running server (started with matching flags)")
+    ap.add_argument("--reuse-profiles", action="store_true",
+                    help="start from the profiles an earlier run saved in OUT.profiles.json")
     args = ap.parse_args(argv)
     q = args.quick
     n_ctx = args.contexts or 30 if q else args.contexts or 48
@@ -268,6 +270,11 @@ def main(argv=None) -> int:
     systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
     state = {"server": None, "restarts": 0}
     profiles: dict = {}
+    prof_path = out_json.with_suffix(".profiles.json")
+    if args.reuse_profiles and prof_path.exists():
+        saved = json.loads(prof_path.read_text())
+        profiles.update({k: v for k, v in saved.items() if k in {c["id"] for c in contexts}})
+        log(f"reusing {len(profiles)} saved profiles")
     refs: dict = {}
     rows, records = [], {}
     t_profile = 0.0
@@ -296,7 +303,9 @@ def main(argv=None) -> int:
         shared machine), restart it and run ``fn`` again (up to 4 times)."""
         while True:
             try:
-                return fn(state.get("client") or state.setdefault("client", start()))
+                if state.get("client") is None:
+                    state["client"] = start()
+                return fn(state["client"])
             except (requests.ConnectionError, requests.Timeout, RuntimeError, TimeoutError) as exc:
                 state["restarts"] += 1
                 log(f"server lost ({exc.__class__.__name__}); restart {state['restarts']}")
@@ -309,6 +318,7 @@ def main(argv=None) -> int:
             for c in cl.api("GET", "/evicpress/contexts")["contexts"]:
                 if c["profiled"]:
                     profiles[c["id"]] = {k: v for k, v in c["quality"].items() if k != "full"}
+            prof_path.write_text(json.dumps(profiles, indent=1))
             st = cl.api("GET", "/evicpress/status")
             if st["pending_profiles"] == 0:
                 return
@@ -357,6 +367,7 @@ def main(argv=None) -> int:
                   "prefill_tokens_per_s": status["prefill_tokens_per_s"],
                   "decompress_bytes_per_s": status["decompress_bytes_per_s"]},
         "profiling_seconds": t_profile,
+        "profiles_reused": bool(args.reuse_profiles),
         "server_restarts": state["restarts"],
         "profiles": profiles,
         "results": rows,
