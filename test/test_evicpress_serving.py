@@ -70,6 +70,50 @@ def test_codec_kivi_is_per_layer():
         assert torch.equal(k, out.k[layer]) and torch.equal(v, out.v[layer])
 
 
+KNORM5 = CompressionConfig("knorm", ratio=0.5)
+
+
+@pytest.mark.parametrize("method", ["knorm", "keydiff"])
+def test_codec_token_dropped_keeps_rows_per_layer_and_head(method):
+    """A token-dropped blob holds each (layer, head)'s kept rows bit-exact, chosen as
+    the method chooses them layer by layer, and is about ``ratio`` of the full size."""
+    from sglang_vc.compress.registry import get_compressor
+
+    kv, cfg = _kv(100, seed=5), CompressionConfig(method, ratio=0.5)
+    blob = codec.encode(kv, cfg)
+    got, rows, pos = codec.decode(blob)
+    assert got == cfg and rows.k.shape == (DIMS.layers, 50, DIMS.heads, DIMS.head_dim)
+    assert pos.shape == (DIMS.layers, DIMS.heads, 50)
+    comp = get_compressor(method)
+    for layer in range(DIMS.layers):
+        res = comp.compress(layer, kv.k[layer], kv.v[layer], 0.5)
+        assert torch.equal(pos[layer], res.kept_positions)
+        for h in range(DIMS.heads):
+            assert torch.equal(rows.k[layer, :, h], kv.k[layer, pos[layer, h], h])
+            assert torch.equal(rows.v[layer, :, h], kv.v[layer, pos[layer, h], h])
+    assert 0.5 * kv.nbytes < len(blob) < 0.56 * kv.nbytes
+    assert abs(codec.estimate_bytes(kv.nbytes, 100, cfg, 4) - len(blob)) < 2048
+
+
+def test_codec_token_dropped_transcode_and_ratio_one():
+    kv = _kv(100, seed=6)
+    six = codec.encode(kv, CompressionConfig("knorm", ratio=0.6))
+    three = codec.transcode(six, CompressionConfig("knorm", ratio=0.3))
+    direct = codec.decode(codec.encode(kv, CompressionConfig("knorm", ratio=0.3)))
+    got = codec.decode(three)
+    assert got[0] == direct[0] and torch.equal(got[2], direct[2])  # knorm ranks rows: nested
+    assert torch.equal(got[1].k, direct[1].k) and torch.equal(got[1].v, direct[1].v)
+    for dst in (KIVI2, FULL, CompressionConfig("keydiff", ratio=0.3), CompressionConfig("knorm", ratio=0.9)):
+        with pytest.raises(ValueError):
+            codec.transcode(six, dst)
+    # quantized and full blobs still transcode by decoding
+    assert codec.blob_config(codec.transcode(codec.encode(kv, FULL), KNORM5)) == KNORM5
+    # ratio 1 keeps every row in order: the full KV
+    _, rows, pos = codec.decode(codec.encode(kv, CompressionConfig("knorm", ratio=1.0)))
+    assert torch.equal(rows.k, kv.k) and torch.equal(rows.v, kv.v)
+    assert torch.equal(pos[0, 0], torch.arange(100))
+
+
 # ---------------------------------------------------------------------------- host slots
 
 
@@ -351,7 +395,8 @@ LAUNCH = [sys.executable, "-m", "sglang_vc.launch_server"]
 BAD_FLAGS = [
     (["--evicpress-alpha", "-1"], "alpha"),
     (["--evicpress-methods", "nosuch"], "unknown method"),
-    (["--evicpress-methods", "knorm"], "lossy attention backend"),
+    (["--evicpress-methods", "snapkv"], "queries"),
+    (["--evicpress-policy", "fixed", "--evicpress-fixed-config", "h2o@0.5"], "queries"),
     (["--evicpress-bits", "3"], "bits"),
     (["--evicpress-ratios", "0,2"], "ratios"),
     (["--evicpress-policy", "fixed"], "fixed-config"),
@@ -372,6 +417,36 @@ def test_bad_flag_values_rejected(extra, message, capsys):
     args, _ = build_vc_parser().parse_known_args(["--evicpress-disk-dir", "/tmp/x", *extra])
     with pytest.raises(ConfigError, match=message):
         VCConfig.from_cli_args(args)
+
+
+def test_token_dropping_flags_select_the_lossy_attention_backend(monkeypatch):
+    """knorm/keydiff candidates or a fixed knorm config are accepted and make EvicPress
+    resolve --attention-backend vc_torch; another attention backend is refused."""
+    from types import SimpleNamespace
+
+    from sglang_vc import config as vc_config_mod
+    from sglang_vc.config import ConfigError, VCConfig
+    from sglang_vc.evicpress import flags
+    from sglang_vc.launch_server import build_vc_parser
+
+    def parsed(*argv):
+        return VCConfig.from_cli_args(build_vc_parser().parse_known_args(["--evicpress-disk-dir", "/tmp/x", *argv])[0])
+
+    vc = parsed("--evicpress-methods", "knorm,keydiff,kivi")
+    assert {"knorm@0.3", "knorm@0.6", "knorm@0.9", "keydiff@0.3", "kivi@2b"} <= set(vc.evicpress["candidates"])
+    fixed = parsed("--evicpress-policy", "fixed", "--evicpress-fixed-config", "knorm@0.5")
+    assert fixed.evicpress["fixed_config"] == "knorm@0.5" and flags.drops_tokens(fixed.evicpress)
+    assert not flags.drops_tokens(parsed().evicpress)  # default: kivi only
+    for vc, raw, want in ((fixed, {}, "vc_torch"), (parsed(), {}, "torch_native")):
+        sa = SimpleNamespace(radix_cache_backend="evicpress", attention_backend="torch_native", _raw_input=raw)
+        monkeypatch.setattr(vc_config_mod, "_parsed", vc)
+        flags.apply_attention_default(sa)
+        assert sa.attention_backend == want
+    sa = SimpleNamespace(radix_cache_backend="evicpress", attention_backend="torch_native",
+                         _raw_input={"attention_backend": "torch_native"})
+    monkeypatch.setattr(vc_config_mod, "_parsed", fixed)
+    with pytest.raises(ConfigError, match="vc_torch"):
+        flags.apply_attention_default(sa)
 
 
 @pytest.mark.parametrize(

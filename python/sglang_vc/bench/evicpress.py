@@ -9,6 +9,8 @@ tiers (``POST /evicpress/reconfigure`` empties the tiers and switches the policy
 * ``evicpress:alpha=A`` -- the utility knapsack, for each alpha;
 * ``lru`` -- eviction only: full KV, LRU demotion host -> disk -> dropped;
 * ``fixed:kivi@4b``, ``fixed:kivi@2b`` -- one compression config for every context + LRU;
+  ``--fixed knorm@0.5`` (any query-free token-dropping config) adds ``fixed:knorm@0.5``,
+  served from the kept rows (the server then runs the ``vc_torch`` attention backend);
 * ``full-prefill`` -- no reuse: every request in its own cache namespace, so its
   context is prefilled from scratch. Its answers are the full-KV references.
 
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="measured requests per system")
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--alphas", type=str, default=None, help="comma-separated EvicPress alphas")
-    ap.add_argument("--fixed", type=str, default="kivi@4b,kivi@2b", help="fixed-compression baselines")
+    ap.add_argument("--fixed", type=str, default="kivi@4b,kivi@2b",
+                    help="fixed-compression baselines, comma-separated (kivi@4b, kivi@2b, knorm@0.5, ...)")
     ap.add_argument("--host-contexts", type=float, default=None, help="host tier size, in full contexts")
     ap.add_argument("--disk-contexts", type=float, default=None, help="disk tier size, in full contexts")
     ap.add_argument("--device-tokens", type=int, default=None, help="device KV pool (--max-total-tokens)")
@@ -223,7 +226,15 @@ def main(argv=None) -> int:
     length = args.context_tokens or (256 if q else 512)
     n_req = args.requests or (30 if q else 150)
     alphas = [float(a) for a in (args.alphas or ("1" if q else "0.2,1,5")).split(",")]
-    fixed = [f for f in args.fixed.split(",") if f]
+    fixed = [f.strip() for f in args.fixed.split(",") if f.strip()]
+    drops_tokens = False
+    for f in fixed:
+        from sglang_vc.evicpress.flags import _validate_fixed
+
+        try:
+            drops_tokens |= _validate_fixed(f).drops_tokens
+        except ValueError as exc:
+            ap.error(f"--fixed {f}: {exc}")
     host_ctx = args.host_contexts or 5.0
     disk_ctx = args.disk_contexts or 10.0
     device_tokens = args.device_tokens or 8 * length
@@ -260,6 +271,8 @@ def main(argv=None) -> int:
         "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
         "--chunked-prefill-size", str(max(1024, 2 * length)),
     ]
+    if drops_tokens:  # token-dropped contexts are served by the lossy attention backend
+        server_args += ["--attention-backend", "vc_torch"]
     from sglang_vc.evicpress.quality import EmbeddingScorer
     from sglang_vc.testing.server import ServerProcess
 
@@ -371,8 +384,6 @@ def main(argv=None) -> int:
         "server_restarts": state["restarts"],
         "profiles": profiles,
         "results": rows,
-        "not_built": {"fixed:knorm@0.5": "token-dropped contexts need the lossy attention backend; "
-                                         "EvicPress serves quantized (KIVI) configs only"},
         "server_args": server_args,
         "seconds": time.time() - t_start,
         "records": records,

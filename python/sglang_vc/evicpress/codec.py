@@ -13,8 +13,17 @@ back dequantized / with the kept rows only).
   residual window is 0: a stored context is complete, nothing is appended to it
   afterwards (the KIVI residual exists for decoding). Tokens past the last whole group
   of 32 stay in full precision.
-* token dropping (``knorm@0.5``...): the :class:`DroppedKV` rows and positions, encoded
-  the same way; serving them needs an attention backend that reads dropped KV.
+* token dropping (``knorm@0.5``, ``keydiff@0.3``...): the compressor's :class:`DroppedKV`
+  on all layers at once, layers as extra heads again (the scorers rank each head's keys
+  on their own, so this is per-layer, per-head selection): every (layer, head) keeps
+  ``max(1, floor(ratio * tokens))`` rows. The blob holds the kept rows and their
+  original positions (int64, ~1.6% of the rows' bytes at fp32), so it is about
+  ``ratio`` of the full size. :func:`decode` gives the kept rows ``[L, n_keep, H, D]``;
+  they are served as a compressed prefix by the lossy attention backend (keys carry
+  their RoPE already, so row order does not matter; see :mod:`.radix`).
+  :func:`transcode` shrinks such a blob to a smaller ratio of the same method by
+  selecting among the kept rows (exact for ``knorm``, whose ranking is per row; the
+  others re-score the kept rows only); any other change needs the full KV.
 
 Blob layout: safetensors, with every tensor field of the compressor's result and a
 ``__meta__`` uint8 tensor holding JSON (config label, shapes, the result's scalar
@@ -33,7 +42,7 @@ from torch import Tensor
 
 from .config import FULL, QUANT_GROUP_SIZE, CompressionConfig
 
-__all__ = ["FullKV", "encode", "decode", "estimate_bytes", "full_bytes", "blob_config"]
+__all__ = ["FullKV", "encode", "decode", "transcode", "estimate_bytes", "full_bytes", "blob_config"]
 
 _META = "__meta__"
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
@@ -105,17 +114,25 @@ def encode(kv: FullKV, config: CompressionConfig) -> bytes:
         comp = _compressor(config.method)
         knob = config.bits if config.is_quantized else config.ratio
         res = comp.compress(0, _merge_layers(k), _merge_layers(v), knob)
-        tensors, scalars = {}, {}
-        for f in dataclasses.fields(res):
-            val = getattr(res, f.name)
-            if isinstance(val, Tensor):
-                tensors[f.name] = val.contiguous()
-            elif isinstance(val, torch.dtype):
-                scalars[f.name] = str(val)
-            else:
-                scalars[f.name] = val
-        meta["result"] = type(res).__name__
-        meta["fields"] = scalars
+        return _save_result(meta, res)
+    tensors[_META] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+    return save(tensors)
+
+
+def _save_result(meta: dict, res) -> bytes:
+    """The blob of a compressor result (every tensor field, the scalars in the meta)."""
+    from safetensors.torch import save
+
+    tensors, scalars = {}, {}
+    for f in dataclasses.fields(res):
+        val = getattr(res, f.name)
+        if isinstance(val, Tensor):
+            tensors[f.name] = val.contiguous()
+        elif isinstance(val, torch.dtype):
+            scalars[f.name] = str(val)
+        else:
+            scalars[f.name] = val
+    meta = dict(meta, result=type(res).__name__, fields=scalars)
     tensors[_META] = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
     return save(tensors)
 
@@ -137,24 +154,59 @@ def decode(blob: bytes) -> tuple[CompressionConfig, FullKV, Optional[Tensor]]:
     """``(config, kv, positions)``. For full and quantized configs ``kv`` has every
     token and ``positions`` is None; for token dropping ``kv`` holds the kept rows
     ``[L, n_keep, H, D]`` and ``positions [L, H, n_keep]`` the original positions."""
-    from sglang_vc.compress.base import DroppedKV, QuantizedKV
-
     meta, tensors = _load(blob)
     config = CompressionConfig.parse(meta["config"])
     if config.is_full:
         return config, FullKV(tensors["k"], tensors["v"]), None
     L = int(meta["layers"])
-    fields = dict(meta["fields"])
-    if "dtype" in fields:
-        fields["dtype"] = _DTYPES[fields["dtype"]]
-    cls = {"QuantizedKV": QuantizedKV, "DroppedKV": DroppedKV}[meta["result"]]
-    res = cls(**fields, **tensors)
+    res = _result(meta, tensors)
     k, v, pos = _compressor(config.method).decompress(res)
     kv = FullKV(_split_layers(k, L), _split_layers(v, L))
     if config.is_quantized:
         return config, kv, None
     H = int(meta["k_shape"][2])
     return config, kv, pos.reshape(L, H, -1)
+
+
+def _result(meta: dict, tensors: dict):
+    """The compressor result a lossy blob holds."""
+    from sglang_vc.compress.base import DroppedKV, QuantizedKV
+
+    fields = dict(meta["fields"])
+    if "dtype" in fields:
+        fields["dtype"] = _DTYPES[fields["dtype"]]
+    cls = {"QuantizedKV": QuantizedKV, "DroppedKV": DroppedKV}[meta["result"]]
+    return cls(**fields, **tensors)
+
+
+def transcode(blob: bytes, config: CompressionConfig) -> bytes:
+    """``blob`` re-encoded under ``config`` (``config.reachable_from`` its own config;
+    ``ValueError`` otherwise). Full and quantized blobs are decoded and encoded again;
+    a token-dropped blob keeps ``max(1, floor(ratio * tokens))`` of its rows per
+    (layer, head), chosen by the same method among the rows it kept."""
+    from fractions import Fraction
+
+    from sglang_vc.compress.base import DroppedKV, num_kept
+
+    meta, tensors = _load(blob)
+    src = CompressionConfig.parse(meta["config"])
+    if src == config:
+        return blob
+    if not config.reachable_from(src):
+        raise ValueError(f"a {src.label} blob cannot become {config.label} without the full KV")
+    if not src.drops_tokens:
+        _, kv, _ = decode(blob)
+        return encode(kv, config)
+    res = _result(meta, tensors)
+    keep = num_kept(int(meta["tokens"]), config.ratio)
+    if keep < res.n_keep:
+        sub = _compressor(config.method).compress(0, res.k, res.v, Fraction(keep, res.n_keep))
+        res = DroppedKV(
+            layer_idx=res.layer_idx, num_tokens=res.num_tokens, bit_scheme=res.bit_scheme,
+            kept_positions=res.kept_positions.gather(1, sub.kept_positions), k=sub.k, v=sub.v,
+        )
+    meta = {k: v for k, v in meta.items() if k not in ("result", "fields")}
+    return _save_result(dict(meta, config=config.label), res)
 
 
 def estimate_bytes(full: int, num_tokens: int, config: CompressionConfig, itemsize: int = 4) -> int:
@@ -176,7 +228,8 @@ def estimate_bytes(full: int, num_tokens: int, config: CompressionConfig, itemsi
         quant = n_q * elems * (config.bits / 8 + 2 * itemsize / g)
         tail = (num_tokens - n_q) * per_tok
         return int(math.ceil(quant + tail)) + header
-    # token dropping: kept rows (all heads keep the same count) + int64 positions
+    # token dropping: kept rows (all heads keep the same count) + an int64 position per
+    # kept row and (layer, head); layers*heads read off the bytes assuming head_dim 64
     keep = max(1, math.floor(config.ratio * num_tokens))
     per_tok = full / max(num_tokens, 1)
-    return int(keep * per_tok) + header + keep * 8 * 64
+    return int(keep * per_tok + keep * per_tok / (16 * itemsize)) + header

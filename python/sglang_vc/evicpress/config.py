@@ -107,6 +107,22 @@ class CompressionConfig:
         return self.bits is not None
 
     @property
+    def drops_tokens(self) -> bool:
+        """Token dropping: only the kept rows of each (layer, head) are stored."""
+        return self.ratio is not None
+
+    def reachable_from(self, src: "CompressionConfig") -> bool:
+        """Whether a context stored as ``src`` can be re-encoded as ``self`` without
+        recomputing it: never to a larger form; and a token-dropped copy has lost the
+        other rows, so it only becomes the same method at a ratio not above its own
+        (re-selecting among the kept rows, see ``codec.transcode``)."""
+        if self.size_fraction > src.size_fraction:
+            return False
+        if src.drops_tokens:
+            return self.method == src.method and self.ratio <= src.ratio
+        return True
+
+    @property
     def size_fraction(self) -> float:
         """Stored bytes / uncompressed bytes (see the module docstring)."""
         if self.method is None:

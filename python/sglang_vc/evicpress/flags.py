@@ -33,16 +33,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
       "a 0.1 quality drop is worth 0.1/alpha s (default 1).")
     a("--evicpress-methods", type=str, default="kivi",
       help="Comma-separated compression methods the profiler tries (compressor "
-      "registry names; quantization: kivi, kivi1). Default: kivi.")
+      "registry names): quantization kivi, kivi1; token dropping knorm, keydiff, "
+      "streamingllm (served from the kept rows by the vc_torch attention backend, which "
+      "EvicPress then selects). Default: kivi. Methods that score keys with queries "
+      "(snapkv, kvzip, h2o) are not supported: a stored context keeps no queries.")
     a("--evicpress-ratios", type=str, default="0.3,0.6,0.9",
-      help="Kept fractions for token-dropping methods (default 0.3,0.6,0.9).")
+      help="Kept fractions for token-dropping methods (default 0.3,0.6,0.9, as in the paper).")
     a("--evicpress-bits", type=str, default="2,4",
       help="Bit widths for quantization methods (default 2,4; kivi1 always uses 1).")
     a("--evicpress-policy", type=str, default="evicpress", choices=POLICIES,
       help="evicpress (utility knapsack), lru (eviction only, full KV) or fixed "
       "(one compression config + LRU, see --evicpress-fixed-config).")
     a("--evicpress-fixed-config", type=str, default=None,
-      help="Config of the fixed policy, e.g. kivi@4b or knorm@0.5.")
+      help="Config of the fixed policy, e.g. kivi@4b or knorm@0.5 (kept fraction).")
     a("--evicpress-host-bandwidth", type=float, default=None,
       help="Host tier load bandwidth in GB/s for the delay model (default: measured at start).")
     a("--evicpress-disk-bandwidth", type=float, default=None,
@@ -164,14 +167,9 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
         if not fixed:
             raise ValueError("--evicpress-policy fixed needs --evicpress-fixed-config (e.g. kivi@4b)")
         try:
-            cfg = CompressionConfig.parse(fixed)
+            cfg = _validate_fixed(fixed)
         except ValueError as exc:
             raise ValueError(f"--evicpress-fixed-config: {exc}") from None
-        if cfg.method is not None:
-            if cfg.method not in list_compressors():
-                raise ValueError(f"--evicpress-fixed-config: unknown method {cfg.method!r}")
-            if cfg.method not in QUANT_METHODS:
-                _check_token_dropping(cfg.method, "--evicpress-fixed-config")
         out["fixed_config"] = cfg.label
     elif fixed:
         raise ValueError("--evicpress-fixed-config needs --evicpress-policy fixed")
@@ -180,14 +178,75 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _validate_fixed(label: str) -> CompressionConfig:
+    """A fixed-policy config (``kivi@4b``, ``knorm@0.5``...), ``ValueError`` if unusable."""
+    from sglang_vc.compress.registry import get_compressor, list_compressors
+
+    cfg = CompressionConfig.parse(label)
+    if cfg.method is not None:
+        if cfg.method not in list_compressors():
+            raise ValueError(f"unknown method {cfg.method!r}")
+        if cfg.is_quantized and cfg.bits not in get_compressor(cfg.method).supported_bits:
+            raise ValueError(f"{cfg.method} supports bits {get_compressor(cfg.method).supported_bits}")
+        if cfg.drops_tokens:
+            _check_token_dropping(cfg.method, "token dropping")
+    return cfg
+
+
 def _check_token_dropping(method: str, flag: str) -> None:
-    """Serving token-dropped KV needs an attention backend that attends over the kept
-    rows (the lossy serving mode); until it is wired to EvicPress such configs are
-    rejected rather than silently ignored."""
-    raise ValueError(
-        f"{flag}: {method} drops tokens; serving token-dropped contexts needs the lossy "
-        "attention backend, which EvicPress does not use yet. Use kivi or kivi1."
-    )
+    """A stored context is compressed from its KV alone (``codec.encode``), long after
+    its prefill: methods that score keys with the prompt's queries (SnapKV's window,
+    KVzip) or evict online while decoding (H2O) cannot compress it."""
+    from sglang_vc.compress.registry import get_compressor
+
+    comp = get_compressor(method)
+    if comp.needs_queries is not None or comp.mode != "offline":
+        raise ValueError(
+            f"{flag}: {method} scores keys with the prompt's queries (or evicts while "
+            "decoding); a stored context keeps only its KV. Query-free token-dropping "
+            "methods: knorm, keydiff, streamingllm."
+        )
+
+
+def drops_tokens(ep: Optional[dict[str, Any]]) -> bool:
+    """Whether validated EvicPress settings can store a token-dropped context (a
+    candidate or the fixed config): the server then needs the vc_torch attention
+    backend, which serves the kept rows as a compressed prefix."""
+    if not ep:
+        return False
+    labels = list(ep.get("candidates") or ())
+    if ep.get("policy") == "fixed" and ep.get("fixed_config"):
+        labels.append(ep["fixed_config"])
+    return any(CompressionConfig.parse(label).drops_tokens for label in labels)
+
+
+def apply_attention_default(server_args: Any) -> None:
+    """While SGLang resolves its args (CPU platform, via ``lossy.select``): EvicPress
+    with a token-dropping config serves those contexts from their kept rows, which
+    needs the ``vc_torch`` attention backend (SGLang's torch-native one plus attention
+    over a compressed prefix) and ``--page-size 1``. Other attention backends are
+    refused rather than silently serving nothing from a token-dropped copy. Without
+    such a config nothing changes; ``--attention-backend vc_torch`` can still be given
+    to switch to a token-dropping fixed config at run time (``/evicpress/reconfigure``)."""
+    from sglang_vc.config import ConfigError, parsed_config
+    from sglang_vc.lossy import ATTENTION_BACKEND
+
+    config = parsed_config()
+    if config is None or getattr(server_args, "radix_cache_backend", None) != "evicpress":
+        return
+    if not drops_tokens(config.evicpress):
+        return
+    raw = getattr(server_args, "_raw_input", None) or {}
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        value = raw.get(field)
+        if value not in (None, ATTENTION_BACKEND):
+            raise ConfigError(
+                f"token-dropping EvicPress configs are served by the {ATTENTION_BACKEND} "
+                f"attention backend; got {field}={value}"
+            )
+    if raw.get("page_size") not in (None, 1):
+        raise ConfigError("token-dropping EvicPress configs need --page-size 1")
+    server_args.attention_backend = ATTENTION_BACKEND
 
 
 def settings_from_dict(d: dict[str, Any], **measured):

@@ -79,6 +79,9 @@ class Settings:
     auto_context_tokens: int = 256  # 0: only registered contexts
     max_contexts: int = 4096
     throttle: bool = False  # sleep to the modelled tier bandwidth on loads
+    # The attention backend serves token-dropped KV (vc_torch): without it, token-dropping
+    # configs are refused (a stored one would have to be recomputed on every hit).
+    serves_dropped: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,12 +157,20 @@ class Context:
 
 class Fetched:
     """A context's stored KV, read and decoded for loading onto the device (``blob``
-    is the stored bytes, reused when the context is then promoted)."""
+    is the stored bytes, reused when the context is then promoted). A token-dropped
+    config gives only the kept rows: ``kv`` is ``[L, n_keep, H, D]``, ``positions``
+    their original positions and ``num_tokens`` the context tokens they stand for."""
 
     def __init__(self, kv: FullKV, config: CompressionConfig, tier: Tier, nbytes: int, seconds: float,
-                 blob: Optional[bytes] = None):
+                 blob: Optional[bytes] = None, positions=None, num_tokens: Optional[int] = None):
         self.kv, self.config, self.tier, self.nbytes, self.seconds = kv, config, tier, nbytes, seconds
         self.blob = blob
+        self.positions = positions
+        self.num_tokens = kv.num_tokens if num_tokens is None else int(num_tokens)
+
+    @property
+    def dropped(self) -> bool:
+        return self.positions is not None
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -230,9 +241,10 @@ class EvicPressManager:
         if s.policy == "lru":
             return LRUPolicy(self.tier_specs, FULL)
         if s.policy == "fixed":
-            if s.fixed_config.is_full or s.fixed_config.is_quantized:
-                return LRUPolicy(self.tier_specs, s.fixed_config)
-            raise ValueError(f"fixed config {s.fixed_config} drops tokens: not servable without the lossy backend")
+            if s.fixed_config.drops_tokens and not s.serves_dropped:
+                raise ValueError(f"fixed config {s.fixed_config} drops tokens: serving it needs the "
+                                 "vc_torch attention backend (--attention-backend vc_torch)")
+            return LRUPolicy(self.tier_specs, s.fixed_config)
         raise ValueError(f"unknown EvicPress policy {s.policy!r}")
 
     def reconfigure(self, policy: Optional[str] = None, alpha: Optional[float] = None,
@@ -511,8 +523,7 @@ class EvicPressManager:
                 if blob is not None:
                     cfg = codec.blob_config(blob)
                     if cfg != dst.config:
-                        _, kv, _ = codec.decode(blob)
-                        blob = codec.encode(kv, dst.config)
+                        blob = codec.transcode(blob, dst.config)
                         self.count(compressions=1)
                 else:
                     if kv_cfg != dst.config:
@@ -603,8 +614,8 @@ class EvicPressManager:
                 self._set_placement(ctx, DROPPED)
                 self.count(lost=1)
                 return None
-            if positions is not None:  # token-dropped KV needs the lossy attention backend
-                return None
+            if positions is not None and not self.settings.serves_dropped:
+                return None  # token-dropped KV needs the lossy attention backend
             elapsed = time.perf_counter() - t0
             if self.settings.throttle:
                 target = self.tier_specs[p.tier].load_seconds(len(blob))
@@ -613,7 +624,8 @@ class EvicPressManager:
                     elapsed = target
             tier = p.tier.name.lower()
             self.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
-            return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob)
+            return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob, positions,
+                           ctx.stored_len if positions is not None else None)
 
     def after_hit(self, ctx: Context, tier: Tier, blob: Optional[bytes] = None) -> list[Move]:
         """A context was served from ``tier``: promote it to the host tier when the
@@ -636,10 +648,14 @@ class EvicPressManager:
             if ctx.placement.dropped:
                 raise ValueError(f"context {ctx.ctx_id} is not stored")
             if not placement.dropped:
-                if placement.config.size_fraction > ctx.placement.config.size_fraction:
+                if not placement.config.reachable_from(ctx.placement.config):
                     raise ValueError(
                         f"cannot go from {ctx.placement.config} to {placement.config}: "
-                        "compression is one-way (drop and recompute instead)")
+                        "compression is one-way and dropped tokens are gone (drop and "
+                        "recompute instead)")
+                if placement.config.drops_tokens and not self.settings.serves_dropped:
+                    raise ValueError(f"{placement.config} drops tokens: serving it needs the "
+                                     "vc_torch attention backend")
                 if placement.config not in ctx.quality:
                     ctx.quality[placement.config] = ctx.quality.get(placement.config, 0.0)
             return self.apply([Move(ctx.ctx_id, ctx.placement, placement)]) == 1

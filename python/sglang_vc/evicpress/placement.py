@@ -87,8 +87,9 @@ class Move(NamedTuple):
 
 
 def size_monotone(src: CompressionConfig, dst: CompressionConfig) -> bool:
-    """Default ``can_transform``: lossy compression never grows the stored form."""
-    return dst.size_fraction <= src.size_fraction
+    """Default ``can_transform``: lossy compression never grows the stored form, and a
+    token-dropped form only shrinks within its own method (``reachable_from``)."""
+    return dst.reachable_from(src)
 
 
 def admit(

@@ -22,12 +22,36 @@ by the placement policy (:mod:`.manager`, :mod:`.policy`).
 The profiler's requests carry an ``extra_key`` namespace (``evicpress:ref`` for full-KV
 reference answers, ``evicpress:cfg:<config>`` to answer on a compressed version of the
 context), so they never share tree nodes with user requests.
+
+**Token-dropped contexts** (``knorm@0.5``...; needs the ``vc_torch`` attention backend,
+which ``flags.apply_attention_default`` selects) store only each (layer, head)'s kept
+rows, so they cannot be keyed token by token in the tree. A hit on such a copy of an
+``n``-token context:
+
+1. loads the ``n_keep`` kept rows into the first ``n_keep`` of ``n`` fresh device slots
+   and inserts those ``n`` slots under ``ids[:n]`` in a private namespace
+   (``evicpress:drop:<ctx>:<config>:<n>``) that no ordinary request matches; the other
+   slots are never read (they keep the node one slot per token, as the tree needs);
+2. redirects the request's match to that namespace, so SGLang counts the ``n`` tokens
+   as cached and does not prefill them; the request's own KV never enters the tree
+   (``skip_radix_cache_insert``): its row starts with rows that are not its tokens' KV;
+3. once SGLang has allocated the request's row (``maybe_hand_to_session``), registers
+   a lossy :class:`~sglang_vc.lossy.index.CompressedKVIndex` for it: ``comp_slots`` =
+   the kept rows, ``attend_from = n``. The ``vc_torch`` backend then attends, for every
+   query, over the kept rows (visible to all, their keys already carry RoPE) plus the
+   ordinary causal rows from position ``n`` on (the question, the generated tokens);
+4. releases the index entry with the request; the private node stays in the tree as
+   the context's device copy (``device_config``) until the tree evicts it.
+
+The profiler answers on a token-dropped candidate the same way (its own private
+namespace), so the quality it measures is the quality this path serves.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import dataclasses
 import logging
 import math
 import os
@@ -52,7 +76,23 @@ from .manager import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, E
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "evicpress"
+DROP_NAMESPACE = PROFILE_NAMESPACE + "drop:"  # device copies of token-dropped contexts
 _SAME = object()  # "the namespace of the key given"
+
+
+@dataclass
+class _DroppedPrefix:
+    """A request served from a token-dropped copy: its first ``n`` row positions are
+    the private node in ``namespace``, of which the first ``n_keep`` hold kept rows."""
+
+    namespace: str
+    n: int
+    n_keep: int
+    config: CompressionConfig
+
+
+def _drop_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False) -> str:
+    return f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
 
 
 @dataclass
@@ -131,6 +171,13 @@ class EvicPressRadixCache(UnifiedRadixCache):
         disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB), drop_cache=True)
         measured = _measure(ep, dims, disk_dir)
         settings = flags.settings_from_dict(ep, **measured)
+        from sglang_vc.lossy import runtime as lossy_runtime
+
+        # the vc_torch attention backend made the lossy runtime with the model runner
+        settings.serves_dropped = lossy_runtime._runtime is not None
+        if settings.serves_dropped and self.page_size != 1:
+            raise ValueError("evicpress: token-dropped contexts need --page-size 1")
+        self._dropped: dict[str, _DroppedPrefix] = {}  # rid -> its token-dropped prefix
         self.evicpress = EvicPressManager(
             settings, dims, host, disk,
             counters=lambda **kw: stats.add("evicpress", **kw),
@@ -157,6 +204,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if self.evicpress is not None:
             self.evicpress.on_host_cleared()
             self._reqs.clear()
+            self._dropped.clear()
 
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
@@ -243,7 +291,72 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 self._before_match(params)
             except Exception:  # never fail a request because of EvicPress
                 logger.exception("EvicPress: lookup failed; serving without it")
+            drop = self._dropped.get(params.req.rid)
+            if drop is not None:
+                key = params.key
+                private = RadixKey(key.token_ids, drop.namespace, is_bigram=key.is_bigram, limit=key.limit)
+                result = super().match_prefix(dataclasses.replace(params, key=private))
+                if result.device_prefix_len == drop.n:
+                    params.req.skip_radix_cache_insert = True  # its row holds no plain prefix
+                    return result
+                # evicted meanwhile or capped shorter: the request recomputes the context
+                del self._dropped[params.req.rid]
         return super().match_prefix(params)
+
+    # ------------------------------------------------------------------ token-dropped copies
+    def _lossy_runtime(self):
+        from sglang_vc.lossy.runtime import get_runtime
+
+        return get_runtime()  # created by the vc_torch backend with the model runner
+
+    def _dropped_on_device(self, req, ids, namespace: str, n: int, cfg: CompressionConfig) -> bool:
+        """Whether the private node ``namespace`` holds ``ids[:n]``; then ``req`` is
+        served from it."""
+        if self._device_match(self._key(ids[:n], None, namespace))[0] < n:
+            return False
+        from sglang_vc.compress import num_kept
+
+        self._dropped[req.rid] = _DroppedPrefix(namespace, n, num_kept(n, cfg.ratio), cfg)
+        return True
+
+    def _load_dropped(self, req, ids, namespace: str, n: int, cfg: CompressionConfig, rows: FullKV) -> bool:
+        """Put the kept rows ``rows [L, n_keep, H, D]`` of the context ``ids[:n]`` on the
+        device as the private node ``namespace`` (see the module docstring) and serve
+        ``req`` from them."""
+        if self._dropped_on_device(req, ids, namespace, n, cfg):
+            return True
+        key = self._key(ids[:n], None, namespace)
+        if self._device_match(key)[0]:  # a partly evicted node: not a usable prefix
+            return False
+        n_keep = rows.num_tokens
+        new = self._alloc(n)
+        if new is None:
+            logger.info("EvicPress: no device room to load %d tokens", n)
+            return False
+        new = new.to(torch.int64)
+        self._write(new[:n_keep], rows)
+        self.insert(InsertParams(key=key, value=new, prev_prefix_len=0, inserted_len=0))
+        return self._dropped_on_device(req, ids, namespace, n, cfg)
+
+    def maybe_hand_to_session(self, req) -> None:
+        super().maybe_hand_to_session(req)
+        drop = self._dropped.get(req.rid) if self.evicpress is not None else None
+        if drop is None or req.kv.req_pool_idx is None:
+            return
+        from sglang_vc.lossy.index import CompressedKVIndex
+        from sglang_vc.lossy.plan import make_spec
+
+        runtime = self._lossy_runtime()
+        idx = int(req.kv.req_pool_idx)
+        entry = runtime.index.get(idx)
+        if entry is not None and entry.rid == req.rid:
+            return  # a later prefill chunk
+        row = runtime.req_to_token[idx]
+        runtime.index[idx] = CompressedKVIndex(
+            req.rid, idx, make_spec(drop.config.method, drop.config.ratio), drop.n, drop.n,
+            comp_slots=row[: drop.n_keep].to(torch.int64).clone(), attend_from=drop.n,
+        )
+        self.evicpress.count(dropped_prefix_requests=1)
 
     def _before_match(self, params: MatchPrefixParams) -> None:
         req, key = params.req, params.key
@@ -287,7 +400,13 @@ class EvicPressRadixCache(UnifiedRadixCache):
         ctx_key = self._key(ids[: st.usable], key)
         have, _, idx = self._device_match(ctx_key)
         st.prefix_have = have
-        if have >= st.usable:
+        dev_cfg = ctx.device_config
+        if (have < st.usable and dev_cfg is not None and dev_cfg.drops_tokens
+                and self._dropped_on_device(req, ids, _drop_namespace(ctx, dev_cfg, st.usable),
+                                            st.usable, dev_cfg)):
+            if first:
+                st.tier, st.served = "device", dev_cfg
+        elif have >= st.usable:
             if first:
                 st.tier, st.served = "device", ctx.device_config or FULL
                 if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
@@ -297,9 +416,14 @@ class EvicPressRadixCache(UnifiedRadixCache):
             fetched = mgr.fetch(ctx)
             if fetched is not None:
                 st.fetched = fetched
-                n = self._floor(min(st.usable, fetched.kv.num_tokens))
-                got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
-                loaded = got >= n and n > have
+                if fetched.dropped:  # the kept rows stand for exactly num_tokens tokens
+                    n = st.usable
+                    loaded = n == fetched.num_tokens and self._load_dropped(
+                        req, ids, _drop_namespace(ctx, fetched.config, n), n, fetched.config, fetched.kv)
+                else:
+                    n = self._floor(min(st.usable, fetched.kv.num_tokens))
+                    got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
+                    loaded = got >= n and n > have
                 if loaded:
                     ctx.device_config = fetched.config
                     if first:
@@ -331,7 +455,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
             return
         ctx, lcp = m
         n = self._floor(min(lcp, len(key)))
-        if self._device_match(self._key(ids[:n], key))[0] >= n:
+        drop_ns = _drop_namespace(ctx, cfg, n, profile=True) if cfg.drops_tokens else None
+        if drop_ns is not None and self._dropped_on_device(req, ids, drop_ns, n, cfg):
+            return
+        if drop_ns is None and self._device_match(self._key(ids[:n], key))[0] >= n:
             return
         # The full KV to compress: the profiler's reference copy, the user copy when it
         # is full precision, or a full stored blob.
@@ -356,7 +483,11 @@ class EvicPressRadixCache(UnifiedRadixCache):
             return
         if not cfg.is_full:
             _, src, _ = codec.decode(codec.encode(src, cfg))
-        self._inject(ids, key, ns, n, src)
+        if drop_ns is not None:
+            if not self._load_dropped(req, ids, drop_ns, n, cfg, src):
+                return
+        else:
+            self._inject(ids, key, ns, n, src)
         mgr.count(profile_loads=1)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -399,6 +530,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
         if self.evicpress is None:
             return
+        if self._dropped.pop(req.rid, None) is not None:
+            # before SGLang frees the row: its index entry must not outlive it
+            self._lossy_runtime().release(req.rid, req.kv.req_pool_idx)
         st = self._reqs.pop(req.rid, None)
         if st is None or st.tier == "ref":
             return
@@ -422,11 +556,20 @@ class EvicPressRadixCache(UnifiedRadixCache):
         import xxhash
 
         n = ctx.stored_len or ctx.num_tokens
-        key = RadixKey(array.array("q", ctx.token_ids[:n].tolist()), ctx.namespace,
+        dev_cfg = ctx.device_config
+        dropped = dev_cfg is not None and dev_cfg.drops_tokens
+        # a token-dropped device copy: its kept rows, in the private namespace
+        ns = _drop_namespace(ctx, dev_cfg, n) if dropped else ctx.namespace
+        key = RadixKey(array.array("q", ctx.token_ids[:n].tolist()), ns,
                        is_bigram=self.tree_core.is_eagle)
         have, _, idx = self._device_match(key)
         out = {"device_tokens": have, "device": None, "stored": None, "stored_config": None}
-        if have:
+        if dropped and have >= n:
+            from sglang_vc.compress import num_kept
+
+            out["device"] = _digest(self._gather(idx[: num_kept(n, dev_cfg.ratio)]))
+            out["device_config"] = dev_cfg.label
+        elif have and not dropped:
             kv = self._gather(idx)
             out["device"] = _digest(kv)
         if ctx.stored:

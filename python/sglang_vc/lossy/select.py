@@ -4,6 +4,8 @@
 backend defaults to ``vc_torch`` and the radix cache to ``vc``. Called from the CPU
 platform's ``apply_server_args_defaults`` / ``get_default_attention_backend`` in the
 launcher process, where the project's config is ``config.parsed_config()``.
+Without ``--vc-compressor``, EvicPress may ask for ``vc_torch`` too (token-dropped
+contexts, see ``evicpress.flags.apply_attention_default``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def lossy_config(server_args: Any = None) -> Optional[VCConfig]:
 def apply_lossy_defaults(server_args: Any) -> None:
     config = lossy_config(server_args)
     if config is None:
+        # EvicPress serves token-dropped contexts with the same attention backend.
+        from sglang_vc.evicpress.flags import apply_attention_default
+
+        apply_attention_default(server_args)
         return
     # What the user asked for (SGLang's CPU handlers have already put their own default
     # attention backend in place by now, which lossy serving replaces).
