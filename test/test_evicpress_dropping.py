@@ -152,3 +152,34 @@ def test_ratio_one_answer_equals_full_kv_answer(drop_server, tokenizer):
         t.join()
     assert outs["ctx"]["output_ids"] == full["output_ids"]
     assert outs["other"]["output_ids"] == alone["output_ids"]
+
+
+def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
+    """The profiler's request for a token-dropping candidate (namespace
+    ``evicpress:cfg:knorm@...``) is served from the kept rows of the context's full KV,
+    like a user hit: not prefilled again, and at ratio 1 the reference answer."""
+    from conftest import real_text_passages
+
+    from sglang_vc.evicpress.manager import CFG_NAMESPACE, REF_NAMESPACE
+
+    s = drop_server
+    ids = _register(s, tokenizer, "p1", real_text_passages(4, words=220)[3])
+    prompt = ids + tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+
+    def gen(ns):
+        r = requests.post(s.url + "/generate", timeout=300, json={
+            "input_ids": prompt, "extra_key": ns,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ref = gen(REF_NAMESPACE)  # full KV, kept as the source of the variants
+    for label in ("knorm@1", "knorm@0.5"):
+        before = _counters(s)
+        out = gen(CFG_NAMESPACE + label)
+        after = _counters(s)
+        assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS, (label, out["meta_info"])
+        for key in ("profile_loads", "dropped_prefix_requests"):
+            assert after.get(key, 0) == before.get(key, 0) + 1, (label, key, before, after)
+        if label == "knorm@1":
+            assert out["output_ids"] == ref["output_ids"]

@@ -11,12 +11,15 @@ SGLang-independent core:
 
 Runtime (``--radix-cache-backend evicpress`` with SGLang's hierarchical-cache flags):
 
-* :mod:`.codec`     -- a context's KV as one blob per config (full, KIVI 2/4-bit, 1-bit)
+* :mod:`.codec`     -- a context's KV as one blob per config (full, KIVI 2/4-bit, 1-bit,
+  token dropping: the kept rows of each layer and head)
 * :mod:`.host_tier` -- host tier: blobs in the slots of SGLang's HiCache host pool
 * :mod:`.policy`    -- the utility knapsack and the LRU / fixed-compression baselines
 * :mod:`.manager`   -- contexts, placements, the real moves, profiling state, counters
 * :mod:`.radix`     -- the SGLang radix cache: loads stored contexts into device slots
-  on a match, stores computed ones, routes the profiler's namespaces
+  on a match, stores computed ones, routes the profiler's namespaces; a token-dropped
+  context is served from its kept rows as a compressed prefix by the ``vc_torch``
+  attention backend (:mod:`sglang_vc.lossy`), which EvicPress then selects
 * :mod:`.control`   -- the scheduler's control channel (JSON over localhost HTTP)
 * :mod:`.service`   -- ``/evicpress/*`` routes, flag checks and the idle-time profiler
 * :mod:`.flags`     -- ``--evicpress-*`` flags

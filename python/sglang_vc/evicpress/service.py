@@ -32,7 +32,9 @@ idle for ``--evicpress-idle-seconds``, then (paper section 4.3):
 
 * profiles contexts: full-KV reference answers (namespace ``evicpress:ref``) and answers
   under each candidate config (``evicpress:cfg:<config>``, the scheduler loads the
-  compressed version), concurrently so SGLang batches them; quality = mean MiniLM-L6-v2
+  compressed version: dequantized KV, or for token dropping the kept rows, attended as
+  a compressed prefix exactly as a user hit is served), concurrently so SGLang batches
+  them; quality = mean MiniLM-L6-v2
   cosine of each answer with its reference. Contexts without queries get questions
   written by the served model (``--evicpress-generate-queries``);
 * checks sampled answers served from compressed KV against the full-KV answer and
