@@ -1,10 +1,10 @@
 """VeriCache serving: ``--speculative-algorithm VERICACHE`` drafts from the compressed KV
 and verifies against the full KV; greedy output must equal full-KV decoding.
 
-Two servers (draft lengths 3 and 6, SnapKV at 0.25 by default); a second compressor
-(StreamingLLM) is exercised through the lossy runtime's per-request override
-(``custom_params.vc_compressor``), which VeriCache inherits. The shared plain server is
-the full-KV reference.
+One VERICACHE server per draft length (1, 4, 16, 40; SnapKV at 0.25 by default); the
+other drafters (StreamingLLM, K-norm, KVzip, KIVI 2-bit) are exercised through the lossy
+runtime's per-request override (``custom_params``), which VeriCache inherits. The shared
+plain server is the full-KV reference.
 """
 
 from __future__ import annotations
@@ -25,27 +25,31 @@ META = "sglang_vc_vericache"
 LENGTHS = (40, 150, 300)  # mixed prompt lengths in one concurrent batch
 
 
+DRAFT_LENGTHS = (1, 4, 16, 40)
+DRAFTERS = {
+    "snapkv": None,  # the server's default
+    "streamingllm": {"vc_compressor": "streamingllm"},
+    "knorm": {"vc_compressor": "knorm"},
+    "kvzip": {"vc_compressor": "kvzip"},
+    "kivi2": {"vc_compressor": "kivi", "vc_kv_bits": 2},
+}
+
+
 def _server(tmp_path_factory, x: int) -> ServerProcess:
     log = tmp_path_factory.mktemp(f"vericache{x}") / "server.log"
     return ServerProcess(
-        ["--dtype", "float32", "--max-total-tokens", "12000",
+        ["--dtype", "float32", "--max-total-tokens", "12000", "--enable-metrics",
          "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", str(x),
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO)],
         log_path=log,
     )
 
 
-@pytest.fixture(scope="module")
-def vc3(tmp_path_factory):
-    proc = _server(tmp_path_factory, 3)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def vc6(tmp_path_factory):
-    proc = _server(tmp_path_factory, 6)
-    yield proc
+@pytest.fixture(scope="module", params=DRAFT_LENGTHS, ids=[f"x{x}" for x in DRAFT_LENGTHS])
+def vc_x(request, tmp_path_factory):
+    """(server, X): one server at a time; pytest groups the tests by X."""
+    proc = _server(tmp_path_factory, request.param)
+    yield proc, request.param
     proc.stop()
 
 
@@ -132,14 +136,12 @@ def _check_identical(server, vc, model_dir, ids_list, max_new, custom=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["vc3", "vc6"])
-@pytest.mark.parametrize("custom", [None, {"vc_compressor": "streamingllm"}], ids=["snapkv", "streamingllm"])
-def test_greedy_identical_to_full_kv(request, server, model_dir, tokenizer, which, custom):
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_identical_to_full_kv(server, model_dir, tokenizer, vc_x, drafter):
     """A concurrent batch of mixed-length prompts: VERICACHE's tokens == the plain
-    server's (full KV), for each compressor and draft length."""
-    vc = request.getfixturevalue(which)
-    x = 3 if which == "vc3" else 6
-    outs = _check_identical(server, vc, model_dir, prompts(tokenizer, 0), 24, custom)
+    server's (full KV), for each drafter and draft length."""
+    vc, x = vc_x
+    outs = _check_identical(server, vc, model_dir, prompts(tokenizer, 0), 24, DRAFTERS[drafter])
     for out in outs:
         info = out["meta_info"][META][-1]
         assert info["verify_rounds"] >= 1 and info["draft_tokens"] == x
@@ -149,18 +151,118 @@ def test_greedy_identical_to_full_kv(request, server, model_dir, tokenizer, whic
         assert info["committed"] >= 23
 
 
+BATCH16_LENGTHS = (20, 40, 60, 90, 120, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1400, 2000)
+
+
 @pytest.mark.slow
-def test_counters_in_server_info(server, tokenizer, vc3):
+def test_batch_of_16_mixed_lengths_identical(server, model_dir, tokenizer, vc_x):
+    """16 concurrent requests, prompts of 20 to 2000 tokens from the code workload."""
+    vc, x = vc_x
+    if x != 4:
+        pytest.skip("run at one draft length")
+    from sglang_vc.bench.workloads import load_workload
+
+    items = load_workload("code", tokenizer=model_dir, max_tokens=2100, n=4, lengths=[2048])
+    pool = [t for item in items for t in tokenizer(item["prompt"])["input_ids"]]
+    ids_list = [pool[i * 97 : i * 97 + n] for i, n in enumerate(BATCH16_LENGTHS)]
+    assert [len(ids) for ids in ids_list] == list(BATCH16_LENGTHS)
+    _check_identical(server, vc, model_dir, ids_list, 20)
+
+
+@pytest.mark.slow
+def test_counters_in_server_info(server, tokenizer, vc_x):
+    vc, x = vc_x
     ids = prompts(tokenizer, 3)[1]
-    before = vc_counters(vc3)["counters"].get("vericache", {})
-    out = generate(vc3, ids, 16)
+    before = vc_counters(vc)["counters"].get("vericache", {})
+    out = generate(vc, ids, 16)
     assert out["output_ids"] == generate(server, ids, 16)["output_ids"]
-    section = vc_counters(vc3)
+    section = vc_counters(vc)
     mech = section["mechanisms"]["vericache"]
-    assert mech["draft_tokens"] == 3 and mech["compressor"] == "snapkv"
+    assert mech["draft_tokens"] == x and mech["compressor"] == "snapkv"
     after = section["counters"]["vericache"]
+    gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     for key in ("verify_rounds", "drafted", "accepted", "committed", "bytes_reloaded"):
-        assert after[key] >= before.get(key, 0), key
-    assert after["verify_rounds"] > before.get("verify_rounds", 0)
-    assert after["bytes_reloaded"] > before.get("bytes_reloaded", 0)
-    assert after["drafted"] == 3 * after["verify_rounds"]
+        assert gained[key] >= 0, key
+    assert gained["verify_rounds"] > 0 and gained["bytes_reloaded"] > 0
+    assert gained["drafted"] == x * gained["verify_rounds"]
+    metrics = requests.get(vc.url + "/metrics", timeout=60).text
+    assert "sglang_vc:vericache_verify_rounds" in metrics
+
+
+def chi2_two_sample_p(table: list[list[int]]) -> float:
+    """p-value of Pearson's chi-square test of homogeneity of a 2 x K count table."""
+    import torch
+
+    t = torch.tensor(table, dtype=torch.float64)
+    expected = t.sum(1, keepdim=True) * t.sum(0, keepdim=True) / t.sum()
+    stat = ((t - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(t.shape[1] - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def test_chi2_helper_detects_a_different_distribution():
+    assert chi2_two_sample_p([[50, 50, 60], [52, 48, 60]]) > 0.5
+    assert chi2_two_sample_p([[120, 20, 20], [40, 60, 60]]) < 1e-6
+
+
+@pytest.mark.slow
+def test_sampling_distribution_matches_full_kv(server, tokenizer, vc_x):
+    """temperature 1, top-k 4: the second and third tokens (from verify rounds) of 160
+    samples per server have the same distribution as full-KV sampling (two-sample
+    chi-square, p > 1e-3). Committing drafts blindly (greedy drafts) would fail it."""
+    vc, x = vc_x
+    if x != 4:
+        pytest.skip("run at one draft length")
+    ids = prompts(tokenizer, 0)[0]
+    params = {"temperature": 1.0, "top_k": 4, "max_new_tokens": 3, "ignore_eos": True}
+
+    def sample(srv, seed):
+        r = requests.post(srv.url + "/generate", json={
+            "input_ids": ids, "sampling_params": {**params, "sampling_seed": seed}}, timeout=900)
+        assert r.status_code == 200, r.text
+        return tuple(r.json()["output_ids"][1:3])
+
+    n = 160
+    full = concurrently(lambda seed: sample(server, seed), [(i,) for i in range(n)])
+    spec = concurrently(lambda seed: sample(vc, seed), [(10_000 + i,) for i in range(n)])
+    for pos in (0, 1):
+        keys = sorted({t[pos] for t in full + spec})
+        table = [[sum(t[pos] == k for t in full) for k in keys], [sum(t[pos] == k for t in spec) for k in keys]]
+        if len(keys) > 1:
+            p_value = chi2_two_sample_p(table)
+            assert p_value > 1e-3, (pos, keys, table, p_value)
+    # the distribution is not degenerate: sampling really happened on both servers
+    assert len(set(full)) > 2 and len(set(spec)) > 2, (set(full), set(spec))
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+
+@pytest.fixture(scope="module")
+def vc_constrained(tmp_path_factory):
+    """A host store that holds the replaced KV of one 150-token prompt (46 KB/token for
+    the embedded model in float32), and the first staged copy forced to fail."""
+    log = tmp_path_factory.mktemp("vericache_constrained") / "server.log"
+    proc = ServerProcess(
+        ["--dtype", "float32", "--max-total-tokens", "12000",
+         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "3",
+         "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO),
+         "--vc-host-kv-gb", "0.008", "--skip-server-warmup"],  # warm-up would take the failure
+        log_path=log, env={"SGLANG_VC_FAIL_RELOADS": "1"},
+    )
+    yield proc
+    proc.stop()
+
+
+def test_full_host_store_and_failed_reload_keep_output_identical(server, model_dir, tokenizer, vc_constrained):
+    """Two concurrent 150-token prompts: one is compressed (its first reload fails and is
+    retried), the other finds the host store full and decodes from full KV. Both must
+    still produce the full-KV tokens."""
+    ids_list = [prompts(tokenizer, 0)[1], prompts(tokenizer, 3)[1]]  # 150 tokens each
+    before = vc_counters(vc_constrained)["counters"].get("vericache", {})
+    _check_identical(server, vc_constrained, model_dir, ids_list, 16)
+    after = vc_counters(vc_constrained)["counters"]["vericache"]
+    gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert gained["host_store_full"] >= 1 and gained["fallbacks"] >= 1, gained
+    assert gained["reload_failures"] >= 1, gained
+    assert gained["bytes_reloaded"] > 0, gained  # the compressed one still verified

@@ -26,6 +26,8 @@ class VCConfig:
     vc_compressor: Optional[str] = None
     vc_compression_ratio: Optional[float] = None
     vc_kv_bits: Optional[int] = None
+    # VERICACHE: capacity of the host store of full KV (None = unbounded).
+    vc_host_kv_gb: Optional[float] = None
     # EvicPress settings (``--evicpress-*``, see sglang_vc.evicpress.flags), a plain dict.
     evicpress: Optional[dict] = None
     # Resolved, not a flag: True when the compressor serves requests directly from the
@@ -55,6 +57,14 @@ class VCConfig:
             default=None,
             help="Bits per KV element for a quantization compressor.",
         )
+        group.add_argument(
+            "--vc-host-kv-gb",
+            type=float,
+            default=None,
+            help="VERICACHE: host memory for the full KV that compression replaces on the "
+            "device (GiB; default unbounded). A request that does not fit decodes from its "
+            "full device KV instead of being compressed.",
+        )
         from sglang_vc.evicpress.flags import add_cli_args as add_evicpress_args
 
         add_evicpress_args(parser)
@@ -72,6 +82,8 @@ class VCConfig:
         return config
 
     def validate(self) -> None:
+        if self.vc_host_kv_gb is not None and not self.vc_host_kv_gb >= 0:
+            raise ConfigError(f"--vc-host-kv-gb must be >= 0, got {self.vc_host_kv_gb}")
         if self.vc_compression_ratio is not None and not 0 < self.vc_compression_ratio <= 1:
             raise ConfigError(
                 f"--vc-compression-ratio must be in (0, 1] (fraction of KV kept), "

@@ -125,6 +125,10 @@ class LossyRuntime:
         # sink(rid, req_pool_idx, layer_id, p, k, v) with the layer's full prefill K/V
         # (row positions [0, n)) right before they are compressed.
         self.full_kv_sink = None
+        # ... and decides, before a request is compressed, whether it has room for that
+        # KV: ``admit(rid, req_pool_idx, p, n) -> bool``; a refused request keeps its
+        # full KV on the device (decodes uncompressed).
+        self.full_kv_admit = None
         logger.info(
             "lossy serving: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
@@ -205,6 +209,9 @@ class LossyRuntime:
         p = plan.tree_prefix_len
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
+        if self.full_kv_admit is not None and not self.full_kv_admit(plan.rid, req_pool_idx, p, n):
+            plan.spec, plan.error = None, "no room for its full KV in the host store; served with full KV"
+            return None
         if spec.scenario == "token_dropping":
             pend.n_keep = spec.rows_kept(n)
             if n - p < pend.n_keep:  # the match cap should prevent this

@@ -9,32 +9,35 @@ its last output token, whose KV is not computed yet):
    KV of tokens committed since). Draft KV goes to the request's reserved slots
    ``row[L .. L+X-1]``.
 2. **Reload**: the full prompt KV the compression replaced, kept in a host store since
-   the prefill (:class:`HostKVStore`), is copied into *transient* device slots, and the
-   request's row positions ``[p, n)`` point at them for the verify forward only.
+   the prefill (:class:`~.reload.HostKVStore`), is staged layer by layer on a copy
+   thread (:class:`~.reload.LayerwiseReload`), started before drafting so that it
+   overlaps the draft forwards and then each verify layer.
 3. **Verify** ``[t0, d1 .. dX]`` at positions ``L .. L+X`` in ONE ``TARGET_VERIFY``
-   forward with a causal chain mask over the full KV (:class:`VeriCacheAttnBackend`);
+   forward with a causal chain mask over the full KV (:class:`VeriCacheAttnBackend`
+   reads row positions ``[p, n)`` from the staged layer, the rest from the pool);
    its KV overwrites the draft KV in ``row[L .. L+X]`` (the committed tokens' KV is thus
    full-KV, and serves both the drafter, as tail rows after the compressed prefix, and
    later verifies).
 4. **Accept** (core :func:`~sglang_vc.vericache.sampling.greedy_verify_ids`): the
    matching prefix ``d1..da`` plus the verifier's correction, or all ``X`` plus the
-   bonus token. The row is restored, the transient slots are freed.
+   bonus token.
 
 Greedy requests get exactly the full-KV tokens: every committed token is the full-KV
 argmax given committed tokens only. A sampling request commits drafts while they equal
 the verifier's own sample at that position (a lossless rule: each committed token is a
 sample of the full-KV distribution), then that sample.
 
-Not built (see the package report): the §5 reload scheduler (every request verifies every
-round; the ReloadScheduler/ADMIT core is not driven by the worker yet), asynchronous
-host->device reloads, logprobs of speculative tokens, grammar-constrained requests.
+Fallbacks: a request whose full KV does not fit the host store (``--vc-host-kv-gb``) is
+not compressed and decodes from its full device KV; a failed staged copy is retried
+synchronously. Not built: the §5 reload scheduler (every request verifies every round;
+the ReloadScheduler/ADMIT core is not driven by the worker yet), logprobs of speculative
+tokens, grammar-constrained requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -47,62 +50,11 @@ from sglang_vc.lossy import kernels
 from sglang_vc.lossy.backend import VCTorchAttnBackend
 from sglang_vc.lossy.runtime import get_runtime
 
+from .reload import HostKVStore, LayerwiseReload
 from .sampling import greedy_verify_ids
 from .worker_spec import META_INFO_KEY
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- host store
-
-
-@dataclasses.dataclass
-class HostEntry:
-    """Full KV of prompt positions ``[p, n)`` of one request, per layer, in host memory."""
-
-    rid: str
-    req_pool_idx: int
-    p: int
-    n: int
-    k: dict = dataclasses.field(default_factory=dict)  # layer_id -> [n - p, H, D] (cpu)
-    v: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.n - self.p
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-
-
-class HostKVStore:
-    """Full KV of the prompt positions whose device rows were replaced by compressed
-    ones. Filled by the lossy runtime right before it compresses each layer."""
-
-    def __init__(self):
-        self.entries: dict[str, HostEntry] = {}
-
-    def sink(self, rid: str, req_pool_idx: int, layer_id: int, p: int, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-        n = k.shape[0]
-        entry = self.entries.get(rid)
-        if entry is None or entry.req_pool_idx != req_pool_idx or entry.n != n or entry.p != p:
-            entry = self.entries[rid] = HostEntry(rid, req_pool_idx, p, n)
-        entry.k[layer_id] = k[p:].to("cpu", copy=True)
-        entry.v[layer_id] = v[p:].to("cpu", copy=True)
-
-    def get(self, rid: str, req_pool_idx: int) -> Optional[HostEntry]:
-        entry = self.entries.get(rid)
-        if entry is None or entry.req_pool_idx != req_pool_idx:
-            return None
-        return entry
-
-    def retain(self, live_rids: set[str]) -> None:
-        for rid in [r for r in self.entries if r not in live_rids]:
-            del self.entries[rid]
-
-    def nbytes(self) -> int:
-        return sum(e.nbytes() for e in self.entries.values())
 
 
 # ----------------------------------------------------------------------------- attention
@@ -111,8 +63,11 @@ class HostKVStore:
 class VeriCacheAttnBackend(VCTorchAttnBackend):
     """``vc_torch`` (prefill + compression, decode over compressed KV) plus the
     TARGET_VERIFY forward: each request's ``W`` verify queries at positions
-    ``L .. L+W-1`` attend causally to its row ``[0, L+W)`` (full KV; the worker has
-    remapped the compressed prompt positions to reloaded full rows)."""
+    ``L .. L+W-1`` attend causally to its row ``[0, L+W)`` over the full KV: positions
+    ``[p, n)`` of a compressed request come from ``self.reload`` (staged by the worker),
+    the others from the pool."""
+
+    reload: "LayerwiseReload | None" = None
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not forward_batch.forward_mode.is_target_verify():
@@ -130,9 +85,15 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        staged = self.reload.layer(layer.layer_id) if self.reload is not None else {}
         for i, (row, committed) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens.tolist())):
             slots = req_to_token[row, : committed + w].to(torch.int64)
-            k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
+            if i in staged:
+                p, n, k_full, v_full = staged[i]
+                k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
+                v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
+            else:
+                k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
             o_[i * w : (i + 1) * w] = kernels.attend(
                 q_[i * w : (i + 1) * w], k_r, v_r, num_prefix=0, tail_start=0, q_start=committed,
                 scale=layer.scaling, enable_gqa=gqa,
@@ -156,7 +117,11 @@ class VeriCacheWorker(BaseSpecWorker):
         self.num_drafts: int = int(get_spec().speculative_num_draft_tokens)
         self.width = self.num_drafts + 1  # verify tokens per request: t0 + X drafts
         self.device = get_device().device
-        self.host = HostKVStore()
+        from sglang_vc.config import get_vc_config
+
+        host_gb = get_vc_config(server_args).vc_host_kv_gb
+        self.host = HostKVStore(None if host_gb is None else int(host_gb * 2**30))
+        self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
         self.per_request: dict[str, dict] = {}
         self._runtime = None
 
@@ -177,7 +142,14 @@ class VeriCacheWorker(BaseSpecWorker):
         if self._runtime is None:
             self._runtime = get_runtime(self.model_runner)
             self._runtime.full_kv_sink = self.host.sink
+            self._runtime.full_kv_admit = self._admit_host
         return self._runtime
+
+    def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
+        ok = self.host.admit(rid, req_pool_idx, p, n, (n - p) * self.runtime.bytes_per_slot)
+        if not ok:
+            stats.add("vericache", fallbacks=1, host_store_full=1)
+        return ok
 
     # ------------------------------------------------------------------ entry point
 
@@ -244,29 +216,36 @@ class VeriCacheWorker(BaseSpecWorker):
             if entry is not None:
                 entry.keep_full_rows = True
 
-        # 1. draft X tokens greedily from the compressed KV
-        drafts = torch.empty(bs, x, dtype=torch.int64)
-        cur = t0
-        for j in range(x):
-            lens = committed + j + 1
-            self._set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
-            res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-            cur = res.logits_output.next_token_logits.argmax(-1).to("cpu", torch.int64)
-            drafts[:, j] = cur
+        # 2. (started first, so that it overlaps drafting) stage the full KV of the
+        # compressed requests, layer by layer, for the verify forward
+        reload = self._start_reload(batch, rows)
 
-        # 2-3. reload the full KV into transient slots, verify t0 + drafts in one forward
-        verify_ids = torch.cat([t0[:, None], drafts], dim=1)  # [bs, W]
-        mapping, transient, reloaded = self._reload(batch, rows)
+        # 1. draft X tokens greedily from the compressed KV
+        attn = self.model_runner.attn_backend
         try:
+            drafts = torch.empty(bs, x, dtype=torch.int64)
+            cur = t0
+            for j in range(x):
+                lens = committed + j + 1
+                self._set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
+                res = self.target_worker.forward_batch_generation(batch, is_verify=True)
+                cur = res.logits_output.next_token_logits.argmax(-1).to("cpu", torch.int64)
+                drafts[:, j] = cur
+
+            # 3. verify t0 + drafts in one forward over the full KV
+            verify_ids = torch.cat([t0[:, None], drafts], dim=1)  # [bs, W]
             spec_info = self._verify_input(verify_ids, positions, committed, dev)
             self._set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
                             slots.flatten(), spec_info, seq_dtype, dev)
+            attn.reload = reload
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
-            for row, p, n, saved in mapping:
-                req_to_token[row, p:n] = saved
-            if transient is not None:
-                self.token_to_kv_pool_allocator.free(transient)
+            attn.reload = None
+            if reload is not None:
+                reload.close()
+        reloaded = reload.nbytes() if reload is not None else 0
+        if reload is not None and reload.failures:
+            stats.add("vericache", reload_failures=reload.failures)
         logits = res.logits_output.next_token_logits.view(bs, w, -1)
 
         # 4. accept
@@ -339,45 +318,20 @@ class VeriCacheWorker(BaseSpecWorker):
         spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
         return spec_info
 
-    def _reload(self, batch, rows):
-        """Copy each compressed request's full prompt KV from the host store into fresh
-        device slots and point its row positions ``[p, n)`` at them. Returns the row
-        mapping to restore, the transient slots to free and the bytes copied."""
-        entries = []
+    def _start_reload(self, batch, rows):
+        """Kick off the staged reload of every request of the batch that is compressed
+        and has its full KV on the host; None when no request needs one."""
+        entries = {}
         for i, req in enumerate(batch.reqs):
-            entry = self.host.get(req.rid, int(rows[i]))
-            if entry is not None and entry.num_tokens and self.runtime.index.get(int(rows[i])) is not None:
-                entries.append((int(rows[i]), entry))
+            row = int(rows[i])
+            entry = self.host.get(req.rid, row)
+            if entry is not None and entry.num_tokens and self.runtime.index.get(row) is not None:
+                entries[i] = entry
         if not entries:
-            return [], None, 0
-        total = sum(e.num_tokens for _, e in entries)
-        transient = self.token_to_kv_pool_allocator.alloc(total)
-        if transient is None:
-            tree_cache = getattr(batch, "tree_cache", None)
-            if tree_cache is not None:
-                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-                tree_cache.evict(EvictParams(num_tokens=total))
-                transient = self.token_to_kv_pool_allocator.alloc(total)
-        if transient is None:
-            raise RuntimeError(
-                f"VERICACHE: no room in the device KV pool for the {total} transient slots of "
-                "a verify reload; raise --max-total-tokens or lower --max-running-requests"
-            )
-        transient = transient.to(torch.int64)
+            return None
         kv_pool = self.runtime.kv_pool
-        req_to_token = self.req_to_token_pool.req_to_token
-        mapping, off, nbytes = [], 0, 0
-        for row, entry in entries:
-            dest = transient[off : off + entry.num_tokens]
-            off += entry.num_tokens
-            for layer_id, k in entry.k.items():
-                kernels.write_rows(kv_pool.get_key_buffer(layer_id), dest, k.to(dest.device, non_blocking=True))
-                kernels.write_rows(kv_pool.get_value_buffer(layer_id), dest, entry.v[layer_id].to(dest.device, non_blocking=True))
-            nbytes += entry.nbytes()
-            mapping.append((row, entry.p, entry.n, req_to_token[row, entry.p : entry.n].clone()))
-            req_to_token[row, entry.p : entry.n] = dest.to(req_to_token.dtype)
-        return mapping, transient, nbytes
+        layers = list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
+        return LayerwiseReload(self.copy_thread, entries, layers, self.device)
 
     def _targets(self, logits: torch.Tensor, batch) -> torch.Tensor:
         """The verifier's token at each of the W positions: argmax for greedy requests,

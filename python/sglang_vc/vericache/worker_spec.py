@@ -173,5 +173,7 @@ def handle_server_args(server_args) -> None:
             "attention_backend": ATTENTION_BACKEND,
             "radix_cache_backend": "vc",
             "schedule": "verify every round (X drafts, then one verify)",
+            "reload": "layer-wise from the host store on a copy thread, 2 layers ahead",
+            "host_kv_gb": config.vc_host_kv_gb,
         }
         config.enabled_mechanisms()

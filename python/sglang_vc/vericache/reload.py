@@ -1,0 +1,183 @@
+"""The host copy of the full KV and its layer-wise reload for a verify forward.
+
+:class:`HostKVStore` keeps, per request, the full KV of the prompt positions ``[p, n)``
+whose device rows compression replaced. It has a byte capacity: a request that does not
+fit is not compressed at all (it decodes from its full device KV, the slower path) rather
+than losing KV that a verify would need.
+
+:class:`LayerwiseReload` copies that KV back for one verify forward, layer by layer, on a
+copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, and layer 0
+while the batch drafts. The transient region is thus ``depth`` layers of the verifying
+requests, not their whole full KV; it lives outside SGLang's KV pool, so no pool slot is
+borrowed and a full pool cannot fail a verify. A failed copy is retried synchronously on
+the scheduler thread (counted as a reload failure); only a copy that fails every retry
+raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SYNC_RETRIES = 2
+# Testing hook: fail the first N staged copies (the async copy and its retries alike),
+# so that tests can force the fallback path of a real server.
+FAIL_RELOADS_ENV = "SGLANG_VC_FAIL_RELOADS"
+
+
+@dataclasses.dataclass
+class HostEntry:
+    """Full KV of prompt positions ``[p, n)`` of one request, per layer, in host memory."""
+
+    rid: str
+    req_pool_idx: int
+    p: int
+    n: int
+    reserved: int = 0  # bytes reserved in the store when admitted
+    k: dict = dataclasses.field(default_factory=dict)  # layer_id -> [n - p, H, D] (cpu)
+    v: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.n - self.p
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+
+class HostKVStore:
+    """Full KV of the prompt positions whose device rows were replaced by compressed ones.
+
+    ``admit`` reserves room before a request's prefill compresses it; ``sink`` (called by
+    the lossy runtime right before it compresses each layer) fills the entry."""
+
+    def __init__(self, capacity_bytes: Optional[int] = None):
+        self.capacity_bytes = capacity_bytes
+        self.entries: dict[str, HostEntry] = {}
+        self.reserved_bytes = 0
+
+    def admit(self, rid: str, req_pool_idx: int, p: int, n: int, nbytes: int) -> bool:
+        old = self.entries.pop(rid, None)
+        if old is not None:
+            self.reserved_bytes -= old.reserved
+        if self.capacity_bytes is not None and self.reserved_bytes + nbytes > self.capacity_bytes:
+            return False
+        self.entries[rid] = HostEntry(rid, req_pool_idx, p, n, reserved=nbytes)
+        self.reserved_bytes += nbytes
+        return True
+
+    def sink(self, rid: str, req_pool_idx: int, layer_id: int, p: int, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+        entry = self.entries.get(rid)
+        n = k.shape[0]
+        if entry is None or entry.req_pool_idx != req_pool_idx or entry.n != n or entry.p != p:
+            # Not admitted through ``admit`` (the runtime always admits first): keep the
+            # KV anyway, a verify must never lack it.
+            self.admit(rid, req_pool_idx, p, n, 0)
+            entry = self.entries[rid]
+        entry.k[layer_id] = k[p:].to("cpu", copy=True)
+        entry.v[layer_id] = v[p:].to("cpu", copy=True)
+
+    def get(self, rid: str, req_pool_idx: int) -> Optional[HostEntry]:
+        entry = self.entries.get(rid)
+        if entry is None or entry.req_pool_idx != req_pool_idx or not entry.k:
+            return None
+        return entry
+
+    def retain(self, live_rids: set[str]) -> None:
+        for rid in [r for r in self.entries if r not in live_rids]:
+            self.reserved_bytes -= self.entries.pop(rid).reserved
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self.entries.values())
+
+
+class _FaultInjector:
+    def __init__(self):
+        self.remaining = int(os.environ.get(FAIL_RELOADS_ENV, "0") or 0)
+        self.lock = threading.Lock()
+
+    def check(self) -> None:
+        with self.lock:
+            if self.remaining > 0:
+                self.remaining -= 1
+                raise RuntimeError(f"injected reload failure ({FAIL_RELOADS_ENV})")
+
+
+_faults = _FaultInjector()
+
+
+class LayerwiseReload:
+    """Stage the full KV of ``entries`` (batch index -> :class:`HostEntry`) on ``device``
+    one layer at a time, ``depth`` layers ahead of the consumer."""
+
+    def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry],
+                 layer_ids: list[int], device, depth: int = 2):
+        self.entries = entries
+        self.device = device
+        self.layer_ids = layer_ids
+        self.failures = 0
+        self._slots = threading.Semaphore(depth)
+        self._futures: dict[int, Future] = {}
+        self._cancelled = False
+        for layer_id in layer_ids:
+            self._futures[layer_id] = executor.submit(self._stage_async, layer_id)
+
+    def _stage(self, layer_id: int) -> dict[int, tuple[int, int, torch.Tensor, torch.Tensor]]:
+        _faults.check()
+        out = {}
+        for i, e in self.entries.items():
+            k = e.k[layer_id].to(self.device, non_blocking=True, copy=True)
+            v = e.v[layer_id].to(self.device, non_blocking=True, copy=True)
+            out[i] = (e.p, e.n, k, v)
+        return out
+
+    def _stage_async(self, layer_id: int):
+        self._slots.acquire()  # at most ``depth`` staged layers wait for the consumer
+        if self._cancelled:
+            return None
+        return self._stage(layer_id)
+
+    def layer(self, layer_id: int) -> dict[int, tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """The staged rows of ``layer_id``; frees a staging slot for a later layer."""
+        fut = self._futures.pop(layer_id)
+        try:
+            staged = fut.result()
+        except Exception as exc:  # the slower path: copy again, here
+            staged = self._retry(layer_id, exc)
+        self._slots.release()
+        return staged
+
+    def _retry(self, layer_id: int, exc: Exception):
+        self.failures += 1
+        logger.warning("VERICACHE reload of layer %d failed (%s); retrying synchronously", layer_id, exc)
+        for attempt in range(SYNC_RETRIES):
+            try:
+                return self._stage(layer_id)
+            except Exception as again:  # noqa: PERF203 - a rare path
+                self.failures += 1
+                exc = again
+        raise RuntimeError(f"VERICACHE: reload of layer {layer_id} failed {SYNC_RETRIES + 1} times: {exc}")
+
+    def close(self) -> None:
+        """Drop what was not consumed (e.g. the forward raised)."""
+        self._cancelled = True
+        for _ in self._futures:
+            self._slots.release()
+        for fut in self._futures.values():
+            try:
+                fut.result()
+            except Exception:
+                pass
+        self._futures.clear()
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self.entries.values())

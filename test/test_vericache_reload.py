@@ -1,0 +1,92 @@
+"""The host store of full KV and its layer-wise staged reload (no server)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from sglang_vc.vericache import reload as reload_mod
+from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
+
+LAYERS = [0, 1, 2, 3]
+
+
+def _filled_store(capacity=None, n=10, p=2):
+    store = HostKVStore(capacity)
+    assert store.admit("a", 5, p, n, nbytes=100)
+    torch.manual_seed(0)
+    full = {l: (torch.randn(n, 2, 4), torch.randn(n, 2, 4)) for l in LAYERS}
+    for l, (k, v) in full.items():
+        store.sink("a", 5, l, p, k, v)
+    return store, full
+
+
+def test_store_keeps_the_replaced_rows_bytes_equal():
+    store, full = _filled_store()
+    entry = store.get("a", 5)
+    assert entry.num_tokens == 8
+    for l, (k, v) in full.items():
+        assert torch.equal(entry.k[l], k[2:]) and torch.equal(entry.v[l], v[2:])
+    assert store.get("a", 6) is None  # another row: a stale entry is never served
+
+
+def test_store_capacity_refuses_and_retain_frees():
+    store = HostKVStore(capacity_bytes=250)
+    assert store.admit("a", 0, 0, 10, 100)
+    assert store.admit("b", 1, 0, 10, 100)
+    assert not store.admit("c", 2, 0, 10, 100)  # 300 > 250
+    assert store.reserved_bytes == 200
+    store.retain({"b"})
+    assert store.reserved_bytes == 100 and set(store.entries) == {"b"}
+    assert store.admit("c", 2, 0, 10, 100)
+    # re-admitting a request replaces its reservation, it does not add to it
+    assert store.admit("c", 2, 0, 12, 120)
+    assert store.reserved_bytes == 220
+
+
+def test_layerwise_reload_stages_every_layer_in_order():
+    store, full = _filled_store()
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {3: store.get("a", 5)}, LAYERS, "cpu", depth=2)
+        for l in LAYERS:
+            staged = rl.layer(l)
+            p, n, k, v = staged[3]
+            assert (p, n) == (2, 10)
+            assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
+            assert k.data_ptr() != store.get("a", 5).k[l].data_ptr()  # a transient copy
+        rl.close()
+    assert rl.failures == 0
+    assert rl.nbytes() == store.get("a", 5).nbytes()
+
+
+def test_failed_copy_is_retried_synchronously(monkeypatch):
+    store, full = _filled_store()
+    monkeypatch.setattr(reload_mod._faults, "remaining", 1)
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
+        got = [rl.layer(l)[0] for l in LAYERS]
+        rl.close()
+    assert rl.failures == 1
+    for l, (_, _, k, v) in zip(LAYERS, got):
+        assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
+
+
+def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
+    store, _ = _filled_store()
+    monkeypatch.setattr(reload_mod._faults, "remaining", 1 + reload_mod.SYNC_RETRIES)
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
+        with pytest.raises(RuntimeError, match="reload of layer 0 failed"):
+            rl.layer(0)
+        rl.close()
+
+
+def test_close_unblocks_unconsumed_layers():
+    store, _ = _filled_store()
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu", depth=1)
+        rl.layer(0)
+        rl.close()  # layers 1..3 never consumed: must not deadlock the copy thread
+        assert pool.submit(lambda: 7).result(timeout=10) == 7
