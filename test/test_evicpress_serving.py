@@ -711,3 +711,17 @@ def test_server_reprofiles_on_quality_drift(ep_server, tokenizer):
     assert info["profile_pending"] is None and info["profiled"]
     assert set(info["quality"]) >= {"full", "kivi@2b", "kivi@4b"}
     assert c.get("observations", 0) >= 5  # ours + the profiler's shadow check
+
+
+def test_bench_fixed_option_accepts_token_dropping_configs(tmp_path, capsys):
+    """``python -m sglang_vc.bench.evicpress --fixed knorm@0.5`` is a valid baseline
+    (checked before anything starts); a config EvicPress cannot store is a usage error."""
+    from sglang_vc.bench import evicpress as bench
+    from sglang_vc.evicpress.flags import _validate_fixed
+
+    assert _validate_fixed("knorm@0.5").drops_tokens and not _validate_fixed("kivi@4b").drops_tokens
+    for bad in ("snapkv@0.5", "kivi@3b", "nosuch@0.5"):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--json", str(tmp_path / "x.json"), "--quick", "--fixed", bad])
+        assert exc.value.code == 2
+        assert "--fixed" in capsys.readouterr().err
