@@ -1,0 +1,339 @@
+"""``python -m sglang_vc.bench.throughput --json OUT``: long-context decoding throughput
+of full KV, lossy compressed decoding and VERICACHE at the same device-KV budget.
+
+Every configuration serves the same model with the same ``--max-total-tokens`` (the
+device KV pool) and gets the same requests, all at once: long prompts and more of them
+than the full-KV pool can batch. Servers run one after the other (a 2-core machine cannot
+host two fairly). Per configuration the report has generated tokens/s and its ratio to
+full KV, the achieved batch size (``sglang:num_running_reqs`` sampled from ``/metrics``),
+mean acceptance length and bytes reloaded (VERICACHE), how many outputs equal the full-KV
+outputs token for token, and the throughput appendix B.1 of the VeriCache paper predicts
+for the measured parameters (acceptance length, memory bandwidth, weights and KV sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from sglang_vc.testing.server import ServerProcess
+
+
+def log(msg: str) -> None:
+    print(f"[throughput] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def parse_config(spec: str) -> dict:
+    """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache:NAME@AMOUNT[:X]`` (AMOUNT is the kept
+    ratio of a token-dropping method, or ``Nbit`` for a quantizer)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "full" and not rest:
+        return {"name": "full", "kind": "full", "flags": []}
+    if kind not in ("lossy", "vericache") or "@" not in rest:
+        raise ValueError(f"bad config {spec!r}: want full, lossy:NAME@AMOUNT or vericache:NAME@AMOUNT[:X]")
+    method, _, amount = rest.partition("@")
+    amount, _, x = amount.partition(":")
+    if amount.endswith("bit"):
+        flags = ["--vc-compressor", method, "--vc-kv-bits", str(int(amount[:-3]))]
+        kept = int(amount[:-3]) / 16
+    else:
+        kept = float(amount)
+        flags = ["--vc-compressor", method, "--vc-compression-ratio", str(kept)]
+    cfg = {"name": spec, "kind": kind, "compressor": method, "kept": kept, "flags": flags}
+    if kind == "vericache":
+        cfg["draft_tokens"] = int(x or 4)
+        cfg["flags"] += ["--speculative-algorithm", "VERICACHE",
+                         "--speculative-num-draft-tokens", str(cfg["draft_tokens"])]
+    elif x:
+        raise ValueError(f"bad config {spec!r}: a draft length only applies to vericache")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class RunningSampler:
+    """Samples ``sglang:num_running_reqs`` from ``/metrics`` while a run is going."""
+
+    PATTERN = re.compile(r"^sglang:num_running_reqs\{[^}]*\}\s+([0-9.eE+-]+)", re.M)
+
+    def __init__(self, url: str, period: float = 0.25):
+        self.url, self.period = url, period
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                text = requests.get(self.url + "/metrics", timeout=5).text
+                values = [float(v) for v in self.PATTERN.findall(text)]
+                if values:
+                    self.samples.append(sum(values))
+            except requests.RequestException:
+                pass
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        busy = [s for s in self.samples if s > 0]
+        return {
+            "mean_running": statistics.mean(busy) if busy else 0.0,
+            "max_running": max(busy) if busy else 0,
+            "samples": len(self.samples),
+        }
+
+
+def generate(url: str, ids: list[int], max_new: int) -> dict:
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    start = time.perf_counter()
+    r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=7200)
+    r.raise_for_status()
+    out = r.json()
+    return {"output_ids": out["output_ids"], "latency_s": time.perf_counter() - start,
+            "completion_tokens": out["meta_info"]["completion_tokens"]}
+
+
+def counters(url: str) -> dict:
+    return requests.get(url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {mech: {k: v - before.get(mech, {}).get(k, 0) for k, v in vals.items()}
+            for mech, vals in after.items()}
+
+
+def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: int, log_dir: Path) -> dict:
+    log(f"{cfg['name']}: starting the server")
+    with ServerProcess([*common, *cfg["flags"]], log_path=log_dir / f"{_slug(cfg['name'])}.log",
+                       timeout=600) as server:
+        generate(server.url, prompts[0][:64], 4)  # warm-up
+        before = counters(server.url)
+        log(f"{cfg['name']}: {len(prompts)} requests at once")
+        with RunningSampler(server.url) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
+            start = time.perf_counter()
+            outs = list(pool.map(lambda ids: generate(server.url, ids, max_new), prompts))
+            elapsed = time.perf_counter() - start
+        got = delta(counters(server.url), before)
+    generated = sum(o["completion_tokens"] for o in outs)
+    row = {
+        "config": cfg["name"], "kind": cfg["kind"], "elapsed_s": elapsed,
+        "generated_tokens": generated, "tokens_per_s": generated / elapsed,
+        "mean_latency_s": statistics.mean(o["latency_s"] for o in outs),
+        **sampler.summary(), "counters": got,
+        "output_ids": [o["output_ids"] for o in outs],
+    }
+    vc = got.get("vericache", {})
+    if vc.get("verify_rounds"):
+        row["mean_acceptance_length"] = vc["committed"] / vc["verify_rounds"]
+        row["bytes_reloaded"] = vc.get("bytes_reloaded", 0)
+        row["draft_tokens"] = cfg["draft_tokens"]
+    log(f"{cfg['name']}: {row['tokens_per_s']:.1f} tok/s, batch mean {row['mean_running']:.1f} "
+        f"max {row['max_running']:.0f}" + (f", A={row['mean_acceptance_length']:.2f}"
+                                           if "mean_acceptance_length" in row else ""))
+    return row
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write), the CPU stand-in for HBM and for
+    the host->device link (both are the same DRAM here)."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def model_sizes(model_dir: str) -> tuple[int, int]:
+    """(weights bytes, KV bytes per token) from the model folder."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    elem = 4 if str(cfg.get("torch_dtype", "float32")) == "float32" else 2
+    return weights, 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * elem
+
+
+def predictions(rows: list[dict], cfgs: dict, *, weights: int, kv_per_token: int, budget_tokens: int,
+                ctx_tokens: int, bw: float) -> dict:
+    """Appendix B.1 at the measured operating points (same KV budget as the servers)."""
+    from sglang_vc.vericache import perf_model as pm
+
+    mem = weights + budget_tokens * kv_per_token
+    kv_full = ctx_tokens * kv_per_token
+    base_tps, base_b, _ = pm.full_kv_from_hardware(weights_bytes=weights, kv_full_bytes=kv_full,
+                                                   hbm_bw=bw, gpu_mem_bytes=mem)
+    out = {"full": {"tokens_per_s": base_tps, "batch_size": base_b}}
+    for row in rows:
+        cfg = cfgs[row["config"]]
+        if cfg["kind"] != "vericache" or "mean_acceptance_length" not in row:
+            continue
+        x, a = cfg["draft_tokens"], row["mean_acceptance_length"]
+        pred = pm.predict_from_hardware(weights_bytes=weights, kv_full_bytes=kv_full,
+                                        compression=cfg["kept"], draft_len=x, accept_len=a,
+                                        hbm_bw=bw, interconnect_bw=bw, gpu_mem_bytes=mem)
+        at_measured_b = pm.predict_from_hardware(
+            weights_bytes=weights, kv_full_bytes=kv_full, compression=cfg["kept"], draft_len=x,
+            accept_len=a, hbm_bw=bw, interconnect_bw=bw, gpu_mem_bytes=mem,
+            batch_size=max(1, round(row["mean_running"])))
+        out[row["config"]] = {
+            "tokens_per_s": pred.tokens_per_s, "batch_size": pred.batch_size,
+            "ratio_to_full": pred.tokens_per_s / base_tps, "bottleneck": pred.bottleneck,
+            "feasible": pred.feasible,
+            "at_measured_batch": {"batch_size": at_measured_b.batch_size,
+                                  "tokens_per_s": at_measured_b.tokens_per_s,
+                                  "ratio_to_full": at_measured_b.tokens_per_s / base_tps},
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    names = [r["config"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    bars = axes[0].bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue", label="measured")
+    for bar, r in zip(bars, rows):
+        axes[0].annotate(f"{r['ratio_to_full']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                         ha="center", va="bottom", fontsize=8)
+    axes[0].set(ylabel="generated tokens/s", title="Throughput (ratio to full KV)")
+    axes[1].bar(names, [r["mean_running"] for r in rows], color="tab:green", label="mean")
+    axes[1].scatter(names, [r["max_running"] for r in rows], color="black", marker="_", s=300, label="max")
+    axes[1].set(ylabel="running requests", title="Achieved batch size")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=25, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    s = report["settings"]
+    fig.suptitle(f"{report['model']} on {report['device']}: {s['requests']} x {s['prompt_tokens']}-token "
+                 f"prompts, {s['max_new_tokens']} new tokens, KV pool {s['max_total_tokens']} tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.throughput",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
+    parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
+    parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
+                        "vericache:streamingllm@0.25:4",
+                        help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X]")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=1536)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--full-kv-batch", type=int, default=4,
+                        help="size the KV pool (--max-total-tokens) to hold this many full-KV requests")
+    parser.add_argument("--server-args", default="--dtype float32", help="flags given to every server")
+    args = parser.parse_args(argv)
+    if min(args.requests, args.prompt_tokens, args.max_new_tokens, args.full_kv_batch) <= 0:
+        parser.error("--requests, --prompt-tokens, --max-new-tokens and --full-kv-batch must be positive")
+    if args.full_kv_batch >= args.requests:
+        parser.error("--full-kv-batch must be below --requests (full KV must not batch them all)")
+    try:
+        cfgs = [parse_config(c) for c in args.configs.split(",") if c]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if cfgs[0]["kind"] != "full":
+        parser.error("--configs must start with full (the baseline)")
+
+    from sglang_vc import models
+    from sglang_vc.bench.serving import build_prompts
+
+    try:
+        model_dir = models.resolve(args.model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    ctx = args.prompt_tokens + args.max_new_tokens
+    budget = args.full_kv_batch * ctx + 64
+    prompts = build_prompts(model_dir, args.requests, args.prompt_tokens)
+    if any(len(p) < args.prompt_tokens for p in prompts):
+        parser.error(f"the reading workload has no {args.prompt_tokens}-token prompts")
+    common = ["--model-path", model_dir, "--device", "cpu", "--enable-metrics",
+              "--max-total-tokens", str(budget), "--max-running-requests", str(args.requests),
+              *args.server_args.split()]
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = out.parent / (out.stem + "-logs")
+    log_dir.mkdir(exist_ok=True)
+
+    rows = []
+    for cfg in cfgs:
+        rows.append(run_config(cfg, common, prompts, args.max_new_tokens, log_dir))
+    base = rows[0]
+    for row in rows:
+        row["ratio_to_full"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["identical_to_full"] = sum(a == b for a, b in zip(row["output_ids"], base["output_ids"]))
+    weights, kv_per_token = model_sizes(model_dir)
+    bw = memory_bandwidth()
+    pred = predictions(rows, {c["name"]: c for c in cfgs}, weights=weights, kv_per_token=kv_per_token,
+                       budget_tokens=budget, ctx_tokens=ctx, bw=bw)
+    report = {
+        "benchmark": "throughput",
+        "model": args.model,
+        "device": "cpu",
+        "command": " ".join(["python -m sglang_vc.bench.throughput", *(argv if argv is not None else sys.argv[1:])]),
+        "settings": {**vars(args), "max_total_tokens": budget, "server_flags": common[3:]},
+        "measured_parameters": {"weights_bytes": weights, "kv_bytes_per_token": kv_per_token,
+                                "kv_full_bytes_per_request": ctx * kv_per_token,
+                                "memory_bandwidth_bytes_per_s": bw},
+        "results": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows],
+        "appendix_b1_prediction": pred,
+        "definitions": {
+            "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
+            "mean_running": "mean of sglang:num_running_reqs over /metrics samples (every 0.25 s) while non-zero",
+            "identical_to_full": "requests whose output_ids equal the full-KV server's exactly",
+            "appendix_b1_prediction": "perf_model.predict_from_hardware with the measured acceptance length, "
+            "memory bandwidth as both BW_hbm and BW_inter, GPU_mem = weights + KV pool; memory-bound model",
+        },
+    }
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    for r in report["results"]:
+        p = pred.get(r["config"], {})
+        log(f"{r['config']:32s} {r['tokens_per_s']:7.1f} tok/s  x{r['ratio_to_full']:.2f}  "
+            f"batch {r['mean_running']:.1f}/{r['max_running']:.0f}  identical {r['identical_to_full']}/{args.requests}"
+            + (f"  A={r['mean_acceptance_length']:.2f}  B.1 predicts x{p['ratio_to_full']:.2f}"
+               f" (x{p['at_measured_batch']['ratio_to_full']:.2f} at the measured batch)" if p.get("ratio_to_full") else ""))
+    log(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
