@@ -153,6 +153,27 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
     return row
 
 
+def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:
+    """``n`` prompts of exactly ``prompt_tokens`` tokens, cut at different offsets from the
+    token stream of the reading workload (real text on the machine): no two share a
+    prefix, so the radix cache cannot serve one from another."""
+    from transformers import AutoTokenizer
+
+    from sglang_vc.bench.workloads import load_workload
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    stream: list[int] = []
+    for item in load_workload("reading", tokenizer=model_dir, max_tokens=2048, n=4 * n):
+        stream += tok(item["prompt"])["input_ids"]
+        if len(stream) >= n * prompt_tokens:
+            break
+    step = max(1, (len(stream) - prompt_tokens) // max(1, n - 1)) if len(stream) >= prompt_tokens else 0
+    prompts = [stream[i * step : i * step + prompt_tokens] for i in range(n)]
+    if not step or any(len(p) < prompt_tokens for p in prompts) or len({tuple(p[:8]) for p in prompts}) < n:
+        return None
+    return prompts
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
@@ -274,7 +295,6 @@ def main(argv=None) -> int:
         parser.error("--configs must start with full (the baseline)")
 
     from sglang_vc import models
-    from sglang_vc.bench.serving import build_prompts
 
     try:
         model_dir = models.resolve(args.model)
@@ -283,8 +303,8 @@ def main(argv=None) -> int:
     ctx = args.prompt_tokens + args.max_new_tokens
     budget = args.full_kv_batch * ctx + 64
     prompts = build_prompts(model_dir, args.requests, args.prompt_tokens)
-    if any(len(p) < args.prompt_tokens for p in prompts):
-        parser.error(f"the reading workload has no {args.prompt_tokens}-token prompts")
+    if prompts is None:
+        parser.error(f"not enough text on this machine for {args.requests} prompts of {args.prompt_tokens} tokens")
     common = ["--model-path", model_dir, "--device", "cpu", "--enable-metrics",
               "--max-total-tokens", str(budget), "--max-running-requests", str(args.requests),
               *args.server_args.split()]
