@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from conftest import real_text_passages
 from sglang_vc.compress import num_kept
 from sglang_vc.compress.kivi import kivi_split
+from sglang_vc.testing.client import concurrently, generate
 from sglang_vc.testing.reference import compare
 from sglang_vc.testing.server import ServerProcess
 
@@ -45,35 +45,6 @@ def lossy_server(tmp_path_factory):
     )
     yield proc
     proc.stop()
-
-
-def generate(server, ids, max_new, custom_params=None, **sampling):
-    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, **sampling}
-    if custom_params is not None:
-        params["custom_params"] = custom_params
-    r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params},
-                      timeout=600)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def concurrently(fn, args_list):
-    results, errors = [None] * len(args_list), []
-
-    def run(i, args):
-        try:
-            results[i] = fn(*args)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def vc_section(server):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import pytest
 import requests
 
 from conftest import real_text_passages
+from sglang_vc.testing.client import concurrently, generate
 from sglang_vc.testing.reference import compare, greedy_reference
 from sglang_vc.testing.server import ServerProcess
 
@@ -51,35 +51,6 @@ def vc_x(request, tmp_path_factory):
     proc = _server(tmp_path_factory, request.param)
     yield proc, request.param
     proc.stop()
-
-
-def generate(server, ids, max_new, custom_params=None):
-    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-    if custom_params is not None:
-        params["custom_params"] = custom_params
-    r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params},
-                      timeout=900)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def concurrently(fn, args_list):
-    results, errors = [None] * len(args_list), []
-
-    def run(i, args):
-        try:
-            results[i] = fn(*args)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def prompts(tokenizer, offset: int) -> list[list[int]]:

@@ -1,0 +1,41 @@
+"""Small HTTP helpers the serving tests share: a greedy ``/generate`` on token ids, and
+running calls concurrently so that they share the server's batches."""
+
+from __future__ import annotations
+
+import threading
+
+import requests
+
+
+def generate(server, ids, max_new, custom_params=None, timeout: float = 900, **sampling) -> dict:
+    """``/generate`` on ``ids`` (greedy, EOS ignored unless ``sampling`` says otherwise);
+    asserts HTTP 200 and returns the JSON reply."""
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, **sampling}
+    if custom_params is not None:
+        params["custom_params"] = custom_params
+    r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": params},
+                      timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def concurrently(fn, args_list):
+    """``[fn(*args) for args in args_list]``, each call in its own thread; re-raises the
+    first error."""
+    results, errors = [None] * len(args_list), []
+
+    def run(i, args):
+        try:
+            results[i] = fn(*args)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
