@@ -25,10 +25,23 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     ],
     ids=["unknown-alias", "ratio-out-of-range", "ratio-without-compressor", "unknown-vc-flag", "not-a-number"],
 )
-def test_launcher_rejects_bad_flags(args, message):
-    result = run(LAUNCH + args)
+def test_launcher_rejects_bad_flags(args, message, capsys):
+    """The launcher's argument parsing, in process (the same code ``main`` runs first)."""
+    from sglang_vc.launch_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err
+
+
+def test_launcher_process_exits_2_with_a_message():
+    """End to end: a bad flag ends the real launcher process with exit 2 and a usage
+    message, no traceback, before any server process starts."""
+    result = run(LAUNCH + ["--vc-compression-ratio", "1.5", "--vc-compressor", "knorm"])
     assert result.returncode == 2, result.stderr[-2000:]
-    assert message in result.stderr
+    assert "--vc-compression-ratio" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -107,8 +107,14 @@ def test_utility_alpha_tradeoff_section_4_2():
     assert util(0.4, lo) == pytest.approx(util(0.4, hi))
     assert util(0.45, hi) > util(0.45, lo)
     assert util(0.35, lo) > util(0.35, hi)
-    # Same TTFT, lower quality -> lower utility (the keydiff 0.65 vs 0.67 example).
-    assert 1 * 0.65 - 0.05 < 1 * 0.67 - 0.05
+    # Same TTFT, lower quality -> lower utility (the keydiff 0.65 vs 0.67 example): two
+    # methods at the same kept fraction load the same bytes.
+    kd, kn = CompressionConfig("keydiff", ratio=0.5), CompressionConfig("knorm", ratio=0.5)
+    pair = ContextInfo("q", 1000, 4 * GB, 1.0, {kd: 0.65, kn: 0.67})
+    model = UtilityModel(1, tiers, 1e4)
+    assert model.ttft(pair, Placement(kd, Tier.HOST)) == model.ttft(pair, Placement(kn, Tier.HOST))
+    assert model(pair, Placement(kd, Tier.HOST)) < model(pair, Placement(kn, Tier.HOST))
+    assert model.best_placement(pair) != Placement(kd, Tier.HOST)
 
 
 # ------------------------------------------------------------------------- placement

@@ -98,12 +98,16 @@ def zipf_stream(n_ctx: int, n_req: int, s: float, seed: int) -> list[tuple[int, 
 
 
 class Client:
+    """HTTP calls to the server, one connection each: a pooled keep-alive connection
+    left idle for the server's keep-alive timeout (uvicorn's 5 s, exactly the profiling
+    poll interval) is closed by the server as the next request reuses it, which the
+    client sees as "connection reset by peer"."""
+
     def __init__(self, url: str) -> None:
         self.url = url
-        self.s = requests.Session()
 
     def api(self, method: str, path: str, body=None, timeout: float = 1800) -> dict:
-        r = self.s.request(method, self.url + path, json=body, timeout=timeout)
+        r = requests.request(method, self.url + path, json=body, timeout=timeout)
         if r.status_code != 200:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:500]}")
         return r.json()
@@ -121,7 +125,7 @@ class Client:
         t0 = time.perf_counter()
         ttft = None
         last = {}
-        with self.s.post(self.url + "/generate", json=body, stream=True, timeout=1800) as r:
+        with requests.post(self.url + "/generate", json=body, stream=True, timeout=1800) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line or not line.startswith(b"data:"):
@@ -281,7 +285,7 @@ def main(argv=None) -> int:
     systems += [(f"evicpress:alpha={a:g}", {"policy": "evicpress", "alpha": a}) for a in alphas]
     systems += [("lru", {"policy": "lru"})]
     systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
-    state = {"server": None, "restarts": 0}
+    state: dict = {"server": None}
     profiles: dict = {}
     prof_path = out_json.with_suffix(".profiles.json")
     if args.reuse_profiles and prof_path.exists():
@@ -293,16 +297,13 @@ def main(argv=None) -> int:
     t_profile = 0.0
 
     def start() -> Client:
-        """(Re)start the server and register the contexts; profiles already measured
-        are given with the registration, so only the rest is profiled (again)."""
+        """Start the server (unless --url) and register the contexts; saved profiles
+        are given with the registration, so only the rest is profiled."""
         if args.url:
             cl = Client(args.url)
         else:
-            if state["server"] is not None:
-                state["server"].stop()
             log("starting the server: " + " ".join(server_args))
-            suffix = f".server-{state['restarts']}.log" if state["restarts"] else ".server.log"
-            state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(suffix), timeout=900)
+            state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
             cl = Client(state["server"].url)
         for c in contexts:
             body = {"id": c["id"], "token_ids": c["token_ids"], "query_suffix_ids": c["profile"]}
@@ -310,21 +311,6 @@ def main(argv=None) -> int:
                 body["quality"] = profiles[c["id"]]
             cl.api("POST", "/evicpress/contexts", body)
         return cl
-
-    def with_restarts(fn):
-        """Run ``fn(client)``; if the server goes away (a SIGTERM from outside on a
-        shared machine), restart it and run ``fn`` again (up to 4 times)."""
-        while True:
-            try:
-                if state.get("client") is None:
-                    state["client"] = start()
-                return fn(state["client"])
-            except (requests.ConnectionError, requests.Timeout, RuntimeError, TimeoutError) as exc:
-                state["restarts"] += 1
-                log(f"server lost ({exc.__class__.__name__}); restart {state['restarts']}")
-                if state["restarts"] > 4 or args.url:
-                    raise
-                state["client"] = None
 
     def profile_phase(cl: Client) -> None:
         while True:
@@ -340,15 +326,15 @@ def main(argv=None) -> int:
 
     ids = {c["id"]: i for i, c in enumerate(contexts)}
     try:
+        cl = start()
         t0 = time.time()
-        with_restarts(profile_phase)
+        profile_phase(cl)
         t_profile = time.time() - t0
         log(f"profiled {len(profiles)} contexts in {t_profile:.0f}s")
         for name, reconfig in systems:
             log(f"system {name}")
             t1 = time.time()
-            row, recs = with_restarts(lambda cl: run_system(
-                cl, name, contexts, stream, max_new, refs, not args.no_warm, reconfig, log))
+            row, recs = run_system(cl, name, contexts, stream, max_new, refs, not args.no_warm, reconfig, log)
             ref_texts = [refs[(ids[r["ctx"]], r["query"])] for r in recs]
             scores = scorer.score_many([r["text"] for r in recs], ref_texts)
             for r, sc in zip(recs, scores):
@@ -359,7 +345,12 @@ def main(argv=None) -> int:
             records[name] = recs
             log(f"  -> ttft_mean={row['ttft_mean_s']:.3f}s quality={row['quality']:.3f} "
                 f"tiers={row['hit_rate_by_tier']} compressed={row['compressed_contexts']}")
-        status = with_restarts(lambda cl: cl.api("GET", "/evicpress/status"))
+        status = cl.api("GET", "/evicpress/status")
+    except BaseException:
+        # a benchmark never hides a failure: no restart, the server's log tail instead
+        if state["server"] is not None:
+            log(f"benchmark failed; server log tail:\n{state['server'].log_tail(40)}")
+        raise
     finally:
         if state["server"] is not None:
             state["server"].stop()
@@ -381,7 +372,6 @@ def main(argv=None) -> int:
                   "decompress_bytes_per_s": status["decompress_bytes_per_s"]},
         "profiling_seconds": t_profile,
         "profiles_reused": bool(args.reuse_profiles),
-        "server_restarts": state["restarts"],
         "profiles": profiles,
         "results": rows,
         "server_args": server_args,

@@ -50,6 +50,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
       help="Host tier load bandwidth in GB/s for the delay model (default: measured at start).")
     a("--evicpress-disk-bandwidth", type=float, default=None,
       help="Disk tier load bandwidth in GB/s for the delay model (default: measured at start).")
+    a("--evicpress-decompress-bandwidth", type=float, default=None,
+      help="Dequantization rate in GB/s of expanded KV, for every quantization method, "
+      "for the delay model (default: measured at start per method).")
     a("--evicpress-prefill-tokens-per-s", type=float, default=None,
       help="Prefill throughput for the recompute term of the delay model "
       "(default: measured online from misses).")
@@ -121,7 +124,8 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("--evicpress-disk-size-gb must be > 0")
     if not 0 <= out["observe_rate"] <= 1:
         raise ValueError(f"--evicpress-observe-rate must be in [0, 1], got {out['observe_rate']}")
-    for key in ("host_size_gb", "host_bandwidth", "disk_bandwidth", "prefill_tokens_per_s"):
+    for key in ("host_size_gb", "host_bandwidth", "disk_bandwidth", "decompress_bandwidth",
+                "prefill_tokens_per_s"):
         v = out[key]
         if v is not None and (not math.isfinite(v) or v <= 0):
             raise ValueError(f"--evicpress-{key.replace('_', '-')} must be > 0, got {v}")
@@ -281,6 +285,8 @@ def settings_from_dict(d: dict[str, Any], **measured):
     if d.get("prefill_tokens_per_s"):
         s.prefill_tokens_per_s = float(d["prefill_tokens_per_s"])
         s.prefill_measured = False
-    if measured.get("decompress_bytes_per_s"):
+    if d.get("decompress_bandwidth"):
+        s.decompress_bytes_per_s = {m: d["decompress_bandwidth"] * 1e9 for m in QUANT_METHODS}
+    elif measured.get("decompress_bytes_per_s"):
         s.decompress_bytes_per_s = dict(measured["decompress_bytes_per_s"])
     return s

@@ -169,7 +169,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         for stale in disk_dir.glob("*.kv"):  # blobs of an earlier run: no registry maps them
             stale.unlink(missing_ok=True)
         disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB), drop_cache=True)
-        measured = _measure(ep, dims, disk_dir)
+        measured = measure_delay_inputs(ep, dims, disk_dir)
         settings = flags.settings_from_dict(ep, **measured)
         from sglang_vc.lossy import runtime as lossy_runtime
 
@@ -598,7 +598,7 @@ def _digest(kv: FullKV) -> str:
     return h.hexdigest()
 
 
-def _measure(ep: dict, dims: KVDims, disk_dir: Path) -> dict:
+def measure_delay_inputs(ep: dict, dims: KVDims, disk_dir: Path) -> dict:
     """Tier load bandwidths and decompression rates for the delay model, unless flags
     give them: a 64 MiB host copy, a 32 MiB disk write+read (page cache dropped), and
     decoding a 256-token context of this model under each quantization candidate."""
@@ -616,6 +616,8 @@ def _measure(ep: dict, dims: KVDims, disk_dir: Path) -> dict:
             out["disk_bandwidth"] = measure_bandwidth(disk_dir, 32 << 20).read_bytes_per_s
         except OSError:
             logger.warning("EvicPress: could not measure the disk bandwidth; assuming 1 GB/s")
+    if ep.get("decompress_bandwidth"):
+        return out
     rates = {}
     n = 256
     k = torch.randn(dims.layers, n, dims.heads, dims.head_dim)

@@ -280,12 +280,19 @@ class ProfilerService:
         self.tok = tok
         self.idle_seconds = idle_seconds
         self._scorer = scorer
+        self._scorer_lock = threading.Lock()
         self.poll = poll
         self.jobs_per_round = jobs_per_round
         self._stop = threading.Event()
 
     @property
     def scorer(self):
+        # Profiles run on several threads at once: the model loads once, under the lock
+        # (three concurrent loads of MiniLM were seen before it was there).
+        with self._scorer_lock:
+            return self._load_scorer()
+
+    def _load_scorer(self):
         if self._scorer is None:
             try:
                 from .quality import EmbeddingScorer

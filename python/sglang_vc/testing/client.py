@@ -39,3 +39,28 @@ def concurrently(fn, args_list):
     if errors:
         raise errors[0]
     return results
+
+
+def stream_with_pool_snapshot(server, ids, max_new, custom_params=None, after_tokens: int = 2,
+                              timeout: float = 900) -> tuple[dict, dict]:
+    """A streamed greedy ``/generate`` that reads the server's ``kv_pool`` gauge
+    (``/server_info``) once ``after_tokens`` tokens have come out, i.e. while the request
+    is decoding. Returns (the last streamed chunk, the gauge)."""
+    import json
+
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    if custom_params is not None:
+        params["custom_params"] = custom_params
+    last, gauge = None, None
+    with requests.post(server.url + "/generate", json={"input_ids": ids, "stream": True,
+                       "sampling_params": params}, stream=True, timeout=timeout) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            last = json.loads(line[5:])
+            if gauge is None and len(last["output_ids"]) >= after_tokens and len(last["output_ids"]) < max_new:
+                info = requests.get(server.url + "/server_info", timeout=60).json()
+                gauge = info["sglang_vc"]["counters"]["kv_pool"]
+    assert last is not None and gauge is not None, "the stream ended before the gauge was read"
+    return last, gauge

@@ -84,8 +84,11 @@ class ServerProcess:
     def server_info(self) -> dict:
         return requests.get(self.url + "/server_info", timeout=30).json()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Signal the launcher; escalate to SIGKILL of the whole group if it hangs."""
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
+        """Signal the launcher; escalate to SIGKILL of the whole group if it hangs.
+
+        SIGINT by default: the launcher stops its process tree at once, where SGLang's
+        SIGTERM handler drains requests first and polls for that every 5 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
