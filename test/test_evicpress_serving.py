@@ -419,34 +419,29 @@ def test_bad_flag_values_rejected(extra, message, capsys):
         VCConfig.from_cli_args(args)
 
 
-def test_token_dropping_flags_select_the_lossy_attention_backend(monkeypatch):
-    """knorm/keydiff candidates or a fixed knorm config are accepted and make EvicPress
-    resolve --attention-backend vc_torch; another attention backend is refused."""
-    from types import SimpleNamespace
-
-    from sglang_vc import config as vc_config_mod
+def test_token_dropping_flags_select_the_lossy_attention_backend():
+    """knorm/keydiff candidates or a fixed knorm config are accepted and make the launcher
+    pass --attention-backend vc_torch (page size 1, CUDA graphs off) to SGLang; another
+    attention backend is refused."""
     from sglang_vc.config import ConfigError, VCConfig
     from sglang_vc.evicpress import flags
-    from sglang_vc.launch_server import build_vc_parser
+    from sglang_vc.launch_server import backend_flags, build_vc_parser
 
     def parsed(*argv):
         return VCConfig.from_cli_args(build_vc_parser().parse_known_args(["--evicpress-disk-dir", "/tmp/x", *argv])[0])
 
     vc = parsed("--evicpress-methods", "knorm,keydiff,kivi")
-    assert {"knorm@0.3", "knorm@0.6", "knorm@0.9", "keydiff@0.3", "kivi@2b"} <= set(vc.evicpress["candidates"])
+    assert {"knorm@0.3", "knorm@0.6", "knorm@0.9", "keydiff@0.3", "kivi@2b"} <= set(flags.settings_of(vc)["candidates"])
     fixed = parsed("--evicpress-policy", "fixed", "--evicpress-fixed-config", "knorm@0.5")
-    assert fixed.evicpress["fixed_config"] == "knorm@0.5" and flags.drops_tokens(fixed.evicpress)
-    assert not flags.drops_tokens(parsed().evicpress)  # default: kivi only
-    for vc, raw, want in ((fixed, {}, "vc_torch"), (parsed(), {}, "torch_native")):
-        sa = SimpleNamespace(radix_cache_backend="evicpress", attention_backend="torch_native", _raw_input=raw)
-        monkeypatch.setattr(vc_config_mod, "_parsed", vc)
-        flags.apply_attention_default(sa)
-        assert sa.attention_backend == want
-    sa = SimpleNamespace(radix_cache_backend="evicpress", attention_backend="torch_native",
-                         _raw_input={"attention_backend": "torch_native"})
-    monkeypatch.setattr(vc_config_mod, "_parsed", fixed)
+    assert flags.settings_of(fixed)["fixed_config"] == "knorm@0.5" and flags.drops_tokens(flags.settings_of(fixed))
+    assert not flags.drops_tokens(flags.settings_of(parsed()))  # default: kivi only
+    argv = ["--radix-cache-backend", "evicpress"]
+    extra = backend_flags(fixed, argv)
+    assert extra[:2] == ["--attention-backend", "vc_torch"] and "--page-size" in extra
+    assert "--cuda-graph-backend-decode" in extra and "--radix-cache-backend" not in extra
+    assert backend_flags(parsed(), argv) == []
     with pytest.raises(ConfigError, match="vc_torch"):
-        flags.apply_attention_default(sa)
+        backend_flags(fixed, argv + ["--attention-backend", "torch_native"])
 
 
 @pytest.mark.parametrize(
@@ -758,9 +753,9 @@ def test_bench_fixed_option_accepts_token_dropping_configs(tmp_path, capsys):
     """``python -m sglang_vc.bench.evicpress --fixed knorm@0.5`` is a valid baseline
     (checked before anything starts); a config EvicPress cannot store is a usage error."""
     from sglang_vc.bench import evicpress as bench
-    from sglang_vc.evicpress.flags import _validate_fixed
+    from sglang_vc.evicpress.flags import validate_fixed
 
-    assert _validate_fixed("knorm@0.5").drops_tokens and not _validate_fixed("kivi@4b").drops_tokens
+    assert validate_fixed("knorm@0.5").drops_tokens and not validate_fixed("kivi@4b").drops_tokens
     for bad in ("snapkv@0.5", "kivi@3b", "nosuch@0.5"):
         with pytest.raises(SystemExit) as exc:
             bench.main(["--json", str(tmp_path / "x.json"), "--quick", "--fixed", bad])

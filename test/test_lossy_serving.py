@@ -97,7 +97,7 @@ def prompt_ids(tokenizer, index: int, tokens: int) -> list[int]:
 def test_attend_kernel_matches_sdpa_causal():
     """The kernel with a compressed prefix of 0 rows is plain causal attention; a prefix
     is visible to every query."""
-    from sglang_vc.lossy.kernels import attend
+    from sglang_vc.kvruntime.kernels import attend
 
     torch.manual_seed(0)
     q, k, v = torch.randn(5, 6, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
@@ -116,7 +116,7 @@ def test_attend_kernel_matches_sdpa_causal():
 
 
 def test_per_request_override_resolution():
-    from sglang_vc.lossy.plan import make_spec, resolve_spec
+    from sglang_vc.kvruntime.plan import make_spec, resolve_spec
 
     default = make_spec("snapkv", ratio=0.25)
     assert resolve_spec(default, None) == (default, None)
@@ -184,7 +184,7 @@ def test_identity_at_ratio_one_and_16_bits(server, lossy_server, tokenizer):
 def test_lossy_decoding_matches_offline_reference(lossy_server, model_dir, tokenizer, method, amount, max_new):
     """The server's compressed decoding == HF transformers decoding from the same
     compressed cache (prefill full, compress each layer, decode at the real positions)."""
-    from sglang_vc.lossy.reference import lossy_greedy_reference
+    from sglang_vc.kvruntime.reference import lossy_greedy_reference
 
     ids = prompt_ids(tokenizer, 2, 200)
     key = "vc_compression_ratio" if isinstance(amount, float) else "vc_kv_bits"

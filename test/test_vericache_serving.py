@@ -119,7 +119,7 @@ def test_vericache_rejects_online_compressor():
 
 def _check_identical(server, vc, model_dir, ids_list, max_new, custom=None):
     """Same tokens as the plain (full-KV) server; where they differ, the divergence must
-    be at a near-tie of the full-KV reference (DESIGN.md "identical output")."""
+    be at a near-tie of the full-KV reference (docs/architecture.md, "identical output")."""
     full = concurrently(lambda ids: generate(server, ids, max_new)["output_ids"], [(i,) for i in ids_list])
     outs = concurrently(lambda ids: generate(vc, ids, max_new, custom), [(i,) for i in ids_list])
     for ids, ref, out in zip(ids_list, full, outs):

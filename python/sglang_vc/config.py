@@ -2,15 +2,19 @@
 ``--speccache-*``), parsed before SGLang's and carried to SGLang's spawned processes on
 the ``server_args`` record.
 
-Each mechanism adds its flags here as it lands; a flag is validated where it is parsed so
-that a bad value is an argparse-style error (exit 2) before any process starts.
+This module holds the shared compressor flags (``--vc-compressor``,
+``--vc-compression-ratio``, ``--vc-kv-bits``: the compressed-KV runtime's) and a registry
+of flag groups: each mechanism registers its own family with :func:`register_flag_group`
+(``sglang_vc.registrations.register_flag_groups`` imports them), so this module imports no
+mechanism. A flag is validated where it is parsed, so that a bad value is an
+argparse-style error (exit 2) before any process starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 FLAG_PREFIXES = ("--vc-", "--specache-", "--evicpress-", "--speccache-")
 SERVER_ARGS_ATTR = "_sglang_vc"  # underscore attrs of ServerArgs survive the pickling to children
@@ -20,24 +24,48 @@ class ConfigError(ValueError):
     """An invalid or inconsistent project flag; the launcher reports it and exits 2."""
 
 
+@dataclasses.dataclass(frozen=True)
+class FlagGroup:
+    """One mechanism's flag family.
+
+    ``from_cli_args`` returns the validated settings as plain data (they cross process
+    boundaries on ``server_args``), or None when none of the group's flags is in use; it
+    raises :class:`ConfigError` on a bad value. ``describe`` gives the group's entry in
+    the ``mechanisms`` of ``/server_info`` (None: not shown)."""
+
+    name: str
+    add_cli_args: Callable[[argparse.ArgumentParser], None]
+    from_cli_args: Callable[[argparse.Namespace], Optional[dict]]
+    describe: Callable[[dict], Optional[dict]] = lambda settings: None
+
+
+_GROUPS: dict[str, FlagGroup] = {}
+
+
+def register_flag_group(group: FlagGroup) -> None:
+    _GROUPS[group.name] = group
+
+
+def flag_groups() -> tuple[FlagGroup, ...]:
+    return tuple(_GROUPS.values())
+
+
 @dataclasses.dataclass
 class VCConfig:
-    # Compressor shared by lossy mode, VeriCache and EvicPress (issue: compressor library).
+    # The compressor of the device KV copy, shared by lossy serving, VeriCache's drafter
+    # and the compressed-KV runtime.
     vc_compressor: Optional[str] = None
     vc_compression_ratio: Optional[float] = None
     vc_kv_bits: Optional[int] = None
-    # VERICACHE: capacity of the host store of full KV (None = unbounded).
-    vc_host_kv_gb: Optional[float] = None
-    # EvicPress settings (``--evicpress-*``, see sglang_vc.evicpress.flags), a plain dict.
-    evicpress: Optional[dict] = None
-    # Resolved, not a flag: True when the compressor serves requests directly from the
-    # compressed cache (lossy serving: no speculative algorithm owns the compressor).
-    # Set while SGLang resolves the server args (sglang_vc.lossy.select).
-    lossy_serving: bool = False
+    # Validated settings of each registered flag group that is in use (plain data).
+    groups: dict = dataclasses.field(default_factory=dict)
+    # What SGLang's argument resolution decided, per mechanism (lossy serving, VeriCache);
+    # shown in /server_info.
+    resolved: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("sglang-vc")
+        group = parser.add_argument_group("sglang-vc: KV compression")
         group.add_argument(
             "--vc-compressor",
             type=str,
@@ -57,33 +85,30 @@ class VCConfig:
             default=None,
             help="Bits per KV element for a quantization compressor.",
         )
-        group.add_argument(
-            "--vc-host-kv-gb",
-            type=float,
-            default=None,
-            help="VERICACHE: host memory for the full KV that compression replaces on the "
-            "device (GiB; default unbounded). A request that does not fit decodes from its "
-            "full device KV instead of being compressed.",
-        )
-        from sglang_vc.evicpress.flags import add_cli_args as add_evicpress_args
-
-        add_evicpress_args(parser)
+        for flag_group in flag_groups():
+            flag_group.add_cli_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "VCConfig":
         global _parsed
-        names = {f.name for f in dataclasses.fields(cls)}
-        config = cls(**{k: v for k, v in vars(args).items() if k in names})
-        from sglang_vc.evicpress.flags import from_cli_args as evicpress_from_args
-
-        config.evicpress = evicpress_from_args(args)
+        config = cls(
+            vc_compressor=args.vc_compressor,
+            vc_compression_ratio=args.vc_compression_ratio,
+            vc_kv_bits=args.vc_kv_bits,
+        )
+        for flag_group in flag_groups():
+            settings = flag_group.from_cli_args(args)
+            if settings is not None:
+                config.groups[flag_group.name] = settings
         config.validate()
         _parsed = config
         return config
 
+    def group(self, name: str) -> Optional[dict]:
+        """The validated settings of flag group ``name``, None when it is not in use."""
+        return self.groups.get(name)
+
     def validate(self) -> None:
-        if self.vc_host_kv_gb is not None and not self.vc_host_kv_gb >= 0:
-            raise ConfigError(f"--vc-host-kv-gb must be >= 0, got {self.vc_host_kv_gb}")
         if self.vc_compression_ratio is not None and not 0 < self.vc_compression_ratio <= 1:
             raise ConfigError(
                 f"--vc-compression-ratio must be in (0, 1] (fraction of KV kept), "
@@ -101,8 +126,7 @@ class VCConfig:
         """The mechanisms this config enables, with their settings.
 
         Returns the same dict object on every call, refreshed: a ``/server_info`` section
-        built before SGLang resolves its args then also shows what resolution decided
-        (``lossy_serving``, set by the platform defaults)."""
+        built before SGLang resolves its args then also shows what resolution decided."""
         mechanisms = self.__dict__.setdefault("_mechanisms", {})
         mechanisms.clear()
         if self.vc_compressor:
@@ -111,26 +135,13 @@ class VCConfig:
                 "compression_ratio": self.vc_compression_ratio,
                 "kv_bits": self.vc_kv_bits,
             }
-        if self.lossy_serving:
-            from sglang_vc.lossy import ATTENTION_BACKEND, RADIX_CACHE_BACKEND, REQUEST_KEYS
-
-            mechanisms["lossy_serving"] = {
-                "compressor": self.vc_compressor,
-                "compression_ratio": self.vc_compression_ratio,
-                "kv_bits": self.vc_kv_bits,
-                "attention_backend": ATTENTION_BACKEND,
-                "radix_cache_backend": RADIX_CACHE_BACKEND,
-                "per_request_keys": list(REQUEST_KEYS),  # in sampling_params.custom_params
-            }
-        vericache = self.__dict__.get("vericache")  # set when VERICACHE is resolved
-        if vericache:
-            mechanisms["vericache"] = dict(vericache)
-        if self.evicpress and self.evicpress.get("enabled"):
-            ep = self.evicpress
-            mechanisms["evicpress"] = {
-                "policy": ep["policy"], "alpha": ep["alpha"], "candidates": ep["candidates"],
-                "fixed_config": ep["fixed_config"], "disk_dir": ep["disk_dir"],
-            }
+        for name, settings in self.groups.items():
+            group = _GROUPS.get(name)
+            described = group.describe(settings) if group is not None else None
+            if described is not None:
+                mechanisms[name] = described
+        for name, settings in self.resolved.items():
+            mechanisms[name] = {**mechanisms.get(name, {}), **settings}
         return mechanisms
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,10 +149,9 @@ class VCConfig:
 
 
 def _validate_compressor(name: str, ratio: Optional[float], bits: Optional[int]) -> None:
-    try:
-        from sglang_vc.compress.registry import get_compressor
-    except ImportError:  # the compressor library has not landed in this build
-        raise ConfigError("--vc-compressor: no compressor library in this build") from None
+    from sglang_vc.compress import check_bits
+    from sglang_vc.compress.registry import get_compressor
+
     try:
         compressor = get_compressor(name)
     except ValueError as exc:
@@ -153,8 +163,6 @@ def _validate_compressor(name: str, ratio: Optional[float], bits: Optional[int])
             )
         if bits is None:
             raise ConfigError(f"--vc-compressor {name} quantizes: it needs --vc-kv-bits")
-        from sglang_vc.compress import check_bits
-
         try:
             check_bits(bits, compressor.supported_bits, name)
         except ValueError as exc:
@@ -174,7 +182,7 @@ def parsed_config() -> Optional[VCConfig]:
     """The config the launcher parsed in *this* process (None where no launcher ran).
 
     SGLang resolves its server args in the launcher process right after the project's
-    flags are parsed; platform defaults read the project config from here because it is
+    flags are parsed; resolution hooks read the project config from here because it is
     not on ``server_args`` yet at that point. Later processes use ``get_vc_config``."""
     return _parsed
 

@@ -15,26 +15,18 @@ import os
 import sys
 
 from sglang_vc.config import FLAG_PREFIXES, SERVER_ARGS_ATTR, ConfigError, VCConfig
+from sglang_vc.kvruntime.select import BackendChoice, flag_value
 
 PROG = "python -m sglang_vc.launch_server"
 
 
 def build_vc_parser() -> argparse.ArgumentParser:
+    from sglang_vc.registrations import register_flag_groups
+
+    register_flag_groups()
     parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
     VCConfig.add_cli_args(parser)
     return parser
-
-
-def _flag_value(argv: list[str], *names: str) -> tuple[int, str | None]:
-    """Index and value of the last ``--name VALUE``/``--name=VALUE`` in argv, or (-1, None)."""
-    found = (-1, None)
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                found = (i, argv[i + 1])
-            elif arg.startswith(name + "="):
-                found = (i, arg.split("=", 1)[1])
-    return found
 
 
 def resolve_model_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -42,7 +34,7 @@ def resolve_model_argv(argv: list[str], parser: argparse.ArgumentParser) -> list
     from sglang_vc import models
 
     argv = list(argv)
-    index, value = _flag_value(argv, "--model-path", "--model")
+    index, value = flag_value(argv, "--model-path", "--model")
     name = value if index >= 0 else models.DEFAULT_MODEL
     if index >= 0 and (os.path.exists(value) or "/" in value):
         return argv  # a local folder, or a hub id that SGLang resolves itself
@@ -60,7 +52,7 @@ def resolve_model_argv(argv: list[str], parser: argparse.ArgumentParser) -> list
             argv[index] = f"--model-path={path}"
         else:
             argv[index + 1] = path
-    if _flag_value(argv, "--served-model-name")[0] < 0:
+    if flag_value(argv, "--served-model-name")[0] < 0:
         argv += ["--served-model-name", name]
     return argv
 
@@ -73,7 +65,10 @@ def _platform_device() -> str:
 
 def parse_args(argv: list[str]):
     """Split argv into the project's config and SGLang's ServerArgs (exits 2 on errors)."""
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()  # our backends must be registered choices before SGLang parses
 
     parser = build_vc_parser()
     if "-h" in argv or "--help" in argv:
@@ -89,7 +84,11 @@ def parse_args(argv: list[str]):
     except ConfigError as exc:
         parser.error(str(exc))
     sglang_argv = resolve_model_argv(sglang_argv, parser)
-    if _flag_value(sglang_argv, "--device")[0] < 0 and _platform_device() == "cpu":
+    try:
+        sglang_argv += backend_flags(vc_config, sglang_argv)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if flag_value(sglang_argv, "--device")[0] < 0 and _platform_device() == "cpu":
         # SGLang's default device falls through to the platform's torch.device object,
         # which its resolution then treats as a string; name the device explicitly.
         sglang_argv += ["--device", "cpu"]
@@ -98,14 +97,43 @@ def parse_args(argv: list[str]):
     return vc_config, server_args
 
 
+def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None:
+    """Which of the project's SGLang backends the flags select (at most one)."""
+    from sglang_vc.evicpress import flags as evicpress_flags
+    from sglang_vc.kvruntime import ATTENTION_BACKEND
+    from sglang_vc.kvruntime.select import lossy_choice
+    from sglang_vc.vericache import flags as vericache_flags
+
+    choices = [c for c in (
+        lossy_choice(vc_config, argv),
+        vericache_flags.backend_choice(argv),
+        evicpress_flags.backend_choice(evicpress_flags.settings_of(vc_config), argv),
+    ) if c is not None]
+    if len(choices) > 1:
+        raise ConfigError(f"{choices[0].reason} and {choices[1].reason} cannot be combined")
+    if choices:
+        return choices[0]
+    given = flag_value(argv, "--attention-backend")[1]
+    if given in (ATTENTION_BACKEND, vericache_flags.ATTENTION_BACKEND):
+        return BackendChoice(given, None, f"--attention-backend {given}")
+    return None
+
+
+def backend_flags(vc_config: VCConfig, argv: list[str]) -> list[str]:
+    """SGLang flags the project's flags imply, whatever the platform (see
+    :mod:`sglang_vc.kvruntime.select`)."""
+    from sglang_vc.kvruntime.select import sglang_flags
+
+    choice = backend_choice(vc_config, argv)
+    return [] if choice is None else sglang_flags(choice, argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.utils import kill_process_tree
 
     from sglang_vc.server_info import install_server_info_routes
 
-    load_plugins()
     vc_config, server_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     install_server_info_routes(vc_config)
     from sglang_vc.evicpress.service import install as install_evicpress

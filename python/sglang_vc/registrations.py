@@ -1,7 +1,14 @@
 """Registrations with SGLang's own registries (attention backends, speculative
-algorithms, radix caches). Idempotent: SGLang loads plugins once per process."""
+algorithms, radix caches) and of the mechanisms' flag groups with the launcher's config.
+Idempotent: SGLang loads plugins once per process."""
 
 _done = False
+
+
+def register_flag_groups() -> None:
+    """Each mechanism's ``flags`` module registers its flag family when imported."""
+    from sglang_vc.evicpress import flags as _evicpress_flags  # noqa: F401
+    from sglang_vc.vericache import flags as _vericache_flags  # noqa: F401
 
 
 def register_all() -> None:
@@ -9,9 +16,10 @@ def register_all() -> None:
     if _done:
         return
     _done = True
-    from sglang_vc import lossy
+    register_flag_groups()
+    from sglang_vc import kvruntime
 
-    lossy.register()  # attention backend "vc_torch", radix cache "vc"
+    kvruntime.register()  # attention backend "vc_torch", radix cache "vc"
 
     from sglang_vc.vericache import worker_spec
 

@@ -233,10 +233,10 @@ def main(argv=None) -> int:
     fixed = [f.strip() for f in args.fixed.split(",") if f.strip()]
     drops_tokens = False
     for f in fixed:
-        from sglang_vc.evicpress.flags import _validate_fixed
+        from sglang_vc.evicpress.flags import validate_fixed
 
         try:
-            drops_tokens |= _validate_fixed(f).drops_tokens
+            drops_tokens |= validate_fixed(f).drops_tokens
         except ValueError as exc:
             ap.error(f"--fixed {f}: {exc}")
     host_ctx = args.host_contexts or 5.0

@@ -71,7 +71,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DRAFT_LENGTHS = (1, 4, 10, 16, 30, 40)
 DEFAULT_RATIO = 0.25
 KVZIP_PROMPT = "\n\nRepeat the previous context:\n"
-NEAR_TIE_REL = 1e-4  # DESIGN.md "identical output"
+NEAR_TIE_REL = 1e-4  # docs/architecture.md, "identical output"
 FIRST_CHUNK = 4  # first chunk of a batched draft check (then 8, 16, ...)
 
 

@@ -1,5 +1,5 @@
 """1-bit KIVI as modified by SpeCache ("SpeCache: Speculative Key-Value Caching
-for Efficient Generation of LLMs", Jie et al.; shared/papers/specache.md), section 3.4, eq. 3.
+for Efficient Generation of LLMs", Jie et al.), section 3.4, eq. 3.
 
 With plain KIVI at 1 bit every element becomes ``min X`` or ``max X``, which inflates the
 cache's magnitude. Assuming values uniform on ``[min X, max X]`` and minimising the

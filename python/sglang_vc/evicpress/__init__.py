@@ -1,4 +1,4 @@
-"""EvicPress: joint KV-cache compression and eviction across tiers (papers/evicpress.md).
+"""EvicPress: joint KV-cache compression and eviction across tiers ("EvicPress: Joint KV-Cache Compression and Eviction for Efficient LLM Serving", Feng, Liu et al.).
 
 SGLang-independent core:
 
@@ -19,7 +19,7 @@ Runtime (``--radix-cache-backend evicpress`` with SGLang's hierarchical-cache fl
 * :mod:`.radix`     -- the SGLang radix cache: loads stored contexts into device slots
   on a match, stores computed ones, routes the profiler's namespaces; a token-dropped
   context is served from its kept rows as a compressed prefix by the ``vc_torch``
-  attention backend (:mod:`sglang_vc.lossy`), which EvicPress then selects
+  attention backend (:mod:`sglang_vc.kvruntime`), which EvicPress then selects
 * :mod:`.control`   -- the scheduler's control channel (JSON over localhost HTTP)
 * :mod:`.service`   -- ``/evicpress/*`` routes, flag checks and the idle-time profiler
 * :mod:`.flags`     -- ``--evicpress-*`` flags

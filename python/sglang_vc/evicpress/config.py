@@ -14,7 +14,7 @@ unlimited, section 4.1; ours is not, so the slowest tier evicts to "recompute").
 Conventions (see "doubtful" notes in the module docstrings of utility/placement):
 
 * ``ratio`` is the *fraction of the KV kept*, as in the paper's footnote 2 ("ratio
-  between compressed KV cache size and original KV cache size") and in DESIGN.md's
+  between compressed KV cache size and original KV cache size") and in the project's
   ``--vc-compression-ratio``. (The paper's section 4.2 examples and kvpress use the
   opposite convention, fraction pruned.)
 * Stored size of a quantized config is ``full * (bits + 2*16/G) / 16``: KIVI stores one

@@ -12,8 +12,12 @@ import argparse
 import math
 from typing import Any, Optional
 
+from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
+from sglang_vc.kvruntime.names import ATTENTION_BACKEND
+
 from .config import FULL, QUANT_METHODS, CompressionConfig
 
+GROUP = "evicpress"
 POLICIES = ("evicpress", "lru", "fixed")
 GB = 1 << 30
 
@@ -96,8 +100,6 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     disk dir is given (the evicpress backend requires one); ``control_port`` is the
     localhost port of the scheduler's control server (chosen here, carried to the
     scheduler on ``server_args``)."""
-    from sglang_vc.config import ConfigError
-
     names = [n for n in vars(args) if n.startswith("evicpress_")]
     raw = {n[len("evicpress_"):]: getattr(args, n) for n in names}
     try:
@@ -171,7 +173,7 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
         if not fixed:
             raise ValueError("--evicpress-policy fixed needs --evicpress-fixed-config (e.g. kivi@4b)")
         try:
-            cfg = _validate_fixed(fixed)
+            cfg = validate_fixed(fixed)
         except ValueError as exc:
             raise ValueError(f"--evicpress-fixed-config: {exc}") from None
         out["fixed_config"] = cfg.label
@@ -182,7 +184,7 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _validate_fixed(label: str) -> CompressionConfig:
+def validate_fixed(label: str) -> CompressionConfig:
     """A fixed-policy config (``kivi@4b``, ``knorm@0.5``...), ``ValueError`` if unusable."""
     from sglang_vc.compress.registry import get_compressor, list_compressors
 
@@ -224,33 +226,18 @@ def drops_tokens(ep: Optional[dict[str, Any]]) -> bool:
     return any(CompressionConfig.parse(label).drops_tokens for label in labels)
 
 
-def apply_attention_default(server_args: Any) -> None:
-    """While SGLang resolves its args (CPU platform, via ``lossy.select``): EvicPress
-    with a token-dropping config serves those contexts from their kept rows, which
-    needs the ``vc_torch`` attention backend (SGLang's torch-native one plus attention
-    over a compressed prefix) and ``--page-size 1``. Other attention backends are
-    refused rather than silently serving nothing from a token-dropped copy. Without
-    such a config nothing changes; ``--attention-backend vc_torch`` can still be given
-    to switch to a token-dropping fixed config at run time (``/evicpress/reconfigure``)."""
-    from sglang_vc.config import ConfigError, parsed_config
-    from sglang_vc.lossy import ATTENTION_BACKEND
+def backend_choice(ep: Optional[dict[str, Any]], argv: list[str]):
+    """The attention backend EvicPress needs (a :class:`~sglang_vc.kvruntime.select.BackendChoice`),
+    or None: with a token-dropping config (a candidate or the fixed config) a stored
+    context is served from its kept rows, which needs the ``vc_torch`` attention backend
+    (SGLang's torch-native one plus attention over a compressed prefix) and
+    ``--page-size 1``. Another explicit attention backend is then refused rather than
+    silently serving nothing from a token-dropped copy."""
+    from sglang_vc.kvruntime.select import BackendChoice, flag_value
 
-    config = parsed_config()
-    if config is None or getattr(server_args, "radix_cache_backend", None) != "evicpress":
-        return
-    if not drops_tokens(config.evicpress):
-        return
-    raw = getattr(server_args, "_raw_input", None) or {}
-    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
-        value = raw.get(field)
-        if value not in (None, ATTENTION_BACKEND):
-            raise ConfigError(
-                f"token-dropping EvicPress configs are served by the {ATTENTION_BACKEND} "
-                f"attention backend; got {field}={value}"
-            )
-    if raw.get("page_size") not in (None, 1):
-        raise ConfigError("token-dropping EvicPress configs need --page-size 1")
-    server_args.attention_backend = ATTENTION_BACKEND
+    if flag_value(argv, "--radix-cache-backend")[1] != "evicpress" or not drops_tokens(ep):
+        return None
+    return BackendChoice(ATTENTION_BACKEND, None, "token-dropping EvicPress configs")
 
 
 def settings_from_dict(d: dict[str, Any], **measured):
@@ -290,3 +277,20 @@ def settings_from_dict(d: dict[str, Any], **measured):
     elif measured.get("decompress_bytes_per_s"):
         s.decompress_bytes_per_s = dict(measured["decompress_bytes_per_s"])
     return s
+
+
+def settings_of(vc_config) -> dict:
+    """EvicPress's validated settings on a :class:`~sglang_vc.config.VCConfig` ({} when
+    the config was made without the launcher's parser)."""
+    return vc_config.group(GROUP) or {}
+
+
+def describe(ep: dict) -> Optional[dict]:
+    """The ``evicpress`` entry of ``/server_info``'s mechanisms."""
+    if not ep.get("enabled"):
+        return None
+    return {"policy": ep["policy"], "alpha": ep["alpha"], "candidates": ep["candidates"],
+            "fixed_config": ep["fixed_config"], "disk_dir": ep["disk_dir"]}
+
+
+register_flag_group(FlagGroup(GROUP, add_cli_args, from_cli_args, describe))

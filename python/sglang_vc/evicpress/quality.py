@@ -1,4 +1,4 @@
-"""Answer-agreement scorers for the profiler (paper section 6.1, DESIGN.md "Quality score").
+"""Answer-agreement scorers for the profiler (paper section 6.1; docs/architecture.md, "Quality score").
 
 * :class:`EmbeddingScorer` -- cosine similarity of all-MiniLM-L6-v2 sentence embeddings
   of an answer and the full-KV reference answer, as in the paper's evaluation ("cosine

@@ -36,7 +36,7 @@ rows, so they cannot be keyed token by token in the tree. A hit on such a copy o
    as cached and does not prefill them; the request's own KV never enters the tree
    (``skip_radix_cache_insert``): its row starts with rows that are not its tokens' KV;
 3. once SGLang has allocated the request's row (``maybe_hand_to_session``), registers
-   a lossy :class:`~sglang_vc.lossy.index.CompressedKVIndex` for it: ``comp_slots`` =
+   a :class:`~sglang_vc.kvruntime.CompressedKVIndex` for it: ``comp_slots`` =
    the kept rows, ``attend_from = n``. The ``vc_torch`` backend then attends, for every
    query, over the kept rows (visible to all, their keys already carry RoPE) plus the
    ordinary causal rows from position ``n`` on (the question, the generated tokens);
@@ -66,7 +66,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from . import codec
+from . import codec, flags
 from .codec import FullKV
 from .config import FULL, CompressionConfig, Tier
 from .disk_tier import DiskTierStore, measure_bandwidth
@@ -115,7 +115,7 @@ def evicpress_factory(ctx):
 
     from sglang_vc.config import get_vc_config
 
-    ep = get_vc_config(ctx.server_args).evicpress or {}
+    ep = flags.settings_of(get_vc_config(ctx.server_args))
     if not ep.get("enabled"):
         raise ValueError("--radix-cache-backend evicpress needs --evicpress-disk-dir")
     if not ctx.enable_hierarchical_cache:
@@ -140,7 +140,6 @@ class EvicPressRadixCache(UnifiedRadixCache):
         from sglang_vc import stats
         from sglang_vc.config import get_vc_config
 
-        from . import flags
         from .control import ControlServer
 
         if self.cache_controller is None:
@@ -149,7 +148,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         self.write_through_threshold = 1 << 62
         self.is_write_back = False
 
-        ep = dict(get_vc_config(server_args).evicpress)
+        ep = dict(flags.settings_of(get_vc_config(server_args)))
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         self._kv_pool = pool
         itemsize = torch.empty((), dtype=pool.dtype).element_size()
@@ -171,10 +170,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB), drop_cache=True)
         measured = measure_delay_inputs(ep, dims, disk_dir)
         settings = flags.settings_from_dict(ep, **measured)
-        from sglang_vc.lossy import runtime as lossy_runtime
+        from sglang_vc import kvruntime
 
-        # the vc_torch attention backend made the lossy runtime with the model runner
-        settings.serves_dropped = lossy_runtime._runtime is not None
+        # the vc_torch attention backend made the compressed-KV runtime with the model runner
+        settings.serves_dropped = kvruntime.current_runtime() is not None
         if settings.serves_dropped and self.page_size != 1:
             raise ValueError("evicpress: token-dropped contexts need --page-size 1")
         self._dropped: dict[str, _DroppedPrefix] = {}  # rid -> its token-dropped prefix
@@ -305,7 +304,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
 
     # ------------------------------------------------------------------ token-dropped copies
     def _lossy_runtime(self):
-        from sglang_vc.lossy.runtime import get_runtime
+        from sglang_vc.kvruntime import get_runtime
 
         return get_runtime()  # created by the vc_torch backend with the model runner
 
@@ -343,19 +342,18 @@ class EvicPressRadixCache(UnifiedRadixCache):
         drop = self._dropped.get(req.rid) if self.evicpress is not None else None
         if drop is None or req.kv.req_pool_idx is None:
             return
-        from sglang_vc.lossy.index import CompressedKVIndex
-        from sglang_vc.lossy.plan import make_spec
+        from sglang_vc.kvruntime import CompressedKVIndex, make_spec
 
         runtime = self._lossy_runtime()
         idx = int(req.kv.req_pool_idx)
-        entry = runtime.index.get(idx)
+        entry = runtime.entry_for_row(idx)
         if entry is not None and entry.rid == req.rid:
             return  # a later prefill chunk
         row = runtime.req_to_token[idx]
-        runtime.index[idx] = CompressedKVIndex(
+        runtime.register_index(CompressedKVIndex(
             req.rid, idx, make_spec(drop.config.method, drop.config.ratio), drop.n, drop.n,
             comp_slots=row[: drop.n_keep].to(torch.int64).clone(), attend_from=drop.n,
-        )
+        ))
         self.evicpress.count(dropped_prefix_requests=1)
 
     def _before_match(self, params: MatchPrefixParams) -> None:

@@ -53,6 +53,7 @@ from typing import Any, Optional
 import requests
 
 from .control import ControlClient, ControlError
+from .flags import settings_of
 from .manager import CFG_NAMESPACE, REF_NAMESPACE
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def _explicit(ep: dict) -> list[str]:
 def check_server_args(vc_config, server_args) -> bool:
     """Exit 2 (argparse style) on EvicPress flags that cannot work together with
     SGLang's; True when EvicPress is in use."""
-    ep = vc_config.evicpress or {}
+    ep = settings_of(vc_config)
     backend = getattr(server_args, "radix_cache_backend", None)
     if backend != "evicpress":
         given = _explicit(ep) if ep else []
@@ -118,7 +119,7 @@ def install(vc_config, server_args) -> None:
     from fastapi import Body, HTTPException
     from sglang.srt.entrypoints import http_server
 
-    ep = vc_config.evicpress
+    ep = settings_of(vc_config)
     client = ControlClient(int(ep["control_port"]))
     tok = _Tokenizer(server_args)
     app = http_server.app

@@ -44,9 +44,6 @@ class TorchCpuPlatform(CpuDeviceMixin, SRTPlatform):
             # SGLang sizes the pool from "device memory" = all RAM (about 9 GB on 24 GiB);
             # on a shared host a small fixed share of what is free is the sane default.
             server_args.max_total_tokens = _kv_pool_tokens_from_free_ram(server_args)
-        from sglang_vc.lossy.select import apply_lossy_defaults
-
-        apply_lossy_defaults(server_args)  # --vc-compressor: vc_torch + radix cache "vc"
 
     def get_kv_pool_cls(self, *, kind):
         # Speculative decoding builds the pool with enable_kv_cache_copy, whose warmup

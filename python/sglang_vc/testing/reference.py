@@ -1,5 +1,5 @@
 """Full-KV reference decoding with HF transformers, and the token-by-token comparison
-that DESIGN.md calls *identical output*.
+that the project calls *identical output* (docs/architecture.md, "Definitions").
 
 A divergence from the reference is allowed only at a near-tie of the reference: the
 top-2 logit gap at that step is below ``NEAR_TIE_REL`` of the top logit. It is counted

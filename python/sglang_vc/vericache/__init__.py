@@ -1,4 +1,4 @@
-"""VeriCache core, independent of SGLang (paper: /work/shared/papers/vericache.md).
+"""VeriCache core, independent of SGLang ("VeriCache: Turning Lossy KV Cache into Lossless LLM Inference", Yao et al.).
 
 * ``rings``, ``admit``, ``scheduler``: the runtime of §5 (BW/HBM rings, Algorithm 1
   ADMIT, the per-iteration execution loop) as :class:`ReloadScheduler`;

@@ -1,4 +1,4 @@
-"""Live counters of VeriCache (DESIGN.md "Contracts": verify rounds, drafted, accepted,
+"""Live counters of VeriCache (the server-info contract of docs/architecture.md: verify rounds, drafted, accepted,
 mean acceptance length, bytes reloaded from host), safe to bump from several threads."""
 
 from __future__ import annotations

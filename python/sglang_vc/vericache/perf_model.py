@@ -8,7 +8,7 @@ Symbols (paper Table 3), all sizes in bytes, bandwidths in bytes/s, times in sec
 * ``c`` ``compression``: kept fraction, ``KV_compressed = c * KV_full``, ``0 < c < 1``.
 * ``x`` ``draft_len``: draft (speculation) length; a cycle is ``x`` drafts + 1 verify.
 * ``gamma(x, c)``: acceptance rate; we take the measured *acceptance length*
-  ``A = gamma * x + 1`` (tokens committed per verify round, DESIGN.md).
+  ``A = gamma * x + 1`` (tokens committed per verify round; docs/architecture.md, "Definitions").
 * ``B`` ``batch_size``: concurrent requests; ``B_c`` ``offloaded`` of them keep full KV on
   the host, ``B_g = B - B_c`` keep it on device.
 * ``ell`` ``cycles_per_load``: iterations one full-KV reload spans.

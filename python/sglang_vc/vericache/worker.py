@@ -4,8 +4,8 @@ One scheduler decode round of a batch (``L`` = committed KV length of a request,
 its last output token, whose KV is not computed yet):
 
 1. **Draft** ``X`` tokens greedily with ``X`` decode forwards of the target model whose
-   attention reads the request's *compressed* KV (the lossy runtime's
-   :class:`~sglang_vc.lossy.index.CompressedKVIndex`: compressed prompt rows ++ the full
+   attention reads the request's *compressed* KV (the compressed-KV runtime's
+   :class:`~sglang_vc.kvruntime.CompressedKVIndex`: compressed prompt rows ++ the full
    KV of tokens committed since). Draft KV goes to the request's reserved slots
    ``row[L .. L+X-1]``.
 2. **Reload**: the full prompt KV the compression replaced, kept in a host store since
@@ -41,66 +41,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vc import stats
-from sglang_vc.lossy import kernels
-from sglang_vc.lossy.backend import VCTorchAttnBackend
-from sglang_vc.lossy.runtime import get_runtime
+from sglang_vc.kvruntime import get_runtime
 
+from . import flags
+from .names import META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload
 from .sampling import greedy_verify_ids
-from .worker_spec import META_INFO_KEY
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- attention
-
-
-class VeriCacheAttnBackend(VCTorchAttnBackend):
-    """``vc_torch`` (prefill + compression, decode over compressed KV) plus the
-    TARGET_VERIFY forward: each request's ``W`` verify queries at positions
-    ``L .. L+W-1`` attend causally to its row ``[0, L+W)`` over the full KV: positions
-    ``[p, n)`` of a compressed request come from ``self.reload`` (staged by the worker),
-    the others from the pool."""
-
-    reload: "LayerwiseReload | None" = None
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        if not forward_batch.forward_mode.is_target_verify():
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(
-                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
-            )
-        w = forward_batch.spec_info.draft_token_num
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
-        gqa = layer.tp_q_head_num != layer.tp_k_head_num
-        staged = self.reload.layer(layer.layer_id) if self.reload is not None else {}
-        for i, (row, committed) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens.tolist())):
-            slots = req_to_token[row, : committed + w].to(torch.int64)
-            if i in staged:
-                p, n, k_full, v_full = staged[i]
-                k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
-                v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
-            else:
-                k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
-            o_[i * w : (i + 1) * w] = kernels.attend(
-                q_[i * w : (i + 1) * w], k_r, v_r, num_prefix=0, tail_start=0, q_start=committed,
-                scale=layer.scaling, enable_gqa=gqa,
-            )
-        if self.runtime.batch is not None:
-            self._after_layer(layer)
-        return o
 
 
 # ----------------------------------------------------------------------------- worker
@@ -119,8 +71,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.device = get_device().device
         from sglang_vc.config import get_vc_config
 
-        host_gb = get_vc_config(server_args).vc_host_kv_gb
-        self.host = HostKVStore(None if host_gb is None else int(host_gb * 2**30))
+        self.host = HostKVStore(flags.host_kv_bytes(get_vc_config(server_args).group(flags.GROUP)))
         self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
         self.per_request: dict[str, dict] = {}
         self._runtime = None
@@ -177,7 +128,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 speculative_num_draft_tokens=self.width,
                 speculative_output_stride=self.width,
             )
-        self.host.retain({e.rid for e in runtime.index.values()})
+        self.host.retain(runtime.compressed_rids())
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
@@ -212,7 +163,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # decode-time step that would rewrite or free them (e.g. KIVI tail streaming) must
         # skip entries carrying this mark.
         for row in rows.tolist():
-            entry = self.runtime.index.get(row)
+            entry = self.runtime.entry_for_row(row)
             if entry is not None:
                 entry.keep_full_rows = True
 
@@ -325,7 +276,7 @@ class VeriCacheWorker(BaseSpecWorker):
         for i, req in enumerate(batch.reqs):
             row = int(rows[i])
             entry = self.host.get(req.rid, row)
-            if entry is not None and entry.num_tokens and self.runtime.index.get(row) is not None:
+            if entry is not None and entry.num_tokens and self.runtime.entry_for_row(row) is not None:
                 entries[i] = entry
         if not entries:
             return None

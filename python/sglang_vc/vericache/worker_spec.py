@@ -18,11 +18,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-ALGORITHM = "VERICACHE"
-ATTENTION_BACKEND = "vc_verify"
-DEFAULT_DRAFT_TOKENS = 4
-META_INFO_KEY = "sglang_vc_vericache"
-WORKER_PATH = "sglang_vc.vericache.worker:VeriCacheWorker"
+from .names import ALGORITHM, ATTENTION_BACKEND, DEFAULT_DRAFT_TOKENS, WORKER_PATH
 # Online compressors evict rows of the request's own row during decode (they compact
 # into the slots of committed tokens), which would overwrite the full KV the verifier
 # reads; VeriCache needs the committed tokens' KV untouched.
@@ -64,7 +60,7 @@ def worker_factory(server_args):
 
 
 def _create_attention_backend(model_runner):
-    from .worker import VeriCacheAttnBackend
+    from .attention import VeriCacheAttnBackend
 
     return VeriCacheAttnBackend(model_runner)
 
@@ -165,7 +161,7 @@ def handle_server_args(server_args) -> None:
 
     config = parsed_config()
     if config is not None:
-        config.vericache = {
+        config.resolved["vericache"] = {
             "draft_tokens": int(x),
             "compressor": config.vc_compressor,
             "compression_ratio": config.vc_compression_ratio,
@@ -174,6 +170,6 @@ def handle_server_args(server_args) -> None:
             "radix_cache_backend": "vc",
             "schedule": "verify every round (X drafts, then one verify)",
             "reload": "layer-wise from the host store on a copy thread, 2 layers ahead",
-            "host_kv_gb": config.vc_host_kv_gb,
+            "host_kv_gb": (config.group("vericache") or {}).get("host_kv_gb"),
         }
         config.enabled_mechanisms()

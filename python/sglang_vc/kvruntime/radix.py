@@ -20,7 +20,7 @@ import logging
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from . import META_INFO_KEY
+from .names import META_INFO_KEY
 from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)

@@ -40,16 +40,21 @@ MAX_SCORING_QUERIES = 512  # last prompt queries H2O/KVzip score with (memory bo
 # At 2 bits a payload is ~1/8 of the fp32 KV it replaces, so 0.25 holds ~2 pools' worth.
 PAYLOAD_STORE_FRACTION = 0.25
 
-_runtime: Optional["LossyRuntime"] = None
+_runtime: Optional["KVRuntime"] = None
 
 
-def get_runtime(model_runner=None) -> "LossyRuntime":
+def get_runtime(model_runner=None) -> "KVRuntime":
     """The process's runtime, created from the first model runner that asks."""
     global _runtime
     if _runtime is None:
         if model_runner is None:
-            raise RuntimeError("lossy runtime not initialised: no model runner yet")
-        _runtime = LossyRuntime(model_runner)
+            raise RuntimeError("compressed-KV runtime not initialised: no model runner yet")
+        _runtime = KVRuntime(model_runner)
+    return _runtime
+
+
+def current_runtime() -> Optional["KVRuntime"]:
+    """The process's runtime if an attention backend of this package created it."""
     return _runtime
 
 
@@ -92,7 +97,7 @@ class BatchView:
         return any(e is not None for e in self.entries)
 
 
-class LossyRuntime:
+class KVRuntime:
     def __init__(self, model_runner):
         from sglang_vc.config import get_vc_config
 
@@ -130,7 +135,7 @@ class LossyRuntime:
         # full KV on the device (decodes uncompressed).
         self.full_kv_admit = None
         logger.info(
-            "lossy serving: default %s, payload store %.1f MB",
+            "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
             self.payload_budget / 2**20,
         )
@@ -160,6 +165,19 @@ class LossyRuntime:
             return True
         entry = self.index.get(req.kv.req_pool_idx)
         return entry is not None and entry.rid == req.rid
+
+    def register_index(self, entry: CompressedKVIndex) -> None:
+        """Serve the request in row ``entry.req_pool_idx`` from a compressed prefix that
+        someone else put on the device (e.g. an EvicPress context's kept rows)."""
+        self.index[entry.req_pool_idx] = entry
+
+    def entry_for_row(self, req_pool_idx: int) -> Optional[CompressedKVIndex]:
+        """The compressed-KV index of the request in row ``req_pool_idx``, if any."""
+        return self.index.get(req_pool_idx)
+
+    def compressed_rids(self) -> set[str]:
+        """Requests that have a compressed-KV index now."""
+        return {entry.rid for entry in self.index.values()}
 
     def has_entry(self, rid: str) -> bool:
         return any(entry.rid == rid for entry in self.index.values())

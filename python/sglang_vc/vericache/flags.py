@@ -1,0 +1,54 @@
+"""VeriCache's own flags (``--vc-host-kv-gb``), registered as a flag group; the drafter's
+compressor is the shared ``--vc-compressor`` family, and the algorithm is chosen the
+SGLang way (``--speculative-algorithm VERICACHE --speculative-num-draft-tokens X``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
+
+from .names import ALGORITHM, ATTENTION_BACKEND
+
+GROUP = "vericache"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("VeriCache (--speculative-algorithm VERICACHE)")
+    g.add_argument(
+        "--vc-host-kv-gb",
+        type=float,
+        default=None,
+        help="VERICACHE: host memory for the full KV that compression replaces on the "
+        "device (GiB; default unbounded). A request that does not fit decodes from its "
+        "full device KV instead of being compressed.",
+    )
+
+
+def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
+    host = args.vc_host_kv_gb
+    if host is not None and not host >= 0:
+        raise ConfigError(f"--vc-host-kv-gb must be >= 0, got {host}")
+    return {"host_kv_gb": host}
+
+
+def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:
+    """The host store's capacity in bytes (None: unbounded)."""
+    gb = (settings or {}).get("host_kv_gb")
+    return None if gb is None else int(gb * 2**30)
+
+
+def backend_choice(argv: list[str]):
+    """VERICACHE drafts and verifies with the ``vc_verify`` attention backend over the
+    ``vc`` radix cache (a :class:`~sglang_vc.kvruntime.select.BackendChoice`)."""
+    from sglang_vc.kvruntime import RADIX_CACHE_BACKEND
+    from sglang_vc.kvruntime.select import BackendChoice, flag_value
+
+    algorithm = flag_value(argv, "--speculative-algorithm")[1]
+    if algorithm is None or algorithm.upper() != ALGORITHM:
+        return None
+    return BackendChoice(ATTENTION_BACKEND, RADIX_CACHE_BACKEND, f"--speculative-algorithm {ALGORITHM}")
+
+
+register_flag_group(FlagGroup(GROUP, add_cli_args, from_cli_args))
