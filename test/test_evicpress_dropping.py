@@ -91,6 +91,10 @@ def test_dropped_context_half_stored_served_from_kept_rows_across_tiers(drop_ser
     host = _hit(s, tokenizer, ids, "host")  # host -> device: the kept rows
     d0 = _api(s, "GET", "/evicpress/contexts/d1/digest")
     assert d0["device_tokens"] == CTX_TOKENS and d0["device_config"] == "knorm@0.5"
+    # the device copy holds the kept rows only: n_keep pool slots for the n tokens
+    kv = s.server_info()["sglang_vc"]["counters"]["kv_pool"]
+    assert d0["device_slots"] == CTX_TOKENS // 2 == kv["evictable_tokens"], (d0, kv)
+    assert kv["available_tokens"] == kv["total_tokens"] - CTX_TOKENS // 2, kv
     assert d0["device"] == d0["stored"]  # the device's kept rows are the stored ones
     assert _api(s, "GET", "/evicpress/contexts/d1")["device_config"] == "knorm@0.5"
     assert _hit(s, tokenizer, ids, "device")["output_ids"] == host["output_ids"]

@@ -101,18 +101,37 @@ def test_attend_kernel_matches_sdpa_causal():
 
     torch.manual_seed(0)
     q, k, v = torch.randn(5, 6, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
-    out = attend(q, k, v, num_prefix=0, tail_start=0, q_start=4, scale=None, enable_gqa=True)
+    out = attend(q, k, v, num_prefix=0, key_positions=torch.arange(9), q_start=4, scale=None, enable_gqa=True)
     qh, kh, vh = q.movedim(0, 1), k.movedim(0, 1).repeat_interleave(3, 0), v.movedim(0, 1).repeat_interleave(3, 0)
     logits = qh @ kh.transpose(1, 2) / 8 ** 0.5
     logits = logits.masked_fill(torch.arange(9).view(1, 9) > torch.arange(4, 9).view(5, 1), float("-inf"))
     ref = (logits.softmax(-1) @ vh).movedim(0, 1)
     torch.testing.assert_close(out, ref)
     # 3 prefix rows always visible, then tail rows at positions 10.. (queries at 12..13)
-    out = attend(q[:2], k[:6], v[:6], num_prefix=3, tail_start=10, q_start=12, scale=None, enable_gqa=True)
+    out = attend(q[:2], k[:6], v[:6], num_prefix=3, key_positions=torch.arange(10, 13), q_start=12,
+                 scale=None, enable_gqa=True)
     logits = qh[:, :2] @ kh[:, :6].transpose(1, 2) / 8 ** 0.5
     hidden = torch.tensor([[False] * 3 + [False, False, False], [False] * 6])  # pos 10,11,12 <= 12
     ref = (logits.masked_fill(hidden, float("-inf")).softmax(-1) @ vh[:, :6]).movedim(0, 1)
     torch.testing.assert_close(out, ref)
+
+
+def test_null_slots_are_not_rows():
+    """Row positions pointing at NULL_SLOT (dropped tokens) are skipped; the others keep
+    their row positions for the causal mask."""
+    from sglang_vc.kvruntime import NULL_SLOT
+    from sglang_vc.kvruntime.kernels import attend, live_rows
+
+    row = torch.tensor([7, 8, NULL_SLOT, NULL_SLOT, 3, 4, 9], dtype=torch.int32)
+    slots, pos = live_rows(row, 1, 7)
+    assert slots.tolist() == [8, 3, 4, 9] and pos.tolist() == [1, 4, 5, 6]
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    out = attend(q, k, v, num_prefix=0, key_positions=pos, q_start=5, scale=None, enable_gqa=False)
+    # the query at 5 sees positions 1, 4, 5; the one at 6 sees all four rows
+    ref0 = attend(q[:1], k[:3], v[:3], num_prefix=0, key_positions=pos[:3], q_start=5, scale=None, enable_gqa=False)
+    ref1 = attend(q[1:], k, v, num_prefix=0, key_positions=pos, q_start=6, scale=None, enable_gqa=False)
+    torch.testing.assert_close(out, torch.cat([ref0, ref1]))
 
 
 def test_per_request_override_resolution():

@@ -23,23 +23,23 @@ The profiler's requests carry an ``extra_key`` namespace (``evicpress:ref`` for 
 reference answers, ``evicpress:cfg:<config>`` to answer on a compressed version of the
 context), so they never share tree nodes with user requests.
 
-**Token-dropped contexts** (``knorm@0.5``...; needs the ``vc_torch`` attention backend,
-which ``flags.apply_attention_default`` selects) store only each (layer, head)'s kept
-rows, so they cannot be keyed token by token in the tree. A hit on such a copy of an
-``n``-token context:
+**Token-dropped contexts** (``knorm@0.5``...; served by the ``vc_torch`` attention
+backend, which the launcher then selects) store only each (layer, head)'s kept rows, so
+they cannot be keyed token by token in the tree. Their device copy takes ``n_keep``
+slots, not ``n``. A hit on such a copy of an ``n``-token context:
 
-1. loads the ``n_keep`` kept rows into the first ``n_keep`` of ``n`` fresh device slots
-   and inserts those ``n`` slots under ``ids[:n]`` in a private namespace
-   (``evicpress:drop:<ctx>:<config>:<n>``) that no ordinary request matches; the other
-   slots are never read (they keep the node one slot per token, as the tree needs);
-2. redirects the request's match to that namespace, so SGLang counts the ``n`` tokens
-   as cached and does not prefill them; the request's own KV never enters the tree
-   (``skip_radix_cache_insert``): its row starts with rows that are not its tokens' KV;
+1. loads the ``n_keep`` kept rows into ``n_keep`` fresh device slots and inserts them
+   under the context's first ``n_keep`` tokens in a private namespace
+   (``evicpress:drop:<ctx>:<config>:<n>``) that no ordinary request matches;
+2. redirects the request's match to that node and reports all ``n`` context tokens as
+   cached, so SGLang does not prefill them; the request's row gets the kept slots
+   followed by ``NULL_SLOT`` for the dropped tokens (``prefix_device_indices``), and its
+   own KV never enters the tree (``skip_radix_cache_insert``);
 3. once SGLang has allocated the request's row (``maybe_hand_to_session``), registers
-   a :class:`~sglang_vc.kvruntime.CompressedKVIndex` for it: ``comp_slots`` =
-   the kept rows, ``attend_from = n``. The ``vc_torch`` backend then attends, for every
-   query, over the kept rows (visible to all, their keys already carry RoPE) plus the
-   ordinary causal rows from position ``n`` on (the question, the generated tokens);
+   a :class:`~sglang_vc.kvruntime.CompressedKVIndex` for it (``attend_from = n``): the
+   ``vc_torch`` backend attends, for every query, over the kept rows (visible to all,
+   their keys already carry RoPE) plus the ordinary causal rows from position ``n`` on
+   (the question, the generated tokens), skipping the null positions;
 4. releases the index entry with the request; the private node stays in the tree as
    the context's device copy (``device_config``) until the tree evicts it.
 
@@ -293,14 +293,30 @@ class EvicPressRadixCache(UnifiedRadixCache):
             drop = self._dropped.get(params.req.rid)
             if drop is not None:
                 key = params.key
-                private = RadixKey(key.token_ids, drop.namespace, is_bigram=key.is_bigram, limit=key.limit)
+                limit = key.limit if key.limit is not None else len(key)
+                private = self._key(key.raw_token_ids()[: drop.n_keep], None, drop.namespace)
                 result = super().match_prefix(dataclasses.replace(params, key=private))
-                if result.device_prefix_len == drop.n:
+                if result.device_prefix_len == drop.n_keep and limit >= drop.n:
+                    # The private node holds the n_keep kept rows; SGLang counts all n
+                    # context tokens as cached, and the request's row gets the kept
+                    # slots then NULL_SLOT for the dropped ones (prefix_device_indices).
                     params.req.skip_radix_cache_insert = True  # its row holds no plain prefix
-                    return result
+                    return result._replace(device_prefix_len=drop.n, full_kv_hit_length=drop.n,
+                                           full_device_match_len=drop.n, cache_protected_len=drop.n)
                 # evicted meanwhile or capped shorter: the request recomputes the context
                 del self._dropped[params.req.rid]
         return super().match_prefix(params)
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        drop = self._dropped.get(req.rid) if self.evicpress is not None else None
+        if drop is None:
+            return super().prefix_device_indices(req)
+        from sglang_vc.kvruntime import NULL_SLOT
+
+        kept = self.tree_core.collect_full_device_indices(req.last_node, self.root_node_handle(drop.namespace))
+        assert len(kept) == drop.n_keep, (req.rid, len(kept), drop.n_keep)
+        null = torch.full((drop.n - drop.n_keep,), NULL_SLOT, dtype=kept.dtype, device=kept.device)
+        return torch.cat([kept, null])[: req.prefix_len]
 
     # ------------------------------------------------------------------ token-dropped copies
     def _lossy_runtime(self):
@@ -309,13 +325,14 @@ class EvicPressRadixCache(UnifiedRadixCache):
         return get_runtime()  # created by the vc_torch backend with the model runner
 
     def _dropped_on_device(self, req, ids, namespace: str, n: int, cfg: CompressionConfig) -> bool:
-        """Whether the private node ``namespace`` holds ``ids[:n]``; then ``req`` is
-        served from it."""
-        if self._device_match(self._key(ids[:n], None, namespace))[0] < n:
-            return False
+        """Whether the private node ``namespace`` holds the kept rows of ``ids[:n]``; then
+        ``req`` is served from it."""
         from sglang_vc.compress import num_kept
 
-        self._dropped[req.rid] = _DroppedPrefix(namespace, n, num_kept(n, cfg.ratio), cfg)
+        n_keep = num_kept(n, cfg.ratio)
+        if self._device_match(self._key(ids[:n_keep], None, namespace))[0] < n_keep:
+            return False
+        self._dropped[req.rid] = _DroppedPrefix(namespace, n, n_keep, cfg)
         return True
 
     def _load_dropped(self, req, ids, namespace: str, n: int, cfg: CompressionConfig, rows: FullKV) -> bool:
@@ -324,16 +341,16 @@ class EvicPressRadixCache(UnifiedRadixCache):
         ``req`` from them."""
         if self._dropped_on_device(req, ids, namespace, n, cfg):
             return True
-        key = self._key(ids[:n], None, namespace)
+        n_keep = rows.num_tokens
+        key = self._key(ids[:n_keep], None, namespace)
         if self._device_match(key)[0]:  # a partly evicted node: not a usable prefix
             return False
-        n_keep = rows.num_tokens
-        new = self._alloc(n)
+        new = self._alloc(n_keep)
         if new is None:
-            logger.info("EvicPress: no device room to load %d tokens", n)
+            logger.info("EvicPress: no device room to load %d kept rows", n_keep)
             return False
         new = new.to(torch.int64)
-        self._write(new[:n_keep], rows)
+        self._write(new, rows)
         self.insert(InsertParams(key=key, value=new, prev_prefix_len=0, inserted_len=0))
         return self._dropped_on_device(req, ids, namespace, n, cfg)
 
@@ -349,10 +366,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
         entry = runtime.entry_for_row(idx)
         if entry is not None and entry.rid == req.rid:
             return  # a later prefill chunk
-        row = runtime.req_to_token[idx]
         runtime.register_index(CompressedKVIndex(
             req.rid, idx, make_spec(drop.config.method, drop.config.ratio), drop.n, drop.n,
-            comp_slots=row[: drop.n_keep].to(torch.int64).clone(), attend_from=drop.n,
+            row_start=0, attend_from=drop.n, tokens_kept=drop.n_keep,
         ))
         self.evicpress.count(dropped_prefix_requests=1)
 
@@ -553,19 +569,22 @@ class EvicPressRadixCache(UnifiedRadixCache):
         decoded, for tests of moves between tiers."""
         import xxhash
 
+        from sglang_vc.compress import num_kept
+
         n = ctx.stored_len or ctx.num_tokens
         dev_cfg = ctx.device_config
         dropped = dev_cfg is not None and dev_cfg.drops_tokens
         # a token-dropped device copy: its kept rows, in the private namespace
         ns = _drop_namespace(ctx, dev_cfg, n) if dropped else ctx.namespace
-        key = RadixKey(array.array("q", ctx.token_ids[:n].tolist()), ns,
+        length = num_kept(n, dev_cfg.ratio) if dropped else n
+        key = RadixKey(array.array("q", ctx.token_ids[:length].tolist()), ns,
                        is_bigram=self.tree_core.is_eagle)
         have, _, idx = self._device_match(key)
         out = {"device_tokens": have, "device": None, "stored": None, "stored_config": None}
-        if dropped and have >= n:
-            from sglang_vc.compress import num_kept
-
-            out["device"] = _digest(self._gather(idx[: num_kept(n, dev_cfg.ratio)]))
+        if dropped and have >= length:
+            out["device_slots"] = have  # the kept rows only: n_keep of the n tokens
+            out["device_tokens"] = n
+            out["device"] = _digest(self._gather(idx[:length]))
             out["device_config"] = dev_cfg.label
         elif have and not dropped:
             kv = self._gather(idx)

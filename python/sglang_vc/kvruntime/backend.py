@@ -96,12 +96,11 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
             if entry is None:
                 slots = req_to_token[pool_idx[i], :seq_len].to(torch.int64)
                 k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
-                num_prefix, tail_start = 0, 0
+                num_prefix, positions = 0, torch.arange(seq_len, device=slots.device)
             else:
-                k_r, v_r, num_prefix = self.runtime.request_kv(entry, layer.layer_id, seq_len, onl)
-                tail_start = entry.attend_from
+                k_r, v_r, num_prefix, positions = self.runtime.request_kv(entry, layer.layer_id, seq_len, onl)
             o_[start : start + t] = kernels.attend(
-                q_r, k_r, v_r, num_prefix=num_prefix, tail_start=tail_start,
+                q_r, k_r, v_r, num_prefix=num_prefix, key_positions=positions,
                 q_start=seq_len - t, scale=layer.scaling, enable_gqa=gqa,
             )
             if onl is not None:

@@ -1,26 +1,32 @@
 """Per-request metadata of a compressed request: where its KV is.
 
-The KV a compressed request attends to in every layer is, in order::
+A request's KV lives where SGLang puts every request's KV, its row of ``req_to_token``
+(position -> pool slot), with two additions:
 
-    [dequantized payload rows]  ++  pool rows ``comp_slots``  ++  pool rows of
-    ``req_to_token[req_pool_idx, attend_from : seq_len]``
+* a row position may point at :data:`~.names.NULL_SLOT`: the token was dropped (its slot
+  went back to the pool) and attention skips it. A token-dropped prefix of ``n`` tokens
+  keeps ``n_keep`` rows: positions ``[a, a + n_keep)`` hold the kept rows (per layer and
+  KV head, the j-th kept row of that head: keys carry their own RoPE, so every later
+  query sees them whatever their order) and ``[a + n_keep, a + n)`` are null;
+* a quantized prefix (KIVI) is a payload of packed rows kept beside the pool, standing
+  for positions ``[0, payload.num_tokens)``, visible to every later query.
 
-The first two parts are the compressed prefix: every query sees all of it (RoPE is
-already applied to the keys, so row order and per-head position sets do not matter). The
-last part is ordinary KV at row positions ``attend_from ..``, causal as usual. SGLang
-keeps computing positions from ``seq_len``, so RoPE of new tokens stays the real one.
+The KV a request attends to in every layer is therefore::
 
-Ownership (what the radix cache frees when the request ends): ``comp_slots`` (always the
-request's own) and the row ``[max(cache_protected_len, attend_from), end)``. Row positions
-below ``attend_from`` were either freed at compression time or belong to the tree.
+    [dequantized payload rows]  ++  non-null pool rows of req_to_token[row, row_start : seq_len]
+
+with the causal mask by row position (every compressed row sits before every later
+query). ``attend_from`` is where the request's ordinary (uncompressed, own) rows begin.
+
+Ownership (what the radix cache frees when the request ends): the non-null slots of row
+positions ``>= prefix_len``; positions below ``prefix_len`` belong to the radix tree, and
+the null ones were freed at compression time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
-
-import torch
 
 from .plan import CompressionSpec
 
@@ -41,8 +47,9 @@ class CompressedKVIndex:
     spec: CompressionSpec
     prompt_len: int  # tokens whose KV was compressed (the prefill length)
     prefix_len: int  # of which borrowed from the radix tree (cache_protected_len)
-    comp_slots: torch.Tensor  # int64 [m]: pool slots holding compressed rows, owned
-    attend_from: int  # row position where the ordinary (uncompressed) KV starts
+    row_start: int  # first row position read from the pool (the payload covers the rest)
+    attend_from: int  # row position where the request's ordinary (uncompressed) rows start
+    tokens_kept: int = 0  # token dropping: rows kept of the compressed prefix
     payload: Optional[QuantPayload] = None
     in_place: bool = False  # quantized values written back in full precision (no saving)
     quantized_tokens: int = 0  # tokens whose KV was replaced by quantized values
@@ -53,10 +60,9 @@ class CompressedKVIndex:
     keep_full_rows: bool = False
 
     @property
-    def num_prefix_rows(self) -> int:
-        """Rows of the compressed prefix (payload + comp_slots)."""
-        q = self.payload.num_tokens if self.payload is not None else 0
-        return q + int(self.comp_slots.numel())
+    def num_payload_rows(self) -> int:
+        """Rows of the quantized payload (visible to every query)."""
+        return self.payload.num_tokens if self.payload is not None else 0
 
     def summary(self) -> dict[str, Any]:
         """What ``meta_info`` reports for the request."""
@@ -67,7 +73,7 @@ class CompressedKVIndex:
             "slots_freed": self.slots_freed,
         }
         if self.spec.scenario == "token_dropping":
-            out["tokens_kept"] = int(self.comp_slots.numel())
+            out["tokens_kept"] = self.tokens_kept
         else:
             out["tokens_quantized"] = self.quantized_tokens
             out["payload_bytes"] = self.payload.nbytes if self.payload else 0

@@ -1,11 +1,11 @@
-"""Pure-torch kernels of lossy serving: gather a compressed request's KV, attend over it,
-and compact rows after an online eviction.
+"""Pure-torch kernels of the compressed-KV runtime: find a request's live rows, gather
+them, attend over them, and compact rows after an online eviction.
 
-The layout contract (see :mod:`.index`): a request's keys are a *prefix* of rows every
-query sees (compressed or dequantized rows) followed by a *tail* of ordinary rows at
-consecutive positions ``tail_start, tail_start + 1, ...``, causal as usual. A GPU version
-(FlashInfer/Triton paged attention with a per-request index of prefix slots) implements
-the same three functions.
+The layout contract (see :mod:`.index`): a request's keys are an optional *prefix* of rows
+every query sees (dequantized payload rows) followed by pool rows at known row positions,
+causal by position; row positions whose slot is ``NULL_SLOT`` (dropped tokens) are not
+rows at all. A GPU version (FlashInfer/Triton paged attention over ``kv_indices`` built
+without the null slots) implements the same functions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
+
+from .names import NULL_SLOT
+
+
+def live_rows(row: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """Slots and row positions of the live (non-null) entries of ``row[start:end]``."""
+    slots = row[start:end].to(torch.int64)
+    live = slots != NULL_SLOT
+    positions = torch.arange(start, end, device=slots.device)
+    if bool(live.all()):
+        return slots, positions
+    return slots[live], positions[live]
 
 
 def gather_kv(
@@ -38,25 +50,24 @@ def attend(
     v: Tensor,
     *,
     num_prefix: int,
-    tail_start: int,
+    key_positions: Tensor,
     q_start: int,
     scale: Optional[float],
     enable_gqa: bool,
 ) -> Tensor:
     """Softmax attention of one request: ``q [T, Hq, D]`` at positions ``q_start ..``
     over ``k/v [N, Hkv, D]`` whose first ``num_prefix`` rows are visible to every query
-    and whose other rows sit at positions ``tail_start ..`` (causal). Returns
+    and whose other rows sit at row positions ``key_positions`` (causal). Returns
     ``[T, Hq, Dv]``. With one query that sees every row (decode) no mask is built, so the
     call is the same as SGLang's torch-native decode on the same rows."""
-    t, n = q.shape[0], k.shape[0]
+    t = q.shape[0]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    n_tail = n - num_prefix
     mask = None
-    if q_start + t - 1 < tail_start + n_tail - 1 or t > 1:
+    last = int(key_positions[-1]) if key_positions.numel() else -1
+    if t > 1 or last > q_start:
         q_pos = torch.arange(q_start, q_start + t, device=q.device)
-        tail_pos = torch.arange(tail_start, tail_start + n_tail, device=q.device)
-        visible = tail_pos.view(1, -1) <= q_pos.view(-1, 1)
+        visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)
         mask = torch.cat([visible.new_ones(t, num_prefix), visible], dim=1)
     out = scaled_dot_product_attention(
         q.movedim(0, 1).unsqueeze(0),

@@ -6,9 +6,9 @@ requests.
 * It may still *reuse* a full-KV prefix cached by an earlier full request. The match is
   capped so that it owns at least the rows its compressed KV needs; the compressed rows go
   into its own slots only, the shared prefix nodes are never written.
-* ``free_kv_row`` frees exactly the slots a compressed request still owns (its compressed
-  rows and its row past ``attend_from``); the slots it gave back at compression time are
-  not freed twice.
+* ``free_kv_row`` frees exactly the slots a compressed request still owns (the live
+  slots of its own row positions); the slots it gave back at compression time are null in
+  its row and not freed twice.
 * Full-KV requests (no compressor, or ``custom_params.vc_compressor = "none"``) use the
   tree exactly like SGLang's ``RadixCache``.
 """

@@ -10,8 +10,9 @@ Life of a request ``r`` whose spec compresses (see :mod:`.index` for the KV layo
    layer's K/V of the ``n`` prefill tokens from the pool, compress with that layer's
    queries, write the kept rows into the request's own slots ``row[p : p + n_keep]``
    (token dropping) or keep the packed payload (quantization).
-4. ``end_forward`` (backend, after the last layer): free the slots no longer needed, put
-   a :class:`CompressedKVIndex` in ``index``; online methods commit their evictions.
+4. ``end_forward`` (backend, after the last layer): point the row positions whose slots
+   are no longer needed at ``NULL_SLOT`` and free those slots, put a
+   :class:`CompressedKVIndex` in ``index``; online methods commit their evictions.
 5. ``free_request_slots`` / ``release`` (radix cache, when SGLang releases the row).
 """
 
@@ -30,6 +31,7 @@ from sglang_vc.compress.kivi import KIVI
 
 from . import kernels
 from .index import CompressedKVIndex, QuantPayload
+from .names import NULL_SLOT
 from .plan import CompressionSpec, RequestPlan, make_spec, resolve_spec
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ class _Online:
     """An online (H2O) request in a decode forward: rows it attends to and evictions."""
 
     entry: CompressedKVIndex
-    slots: torch.Tensor  # comp_slots ++ row[attend_from : seq_len]
+    slots: torch.Tensor  # its live rows' slots, in row order
+    positions: torch.Tensor  # their row positions
     seq_len: int
     kept: Optional[int] = None  # rows kept after this step's eviction (same for all layers)
 
@@ -214,9 +217,9 @@ class KVRuntime:
                 if entry is None or entry.keep_full_rows:
                     continue
                 if entry.spec.mode == "online":
-                    row = self.req_to_token[entry.req_pool_idx, entry.attend_from : seq_lens[i]]
-                    slots = torch.cat([entry.comp_slots, row.to(torch.int64)])
-                    online[i] = _Online(entry, slots, seq_lens[i])
+                    slots, positions = kernels.live_rows(
+                        self.req_to_token[entry.req_pool_idx], entry.row_start, seq_lens[i])
+                    online[i] = _Online(entry, slots, positions, seq_lens[i])
                 elif entry.spec.scenario == "quantization":
                     streaming.append((entry, seq_lens[i]))
         self.batch = BatchView(entries, pending, online, streaming)
@@ -305,38 +308,51 @@ class KVRuntime:
     def _finish_pending(self, pend: _Pending) -> CompressedKVIndex:
         spec = pend.plan.spec
         row = self.req_to_token[pend.req_pool_idx]
-        empty = torch.empty(0, dtype=torch.int64, device=row.device)
         if spec.scenario == "token_dropping":
-            comp_slots = row[pend.p : pend.p + pend.n_keep].to(torch.int64).clone()
-            spare = row[pend.p + pend.n_keep : pend.n].to(torch.int64)
+            # rows [0, p) are the tree's full KV, replaced for this request by its own
+            # kept rows: reading starts at p
             entry = CompressedKVIndex(pend.plan.rid, pend.req_pool_idx, spec, pend.n, pend.p,
-                                      comp_slots, attend_from=pend.n)
+                                      row_start=pend.p, attend_from=pend.n, tokens_kept=pend.n_keep)
+            freed = self._drop_positions(pend.req_pool_idx, pend.p + pend.n_keep, pend.n)
             tokens_after, payload_bytes = pend.n_keep, 0
         else:
-            entry = self._finish_quantized(pend, row, empty)
-            spare = (row[pend.p : pend.n_quant].to(torch.int64)
-                     if entry.payload is not None else empty)
+            entry = self._finish_quantized(pend)
+            freed = 0
+            if entry.payload is not None:
+                freed = self._drop_positions(pend.req_pool_idx, pend.p, pend.n_quant)
             tokens_after = pend.n
             payload_bytes = entry.payload.nbytes if entry.payload is not None else 0
-        self.allocator.free(spare.clone())
-        entry.slots_freed = int(spare.numel())
-        saved = entry.slots_freed * self.bytes_per_slot - payload_bytes
+        entry.slots_freed = freed
+        saved = freed * self.bytes_per_slot - payload_bytes
         stats.add(
             "compression",
             requests=1,
             **{f"requests_{spec.compressor}": 1},
             tokens_before=pend.n,
             tokens_after=tokens_after,
-            slots_freed=entry.slots_freed,
+            slots_freed=freed,
             bytes_saved=saved,
         )
         logger.debug("compressed %s: %s", entry.rid, entry.summary())
         return entry
 
-    def _finish_quantized(self, pend: _Pending, row: torch.Tensor, empty: torch.Tensor) -> CompressedKVIndex:
+    def _drop_positions(self, req_pool_idx: int, start: int, end: int) -> int:
+        """Free the live slots of row positions ``[start, end)`` and point them at
+        ``NULL_SLOT``; returns the number of slots freed."""
+        if end <= start:
+            return 0
+        row = self.req_to_token[req_pool_idx]
+        slots = row[start:end].to(torch.int64)
+        live = slots[slots != NULL_SLOT]
+        if live.numel():
+            self.allocator.free(live.clone())
+        row[start:end] = NULL_SLOT
+        return int(live.numel())
+
+    def _finish_quantized(self, pend: _Pending) -> CompressedKVIndex:
         spec = pend.plan.spec
-        entry = CompressedKVIndex(pend.plan.rid, pend.req_pool_idx, spec, pend.n, pend.p, empty,
-                                  attend_from=0)
+        entry = CompressedKVIndex(pend.plan.rid, pend.req_pool_idx, spec, pend.n, pend.p,
+                                  row_start=0, attend_from=0)
         if not pend.n_quant:  # 16 bits, or too short to quantize: nothing changes
             return entry
         nbytes = sum(c.nbytes() for c in pend.layers.values())
@@ -344,11 +360,12 @@ class KVRuntime:
         if self.payload_bytes + nbytes <= self.payload_budget:
             self.payload_bytes += nbytes
             entry.payload = QuantPayload(pend.layers, pend.n_quant, nbytes)
-            entry.attend_from = pend.n_quant
+            entry.row_start = entry.attend_from = pend.n_quant
             return entry
         # The store is full: write the dequantized values over the request's own rows
         # (same output as with the payload, no memory saved). Rows [0, p) belong to the
         # radix tree and keep their full-precision values.
+        row = self.req_to_token[pend.req_pool_idx]
         own = row[pend.p : pend.n_quant].to(torch.int64)
         for layer_id, ckv in pend.layers.items():
             k, v = KIVI.dequantize(ckv)
@@ -362,21 +379,23 @@ class KVRuntime:
     # ------------------------------------------------------------------ attention
 
     def request_kv(self, entry: CompressedKVIndex, layer_id: int, seq_len: int,
-                   online: Optional[_Online] = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """K, V ``[N, H, D]`` a compressed request attends to in ``layer_id`` and the
-        number of prefix rows (visible to every query)."""
+                   online: Optional[_Online] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """What a compressed request attends to in ``layer_id``: K, V ``[N, H, D]``, the
+        number of payload rows first (visible to every query) and the row positions of
+        the pool rows after them."""
         k_buf = self.kv_pool.get_key_buffer(layer_id)
         v_buf = self.kv_pool.get_value_buffer(layer_id)
         if online is not None:
-            slots = online.slots
+            slots, positions = online.slots, online.positions
         else:
-            row = self.req_to_token[entry.req_pool_idx, entry.attend_from : seq_len].to(torch.int64)
-            slots = torch.cat([entry.comp_slots, row]) if entry.comp_slots.numel() else row
+            slots, positions = kernels.live_rows(self.req_to_token[entry.req_pool_idx],
+                                                 entry.row_start, seq_len)
         pk = pv = None
         if entry.payload is not None:
             pk, pv = KIVI.dequantize(entry.payload.layers[layer_id])
         k, v = kernels.gather_kv(k_buf, v_buf, slots, pk, pv)
-        return k, v, entry.num_prefix_rows
+        return k, v, entry.num_payload_rows, positions
 
     # ------------------------------------------------------------------ online
 
@@ -387,7 +406,7 @@ class KVRuntime:
         ``k``/``v`` are the rows the request attended to (``onl.slots`` in order)."""
         entry = onl.entry
         comp = self.compressor(entry.spec.compressor)
-        kept_before = comp.kept(layer_id, entry.rid)  # [H, c] positions of comp rows
+        kept_before = comp.kept(layer_id, entry.rid)  # [H, c] positions of the compressed rows
         h = kept_before.shape[0]
         fresh = torch.arange(entry.attend_from, onl.seq_len, device=k.device)
         pos = torch.cat([kept_before, fresh.expand(h, -1)], 1)
@@ -408,16 +427,19 @@ class KVRuntime:
             raise RuntimeError(f"h2o evicted different row counts across layers ({onl.kept} vs {kept})")
 
     def _commit_online(self, onl: _Online) -> None:
+        """The step's kept rows now sit in the first ``kept`` live slots (compacted per
+        head); the row positions of the other live slots become null."""
         entry = onl.entry
         kept = onl.slots.numel() if onl.kept is None else onl.kept
-        spare = onl.slots[kept:]
+        spare, spare_pos = onl.slots[kept:], onl.positions[kept:]
         if spare.numel():
             self.allocator.free(spare.clone())
+            self.req_to_token[entry.req_pool_idx, spare_pos] = NULL_SLOT
             entry.slots_freed += int(spare.numel())
             entry.online_evicted += int(spare.numel())
             stats.add("compression", online_evicted=int(spare.numel()), slots_freed=int(spare.numel()),
                       bytes_saved=int(spare.numel()) * self.bytes_per_slot)
-        entry.comp_slots = onl.slots[:kept].clone()
+        entry.tokens_kept = kept
         entry.attend_from = onl.seq_len
         meta = self.meta.get(entry.rid)
         if meta is not None:
@@ -459,14 +481,13 @@ class KVRuntime:
             return  # the store is full: the tail stays in full precision
         self.payload_bytes += added
         entry.payload = QuantPayload(layers, start + g, nbytes)
-        entry.attend_from = start + g
+        entry.row_start = entry.attend_from = start + g
         entry.quantized_tokens += g
-        own = rows[max(0, entry.prefix_len - start) :]  # rows below prefix_len are the tree's
-        if own.numel():
-            self.allocator.free(own.clone())
-            entry.slots_freed += int(own.numel())
-        stats.add("compression", streamed_tokens=g, slots_freed=int(own.numel()),
-                  bytes_saved=int(own.numel()) * self.bytes_per_slot - added)
+        # rows below prefix_len are the tree's: they stay, unread (reading starts past them)
+        freed = self._drop_positions(entry.req_pool_idx, max(start, entry.prefix_len), start + g)
+        entry.slots_freed += freed
+        stats.add("compression", streamed_tokens=g, slots_freed=freed,
+                  bytes_saved=freed * self.bytes_per_slot - added)
         meta = self.meta.get(entry.rid)
         if meta is not None:
             meta.update(entry.summary())
@@ -480,13 +501,10 @@ class KVRuntime:
     # ------------------------------------------------------------------ release
 
     def owned_slots(self, entry: CompressedKVIndex, start: int, end: int) -> torch.Tensor:
-        """Slots a compressed request owns for a row range SGLang asks to free: the
-        compressed rows (once) and the row from ``max(start, attend_from)``."""
-        row = self.req_to_token[entry.req_pool_idx, max(start, entry.attend_from) : end].to(torch.int64)
-        if entry.comp_slots.numel():
-            row = torch.cat([entry.comp_slots, row])
-            entry.comp_slots = entry.comp_slots[:0]
-        return row
+        """Slots a compressed request owns in the row range SGLang asks to free: the live
+        ones from ``max(start, prefix_len)`` on (below it the row is the tree's)."""
+        row = self.req_to_token[entry.req_pool_idx, max(start, entry.prefix_len) : end].to(torch.int64)
+        return row[row != NULL_SLOT]
 
     def release(self, rid: str, req_pool_idx: Optional[int]) -> None:
         """Forget a request (finished, aborted or retracted)."""

@@ -49,10 +49,14 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 p, n, k_full, v_full = staged[i]
                 k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
                 v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
+            elif self.runtime.entry_for_row(row) is not None:
+                # never verify against the compressed rows: that would not be lossless
+                raise RuntimeError(f"VERICACHE: no full KV staged for compressed row {row}")
             else:
                 k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
             o_[i * w : (i + 1) * w] = kernels.attend(
-                q_[i * w : (i + 1) * w], k_r, v_r, num_prefix=0, tail_start=0, q_start=committed,
+                q_[i * w : (i + 1) * w], k_r, v_r, num_prefix=0,
+                key_positions=torch.arange(committed + w, device=k_r.device), q_start=committed,
                 scale=layer.scaling, enable_gqa=gqa,
             )
         if self.runtime.batch is not None:
