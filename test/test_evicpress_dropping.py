@@ -29,6 +29,7 @@ def drop_server(model_dir, tmp_path_factory):
         "--evicpress-disk-dir", str(root / "disk"),
         "--evicpress-host-size-gb", f"{3 * gb:.6f}", "--evicpress-disk-size-gb", f"{3 * gb:.6f}",
         "--evicpress-no-profiler", "--evicpress-auto-context-tokens", "0",
+        "--evicpress-device-size-gb", "0",  # device copies: SGLang's LRU (tier tests: test_evicpress_tree)
     ]
     proc = ServerProcess(args, log_path=root / "server.log", timeout=420)
     yield proc

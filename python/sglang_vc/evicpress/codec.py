@@ -119,6 +119,30 @@ def encode(kv: FullKV, config: CompressionConfig) -> bytes:
     return save(tensors)
 
 
+def encode_kept(rows: FullKV, positions: Tensor, config: CompressionConfig, num_tokens: int) -> bytes:
+    """The blob of a token-dropped copy given by its kept rows ``[L, n_keep, H, D]`` and
+    their positions ``[L, H, n_keep]`` (what :func:`decode` returns for such a blob), e.g.
+    read back from a device copy: equal to the blob it was loaded from."""
+    from sglang_vc.compress.base import DroppedKV
+
+    if not config.drops_tokens:
+        raise ValueError(f"{config.label} is not a token-dropping config")
+    k, v = rows.k.detach().cpu().contiguous(), rows.v.detach().cpu().contiguous()
+    L, n_keep, H, D = (int(x) for x in k.shape)
+    meta = {
+        "config": config.label,
+        "layers": L,
+        "tokens": int(num_tokens),
+        "k_shape": [L, int(num_tokens), H, D],
+        "v_shape": [L, int(num_tokens), int(v.shape[2]), int(v.shape[3])],
+        "dtype": str(k.dtype),
+    }
+    res = DroppedKV(layer_idx=0, num_tokens=int(num_tokens), bit_scheme=8 * k.element_size(),
+                    kept_positions=positions.reshape(L * H, n_keep).to(torch.int64).contiguous(),
+                    k=_merge_layers(k).contiguous(), v=_merge_layers(v).contiguous())
+    return _save_result(meta, res)
+
+
 def _save_result(meta: dict, res) -> bytes:
     """The blob of a compressor result (every tensor field, the scalars in the meta)."""
     from safetensors.torch import save
@@ -148,6 +172,11 @@ def _load(blob: bytes) -> tuple[dict, dict]:
 def blob_config(blob: bytes) -> CompressionConfig:
     """The config a blob was encoded with."""
     return CompressionConfig.parse(_load(blob)[0]["config"])
+
+
+def blob_tokens(blob: bytes) -> int:
+    """The number of context tokens a blob stands for."""
+    return int(_load(blob)[0]["tokens"])
 
 
 def decode(blob: bytes) -> tuple[CompressionConfig, FullKV, Optional[Tensor]]:

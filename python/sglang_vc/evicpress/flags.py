@@ -29,6 +29,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
       help="Directory of the disk tier (one checksummed file per context).")
     a("--evicpress-disk-size-gb", type=float, default=10.0,
       help="Byte budget of the disk tier, in GiB (default 10).")
+    a("--evicpress-device-size-gb", type=float, default=None,
+      help="Byte budget of the device tier, in GiB: context copies the utility policy "
+      "keeps on the device (pinned radix-tree nodes; full or token-dropped). Default: a "
+      "quarter of the device KV pool; 0 turns the device tier off (device copies are then "
+      "only SGLang's LRU cache of what requests loaded).")
     a("--evicpress-host-size-gb", type=float, default=None,
       help="Byte budget of the host tier, in GiB; default: the whole HiCache host pool "
       "(--hicache-size / --hicache-ratio).")
@@ -126,6 +131,9 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("--evicpress-disk-size-gb must be > 0")
     if not 0 <= out["observe_rate"] <= 1:
         raise ValueError(f"--evicpress-observe-rate must be in [0, 1], got {out['observe_rate']}")
+    v = out.get("device_size_gb")
+    if v is not None and (not math.isfinite(v) or v < 0):
+        raise ValueError(f"--evicpress-device-size-gb must be a finite number >= 0, got {v}")
     for key in ("host_size_gb", "host_bandwidth", "disk_bandwidth", "decompress_bandwidth",
                 "prefill_tokens_per_s"):
         v = out[key]
@@ -240,16 +248,24 @@ def backend_choice(ep: Optional[dict[str, Any]], argv: list[str]):
     return BackendChoice(ATTENTION_BACKEND, None, "token-dropping EvicPress configs")
 
 
-def settings_from_dict(d: dict[str, Any], **measured):
+DEFAULT_DEVICE_FRACTION = 0.25  # of the device KV pool's bytes, without --evicpress-device-size-gb
+
+
+def settings_from_dict(d: dict[str, Any], device_pool_bytes: int = 0, **measured):
     """Build :class:`~.manager.Settings` from the validated dict plus measured values
-    (``host_bandwidth``, ``disk_bandwidth``, ``decompress_bytes_per_s`` in B/s)."""
+    (``host_bandwidth``, ``disk_bandwidth``, ``decompress_bytes_per_s`` in B/s) and the
+    device KV pool's size (for the default device-tier budget)."""
     from .manager import Settings
+
+    gb = d.get("device_size_gb")
+    device_bytes = DEFAULT_DEVICE_FRACTION * device_pool_bytes if gb is None else gb * GB
 
     s = Settings(
         alpha=float(d["alpha"]),
         policy=d["policy"],
         fixed_config=CompressionConfig.parse(d["fixed_config"]) if d.get("fixed_config") else FULL,
         candidates=tuple(CompressionConfig.parse(c) for c in d["candidates"]),
+        device_capacity=int(device_bytes),
         host_capacity=None if d["host_size_gb"] is None else int(d["host_size_gb"] * GB),
         disk_capacity=int(d["disk_size_gb"] * GB),
         reprofile_threshold=float(d["reprofile_threshold"]),

@@ -63,6 +63,7 @@ class Settings:
     policy: str = "evicpress"  # evicpress | lru | fixed
     fixed_config: CompressionConfig = FULL
     candidates: tuple[CompressionConfig, ...] = ()  # lossy configs the profiler tries
+    device_capacity: int = 0  # bytes of pinned context copies on the device (0: no device tier)
     host_capacity: Optional[int] = None  # bytes (None: the whole store)
     disk_capacity: int = 10 << 30
     host_bandwidth: float = 10e9  # bytes/s into the device
@@ -204,6 +205,7 @@ class EvicPressManager:
         host_store,
         disk_store,
         *,
+        device_store=None,
         counters: Optional[Callable[..., None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -211,6 +213,7 @@ class EvicPressManager:
         self.dims = dims
         self.host = host_store
         self.disk = disk_store
+        self.device = device_store if settings.device_capacity > 0 else None
         self.clock = clock
         self.lock = threading.RLock()
         self.contexts: dict[str, Context] = {}
@@ -232,6 +235,8 @@ class EvicPressManager:
             Tier.HOST: TierSpec(int(min(host_cap, host_store.capacity_bytes)), settings.host_bandwidth),
             Tier.DISK: TierSpec(int(settings.disk_capacity), settings.disk_bandwidth),
         }
+        if self.device is not None:  # resident copies cost no load time
+            self.tier_specs[Tier.DEVICE] = TierSpec(int(settings.device_capacity), math.inf)
         self.policy = self._make_policy()
 
     def _make_policy(self) -> Policy:
@@ -401,6 +406,8 @@ class EvicPressManager:
             quality=quality,
             query_tokens=int(ctx.suffix_tokens),
             sizes=sizes,
+            # the device tier holds no quantized copy (it would be dequantized there)
+            resident_bytes={c: full for c in cfgs if c.is_quantized},
         )
 
     def _footprint(self, cfg, nbytes: int) -> int:
@@ -421,7 +428,11 @@ class EvicPressManager:
 
     # ------------------------------------------------------------------ stores
     def _store(self, tier: Tier):
-        return self.host if tier == Tier.HOST else self.disk
+        return {Tier.DEVICE: self.device, Tier.HOST: self.host, Tier.DISK: self.disk}[tier]
+
+    def context_of_key(self, key: str) -> Optional[Context]:
+        """The context whose blob is stored under ``key`` (see :meth:`_blob_key`)."""
+        return self.contexts.get(key[len("ctx/"):]) if key.startswith("ctx/") else None
 
     @staticmethod
     def _blob_key(ctx: Context) -> str:
@@ -563,6 +574,8 @@ class EvicPressManager:
         return done
 
     def _publish_usage(self) -> None:
+        if self.device is not None:
+            self._local["device_used_bytes"] = self.device.used_bytes
         self._local["host_used_bytes"] = self.host.used_bytes
         self._local["disk_used_bytes"] = self.disk.used_bytes
         self._local["compressed_contexts"] = sum(1 for c in self._stored() if not c.placement.config.is_full)
@@ -628,10 +641,15 @@ class EvicPressManager:
                            ctx.stored_len if positions is not None else None)
 
     def after_hit(self, ctx: Context, tier: Tier, blob: Optional[bytes] = None) -> list[Move]:
-        """A context was served from ``tier``: promote it to the host tier when the
-        policy keeps it there."""
+        """A context was served from ``tier`` (its copy was loaded onto the device for
+        the request): promote it to the fastest tier its form can live on (the device
+        for a full or token-dropped copy when the device tier is on, else the host),
+        as the policy decides."""
         with self.lock:
-            if tier != Tier.DISK or ctx.placement.tier != Tier.DISK:
+            if tier != ctx.placement.tier:
+                return []
+            top = self.policy.insert_tier(ctx.placement.config)
+            if tier <= top:
                 return []
             infos, placements, last = self._state(exclude=ctx)
             placements[ctx.ctx_id] = ctx.placement
@@ -673,8 +691,10 @@ class EvicPressManager:
         """SGLang reset its cache (flush_cache): the host pool is empty again."""
         with self.lock:
             self.host.clear(pool_was_cleared=True) if hasattr(self.host, "pool") else self.host.clear()
+            if self.device is not None:
+                self.device.clear(tree_was_reset=True)
             for ctx in self.contexts.values():
-                if ctx.placement.tier == Tier.HOST:
+                if ctx.placement.tier in (Tier.HOST, Tier.DEVICE):
                     self._set_placement(ctx, DROPPED)
                 ctx.device_config = None
             self._publish_usage()
@@ -891,7 +911,8 @@ class EvicPressManager:
                     t.name.lower(): {
                         "capacity_bytes": spec.capacity_bytes,
                         "used_bytes": self._store(t).used_bytes,
-                        "load_bandwidth": spec.load_bandwidth,
+                        # None: resident, no load (JSON has no infinity)
+                        "load_bandwidth": None if math.isinf(spec.load_bandwidth) else spec.load_bandwidth,
                         "contexts": sum(1 for c in self.contexts.values() if c.placement.tier == t),
                     }
                     for t, spec in self.tier_specs.items()

@@ -42,7 +42,7 @@ import heapq
 import math
 from typing import Callable, Hashable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
-from .config import DROPPED, CompressionConfig, Placement, Tier, TierSpec, ordered_tiers
+from .config import DROPPED, FULL, CompressionConfig, Placement, Tier, TierSpec, ordered_tiers
 from .utility import ContextInfo
 
 __all__ = [
@@ -108,10 +108,11 @@ def admit(
         raise ValueError(f"tier {target!r} is not configured")
     if config is not None:
         return Placement(config, target)
-    best = min(
-        ctx.candidates(),
-        key=lambda c: (-ctx.quality_of(c), c.size_fraction, c.sort_key()),
-    )
+    # a compressed form that takes no less room on the target tier is not admitted there
+    full = ctx.bytes_at(Placement(FULL, target))
+    options = [c for c in ctx.candidates()
+               if c.is_full or ctx.bytes_at(Placement(c, target)) < full]
+    best = min(options, key=lambda c: (-ctx.quality_of(c), c.size_fraction, c.sort_key()))
     return Placement(best, target)
 
 

