@@ -211,8 +211,8 @@ def test_manager_corrupted_and_truncated_disk_entries_are_dropped(tmp_path):
     mgr.store_computed(b, _kv(200, 2))
     assert a.placement.tier == b.placement.tier == Tier.DISK  # the host holds none
     files = sorted((tmp_path / "disk").glob("*.kv"))
-    pa = tmp_path / "disk" / DiskTierStore.file_name("ctx/c1")
-    pb = tmp_path / "disk" / DiskTierStore.file_name("ctx/c2")
+    pa = tmp_path / "disk" / DiskTierStore.file_name(mgr.blob_key(a, Tier.DISK))
+    pb = tmp_path / "disk" / DiskTierStore.file_name(mgr.blob_key(b, Tier.DISK))
     assert set(files) == {pa, pb}
     data = bytearray(pa.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -447,26 +447,52 @@ def test_token_dropping_flags_select_the_lossy_attention_backend():
 @pytest.mark.parametrize(
     "backend, ep, hicache, message",
     [
-        ("evicpress", [], True, "--evicpress-disk-dir"),
+        ("evicpress", [], True, "needs a storage tier"),
         ("evicpress", ["--evicpress-disk-dir", "/tmp/x"], False, "--enable-hierarchical-cache"),
         (None, ["--evicpress-disk-dir", "/tmp/x"], True, "--radix-cache-backend evicpress"),
         (None, ["--evicpress-alpha", "2"], False, "--radix-cache-backend evicpress"),
     ],
 )
 def test_inconsistent_flags_rejected(backend, ep, hicache, message, capsys):
+    """What the launcher checks after resolving the storage tier (``storage_argv``)."""
     from types import SimpleNamespace
 
     from sglang_vc.config import VCConfig
+    from sglang_vc.evicpress.flags import settings_of, storage_argv
     from sglang_vc.evicpress.service import check_server_args
+    from sglang_vc.kvruntime.select import flag_value
     from sglang_vc.launch_server import build_vc_parser
 
     vc = VCConfig.from_cli_args(build_vc_parser().parse_known_args(ep)[0])
+    argv = storage_argv(settings_of(vc), ["--radix-cache-backend", backend] if backend else [])
     sa = SimpleNamespace(radix_cache_backend=backend, enable_hierarchical_cache=hicache,
+                         hicache_storage_backend=flag_value(argv, "--hicache-storage-backend")[1],
                          hicache_mem_layout="layer_first", tp_size=1, dp_size=1)
     with pytest.raises(SystemExit) as exc:
         check_server_args(vc, sa)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_disk_dir_becomes_our_storage_backend_through_sglangs_dynamic_one():
+    import json
+
+    from sglang_vc.config import VCConfig
+    from sglang_vc.evicpress.flags import settings_of, storage_argv
+    from sglang_vc.kvruntime.select import flag_value
+    from sglang_vc.launch_server import build_vc_parser
+
+    vc = VCConfig.from_cli_args(build_vc_parser().parse_known_args(
+        ["--evicpress-disk-dir", "/tmp/x", "--evicpress-disk-size-gb", "2"])[0])
+    argv = storage_argv(settings_of(vc), ["--radix-cache-backend", "evicpress"])
+    assert settings_of(vc)["enabled"] and settings_of(vc)["control_port"] > 0
+    assert flag_value(argv, "--hicache-storage-backend")[1] == "dynamic"
+    extra = json.loads(flag_value(argv, "--hicache-storage-backend-extra-config")[1])
+    assert extra["backend_name"] == "evicpress_file" and extra["path"] == "/tmp/x" and extra["capacity_gb"] == 2
+    # a storage backend given by name is EvicPress's storage tier as it is
+    vc = VCConfig.from_cli_args(build_vc_parser().parse_known_args([])[0])
+    argv = ["--radix-cache-backend", "evicpress", "--hicache-storage-backend", "file"]
+    assert storage_argv(settings_of(vc), argv) == argv and settings_of(vc)["enabled"]
 
 
 def test_no_evicpress_flags_is_fine():
@@ -606,7 +632,9 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     ids, _ = _register(s, tokenizer, cid, real_text_passages(12, words=220)[1 if damage == "flip" else 2])
     first = _ask(s, tokenizer, ids)
     _api(s, "POST", f"/evicpress/contexts/{cid}/placement", {"tier": "disk"})
-    path = s.disk_dir / DiskTierStore.file_name(f"ctx/{cid}")
+    files = _api(s, "GET", f"/evicpress/contexts/{cid}/digest")["storage_files"]
+    assert len(files) == 2 and all(str(s.disk_dir) in f for f in files), files  # header, payload
+    path = Path(files[1])  # the payload
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[len(data) // 3] ^= 0x10

@@ -6,6 +6,8 @@ The delay model is pinned (no start-up measurement decides a placement)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 
@@ -24,7 +26,7 @@ def _server(tmp_path_factory, name: str, *extra: str):
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
         "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
         "--radix-cache-backend", "evicpress",
-        "--evicpress-disk-dir", str(root / "disk"),
+        *(() if "--hicache-storage-backend" in extra else ("--evicpress-disk-dir", str(root / "disk"))),
         "--evicpress-device-size-gb", f"{1.5 * gb:.6f}",  # one full context, not two
         "--evicpress-host-size-gb", f"{3 * gb:.6f}", "--evicpress-disk-size-gb", f"{3 * gb:.6f}",
         "--evicpress-no-profiler", "--evicpress-auto-context-tokens", "0",
@@ -114,8 +116,13 @@ def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
 
 @pytest.fixture(scope="module")
 def drop_tier_server(tmp_path_factory):
+    """Its storage tier is SGLang's own ``file`` HiCache storage backend."""
+    storage = tmp_path_factory.mktemp("hicache-file")
     proc = _server(tmp_path_factory, "evicpress-tree-drop", "--evicpress-policy", "fixed",
-                   "--evicpress-fixed-config", "knorm@0.5")
+                   "--evicpress-fixed-config", "knorm@0.5",
+                   "--hicache-storage-backend", "file",
+                   "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(storage)}))
+    proc.storage_dir = storage
     yield proc
     proc.stop()
 
@@ -143,3 +150,15 @@ def test_token_dropped_device_copy_holds_only_its_kept_rows(drop_tier_server, to
     assert c1.get("hits_device", 0) == c0.get("hits_device", 0) + 1
     assert c1.get("dropped_prefix_requests", 0) == c0.get("dropped_prefix_requests", 0) + 1
     assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS and len(out["output_ids"]) == 8
+    first = out["output_ids"]
+
+    # the storage tier is SGLang's file backend: the kept rows go there and come back
+    _api(s, "POST", "/evicpress/contexts/d/placement", {"tier": "disk", "config": "knorm@0.5"})
+    assert _tier(s, "d")["tier"] == "disk"
+    assert any(f.suffix == ".bin" for f in s.storage_dir.iterdir())  # HiCacheFile's objects
+    _api(s, "POST", "/evicpress/evict_device")
+    c0 = _counters(s)
+    out = _ask(s, tokenizer, ids)
+    c1 = _counters(s)
+    assert c1.get("hits_disk", 0) == c0.get("hits_disk", 0) + 1, (c0, c1)
+    assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS and out["output_ids"] == first

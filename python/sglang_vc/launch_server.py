@@ -86,6 +86,9 @@ def parse_args(argv: list[str]):
     sglang_argv = resolve_model_argv(sglang_argv, parser)
     try:
         sglang_argv += backend_flags(vc_config, sglang_argv)
+        from sglang_vc.evicpress import flags as evicpress_flags
+
+        sglang_argv = evicpress_flags.storage_argv(evicpress_flags.settings_of(vc_config), sglang_argv)
     except ConfigError as exc:
         parser.error(str(exc))
     if flag_value(sglang_argv, "--device")[0] < 0 and _platform_device() == "cpu":

@@ -101,24 +101,61 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 
 
 def from_cli_args(args: argparse.Namespace) -> Optional[dict[str, Any]]:
-    """The validated EvicPress settings as a plain dict. ``enabled`` is True when a
-    disk dir is given (the evicpress backend requires one); ``control_port`` is the
-    localhost port of the scheduler's control server (chosen here, carried to the
-    scheduler on ``server_args``)."""
+    """The validated EvicPress settings as a plain dict; ``enabled`` and
+    ``control_port`` are set by :func:`storage_argv` once the launcher knows that
+    ``--radix-cache-backend evicpress`` is in use."""
     names = [n for n in vars(args) if n.startswith("evicpress_")]
     raw = {n[len("evicpress_"):]: getattr(args, n) for n in names}
     try:
         out = _validate(raw)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    out["enabled"] = out["disk_dir"] is not None
-    if out["enabled"]:
+    out["enabled"] = False
+    return out
+
+
+STORAGE_BACKEND = "evicpress_file"  # our checksummed file backend (see .storage_backend)
+
+
+def storage_argv(ep: dict[str, Any], argv: list[str]) -> list[str]:
+    """``argv`` with the storage tier resolved, in the launcher (the composition root):
+
+    * with ``--radix-cache-backend evicpress``, EvicPress is enabled (and gets the port of
+      the scheduler's control server); its storage tier is the HiCache storage backend:
+      ``--hicache-storage-backend NAME`` as given (SGLang's ``file``, ``seaweedfs``...),
+      or, with ``--evicpress-disk-dir DIR`` and no backend, ``evicpress_file`` at DIR
+      bounded by ``--evicpress-disk-size-gb``;
+    * ``--hicache-storage-backend evicpress_file`` (any radix cache) becomes SGLang's
+      ``dynamic`` backend with the class named in its extra config, the only way SGLang's
+      parser lets an outside backend in."""
+    import json
+
+    from sglang_vc.kvruntime.select import flag_value, without_flag
+
+    argv = list(argv)
+    backend = flag_value(argv, "--hicache-storage-backend")[1]
+    extra = flag_value(argv, "--hicache-storage-backend-extra-config")[1]
+    if flag_value(argv, "--radix-cache-backend")[1] == "evicpress":
         import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out["control_port"] = s.getsockname()[1]
-    return out
+        ep["enabled"] = True
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ep["control_port"] = sock.getsockname()[1]
+        if backend is None and ep.get("disk_dir"):
+            backend = STORAGE_BACKEND
+            extra = json.dumps({"path": str(ep["disk_dir"]), "capacity_gb": ep["disk_size_gb"]})
+    if backend != STORAGE_BACKEND:
+        return argv
+    from .storage_backend import dynamic_extra_config
+
+    try:
+        given = json.loads(extra) if extra else {}
+    except ValueError:
+        raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {extra!r}") from None
+    argv = without_flag(without_flag(argv, "--hicache-storage-backend"), "--hicache-storage-backend-extra-config")
+    return argv + ["--hicache-storage-backend", "dynamic",
+                   "--hicache-storage-backend-extra-config", json.dumps(dynamic_extra_config(given))]
 
 
 def _validate(raw: dict[str, Any]) -> dict[str, Any]:

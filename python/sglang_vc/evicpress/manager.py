@@ -63,6 +63,7 @@ class Settings:
     policy: str = "evicpress"  # evicpress | lru | fixed
     fixed_config: CompressionConfig = FULL
     candidates: tuple[CompressionConfig, ...] = ()  # lossy configs the profiler tries
+    model_id: str = ""  # names the model's entries on the shared storage tier
     device_capacity: int = 0  # bytes of pinned context copies on the device (0: no device tier)
     host_capacity: Optional[int] = None  # bytes (None: the whole store)
     disk_capacity: int = 10 << 30
@@ -431,12 +432,62 @@ class EvicPressManager:
         return {Tier.DEVICE: self.device, Tier.HOST: self.host, Tier.DISK: self.disk}[tier]
 
     def context_of_key(self, key: str) -> Optional[Context]:
-        """The context whose blob is stored under ``key`` (see :meth:`_blob_key`)."""
+        """The context whose blob is stored under ``key`` (see :meth:`blob_key`)."""
         return self.contexts.get(key[len("ctx/"):]) if key.startswith("ctx/") else None
 
-    @staticmethod
-    def _blob_key(ctx: Context) -> str:
+    def blob_key(self, ctx: Context, tier: Optional[Tier] = None) -> str:
+        """A context's key in a store: ``ctx/<id>`` on this server's own tiers; on the
+        shared storage tier a key of its content (model, namespace, tokens), the same on
+        every server of the model."""
+        if tier == Tier.DISK:
+            from .storage_tier import content_key
+
+            return content_key(self.settings.model_id, ctx.namespace, ctx.token_ids)
         return f"ctx/{ctx.ctx_id}"
+
+    def stored_blob(self, ctx: Context) -> Optional[bytes]:
+        """The stored bytes of ``ctx`` as they are now (None when not stored); no
+        accounting, no side effect (diagnostics)."""
+        with self.lock:
+            if ctx.placement.dropped:
+                return None
+            return self._store(ctx.placement.tier).get(self.blob_key(ctx, ctx.placement.tier))
+
+    def storage_files(self, ctx: Context) -> list[str]:
+        """Local files of ``ctx``'s entry on the storage tier (header, payload), where the
+        backend keeps them in files (diagnostics and tests); [] otherwise."""
+        with self.lock:
+            objects = self.disk.object_keys(self.blob_key(ctx, Tier.DISK)) if hasattr(self.disk, "object_keys") else None
+            path_of = getattr(getattr(self.disk, "backend", None), "entry_path", None)
+            if not objects or path_of is None:
+                return []
+            return [str(path_of(name)) for name in objects if name is not None]
+
+    def find_shared(self, ctx: Context) -> bool:
+        """Whether another server (or an earlier run) left ``ctx``'s blob on the shared
+        storage tier; if so ``ctx`` is now placed there (its config read from the blob)."""
+        with self.lock:
+            if ctx.stored or not hasattr(self.disk, "probe"):
+                return False
+            key = self.blob_key(ctx, Tier.DISK)
+            if not self.disk.probe(key):
+                return False
+            blob = self.disk.get(key)
+            if blob is None:
+                return False
+            try:
+                cfg = codec.blob_config(blob)
+                ctx.stored_len = codec.blob_tokens(blob)
+            except Exception:
+                logger.warning("EvicPress: shared entry of %s does not decode; ignored", ctx.ctx_id)
+                return False
+            if cfg.drops_tokens and not self.settings.serves_dropped:
+                return False
+            ctx.sizes[cfg] = len(blob)
+            ctx.quality.setdefault(cfg, ctx.quality.get(cfg, 1.0 if cfg.is_full else 0.0))
+            self._set_placement(ctx, Placement(cfg, Tier.DISK))
+            self.count(shared_found=1)
+            return True
 
     def _read_blob(self, ctx: Context, placement: Placement) -> Optional[bytes]:
         """The stored bytes; None (and the context marked dropped) when absent or
@@ -444,12 +495,12 @@ class EvicPressManager:
         store = self._store(placement.tier)
         if placement.tier == Tier.DISK:
             before = self.disk.stats.corrupted
-            blob = self.disk.get(self._blob_key(ctx))
+            blob = self.disk.get(self.blob_key(ctx, Tier.DISK))
             if self.disk.stats.corrupted > before:
                 self.count(disk_corrupted=1)
                 logger.warning("EvicPress: disk entry of context %s is corrupted; it will be recomputed", ctx.ctx_id)
         else:
-            blob = store.get(self._blob_key(ctx))
+            blob = store.get(self.blob_key(ctx, placement.tier))
         if blob is None:
             self._set_placement(ctx, DROPPED)
             self.count(lost=1)
@@ -457,12 +508,12 @@ class EvicPressManager:
 
     def _delete_blob(self, ctx: Context, placement: Placement) -> None:
         if placement.tier is not None:
-            self._store(placement.tier).delete(self._blob_key(ctx))
+            self._store(placement.tier).delete(self.blob_key(ctx, placement.tier))
 
     def _put_blob(self, ctx: Context, tier: Tier, blob: bytes) -> bool:
         store = self._store(tier)
         before = getattr(store.stats, "write_errors", 0)
-        ok = store.put(self._blob_key(ctx), blob)
+        ok = store.put(self.blob_key(ctx, tier), blob)
         if not ok:
             if tier == Tier.DISK:
                 if getattr(store.stats, "write_errors", 0) > before:

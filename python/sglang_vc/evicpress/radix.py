@@ -3,12 +3,18 @@
 :class:`EvicPressRadixCache` is SGLang's default cache (``UnifiedRadixCache``, built by
 ``create_unified_radix_cache`` with SGLang's hierarchical-cache flags) plus EvicPress:
 
-* **device tier** -- the radix tree and SGLang's device KV pool, unchanged (LRU);
+* **device tier** -- contexts the utility policy keeps on the device are radix-tree nodes
+  EvicPress pins (:mod:`.device_tier`): the context's own node for a full copy, the
+  private node of its kept rows for a token-dropped one (``n_keep`` slots); other device
+  copies are SGLang's LRU cache of what requests loaded;
 * **host tier** -- the HiCache host pool SGLang allocates for ``--enable-hierarchical-cache``.
   The tree no longer backs its nodes up into it by itself (write-through threshold set
   out of reach, write-back off); EvicPress stores whole contexts there, compressed or
   not (:mod:`.host_tier`), so a compressed context takes fewer host slots;
-* **disk tier** -- :class:`~.disk_tier.DiskTierStore` under ``--evicpress-disk-dir``.
+* **storage tier** -- :class:`~.storage_tier.StorageTier` on the HiCache storage backend
+  SGLang builds from ``--hicache-storage-backend`` (``file``, ``seaweedfs``...; with
+  ``--evicpress-disk-dir`` our checksummed ``evicpress_file``), shared by every server of
+  the model: a context one server stored is a storage hit for another.
 
 A request whose prompt starts with a known context (registered through the API, or a
 long prompt seen before) is looked up in ``match_prefix``: if the device tree has the
@@ -70,8 +76,9 @@ from . import codec, flags
 from .codec import FullKV
 from .config import FULL, CompressionConfig, Tier
 from .device_tier import DeviceTierStore
-from .disk_tier import DiskTierStore, measure_bandwidth
+from .disk_tier import measure_bandwidth
 from .host_tier import HostSlotStore
+from .storage_tier import StorageTier
 from .manager import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, EvicPressManager, KVDims
 
 logger = logging.getLogger(__name__)
@@ -172,12 +179,18 @@ class EvicPressRadixCache(UnifiedRadixCache):
             host_pool = host_pool.get_pool(PoolName.KV)
         host_cap = None if ep["host_size_gb"] is None else int(ep["host_size_gb"] * flags.GB)
         host = HostSlotStore(host_pool, host_cap)
-        disk_dir = Path(ep["disk_dir"])
-        disk_dir.mkdir(parents=True, exist_ok=True)
-        for stale in disk_dir.glob("*.kv"):  # blobs of an earlier run: no registry maps them
-            stale.unlink(missing_ok=True)
-        disk = DiskTierStore(disk_dir, int(ep["disk_size_gb"] * flags.GB), drop_cache=True)
-        measured = measure_delay_inputs(ep, dims, disk_dir)
+        # The storage tier: the HiCache storage backend SGLang built from
+        # --hicache-storage-backend (ours for --evicpress-disk-dir). EvicPress decides
+        # what goes there; the tree's own page backups and prefetches stay off.
+        backend = self.cache_controller.storage_backend
+        if backend is None:
+            raise ValueError("evicpress: no HiCache storage backend (--hicache-storage-backend "
+                             "or --evicpress-disk-dir)")
+        self.enable_storage = False
+        model_id = f"{server_args.served_model_name}|{pool.dtype}|{dims.layers}x{dims.heads}x{dims.head_dim}"
+        disk = StorageTier(backend, int(ep["disk_size_gb"] * flags.GB), namespace=model_id)
+        storage_dir = _storage_dir(backend)
+        measured = measure_delay_inputs(ep, dims, storage_dir)
         pool_bytes = dims.bytes_per_token * self.token_to_kv_pool_allocator.size
         settings = flags.settings_from_dict(ep, device_pool_bytes=pool_bytes, **measured)
         from sglang_vc import kvruntime
@@ -187,6 +200,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if settings.serves_dropped and self.page_size != 1:
             raise ValueError("evicpress: token-dropped contexts need --page-size 1")
         self._dropped: dict[str, _DroppedPrefix] = {}  # rid -> its token-dropped prefix
+        settings.model_id = model_id
         self.evicpress = EvicPressManager(
             settings, dims, host, disk,
             device_store=DeviceTierStore(self, settings.device_capacity,
@@ -202,11 +216,11 @@ class EvicPressRadixCache(UnifiedRadixCache):
         self._control = ControlServer(self, int(ep["control_port"]))
         self._control.start()
         logger.info(
-            "EvicPress: policy=%s device=%.1f MB host=%.1f MB (%d B/token slot) disk=%.1f MB at %s; "
+            "EvicPress: policy=%s device=%.1f MB host=%.1f MB (%d B/token slot) storage=%.1f MB on %s; "
             "bandwidth host=%.2f GB/s disk=%.2f GB/s; candidates=%s",
             settings.policy, settings.device_capacity / 2**20,
             self.evicpress.tier_specs[Tier.HOST].capacity_bytes / 2**20,
-            host.slot_bytes, settings.disk_capacity / 2**20, disk_dir,
+            host.slot_bytes, settings.disk_capacity / 2**20, type(backend).__name__,
             settings.host_bandwidth / 1e9, settings.disk_bandwidth / 1e9,
             [c.label for c in settings.candidates],
         )
@@ -483,7 +497,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
                     kv = self._gather(idx)
                     self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
-        elif ctx.stored:
+        elif ctx.stored or (first and mgr.find_shared(ctx)):  # ours, or another server's
             fetched = mgr.fetch(ctx)
             if fetched is not None:
                 st.fetched = fetched
@@ -646,8 +660,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         elif have and not dropped:
             kv = self._gather(idx)
             out["device"] = _digest(kv)
+        if ctx.placement.tier == Tier.DISK:
+            out["storage_files"] = self.evicpress.storage_files(ctx)
         if ctx.stored:
-            blob = self.evicpress._store(ctx.placement.tier).get(self.evicpress._blob_key(ctx))
+            blob = self.evicpress.stored_blob(ctx)
             if blob is not None:
                 cfg, kv, _ = codec.decode(blob)
                 out["stored"] = _digest(kv)
@@ -672,10 +688,21 @@ def _digest(kv: FullKV) -> str:
     return h.hexdigest()
 
 
-def measure_delay_inputs(ep: dict, dims: KVDims, disk_dir: Path) -> dict:
+def _storage_dir(backend) -> Optional[Path]:
+    """The local directory of a file-system storage backend (ours, SGLang's ``file``)."""
+    for attr in ("root", "file_path"):
+        path = getattr(backend, attr, None)
+        if path:
+            return Path(path)
+    return None
+
+
+def measure_delay_inputs(ep: dict, dims: KVDims, disk_dir: Optional[Path]) -> dict:
     """Tier load bandwidths and decompression rates for the delay model, unless flags
-    give them: a 64 MiB host copy, a 32 MiB disk write+read (page cache dropped), and
-    decoding a 256-token context of this model under each quantization candidate."""
+    give them: a 64 MiB host copy, a 32 MiB write+read (page cache dropped) in the
+    storage backend's directory when it has one, and decoding a 256-token context of
+    this model under each quantization candidate. A remote store is not measured:
+    give ``--evicpress-disk-bandwidth`` (1 GB/s is assumed)."""
     out: dict = {}
     if not ep.get("host_bandwidth"):
         src = torch.empty(64 << 20, dtype=torch.uint8)
@@ -687,9 +714,12 @@ def measure_delay_inputs(ep: dict, dims: KVDims, disk_dir: Path) -> dict:
         out["host_bandwidth"] = 3 * src.numel() / max(time.perf_counter() - t, 1e-9)
     if not ep.get("disk_bandwidth"):
         try:
+            if disk_dir is None:
+                raise OSError("the storage backend has no local directory")
             out["disk_bandwidth"] = measure_bandwidth(disk_dir, 32 << 20).read_bytes_per_s
-        except OSError:
-            logger.warning("EvicPress: could not measure the disk bandwidth; assuming 1 GB/s")
+        except OSError as exc:
+            logger.warning("EvicPress: storage bandwidth not measured (%s); assuming 1 GB/s "
+                           "(--evicpress-disk-bandwidth sets it)", exc)
     if ep.get("decompress_bandwidth"):
         return out
     rates = {}

@@ -95,8 +95,11 @@ def check_server_args(vc_config, server_args) -> bool:
         if given:
             _die(f"{given[0]} needs --radix-cache-backend evicpress")
         return False
-    if not ep.get("enabled"):
-        _die("--radix-cache-backend evicpress needs --evicpress-disk-dir")
+    if not ep.get("enabled"):  # set by the launcher for --radix-cache-backend evicpress
+        _die("--radix-cache-backend evicpress: start it with python -m sglang_vc.launch_server")
+    if not getattr(server_args, "hicache_storage_backend", None):
+        _die("--radix-cache-backend evicpress needs a storage tier: --evicpress-disk-dir DIR "
+             "(our checksummed file backend) or --hicache-storage-backend NAME (e.g. file, seaweedfs)")
     if not getattr(server_args, "enable_hierarchical_cache", False):
         _die("--radix-cache-backend evicpress needs --enable-hierarchical-cache "
              "(its host tier is the HiCache host pool)")
@@ -107,8 +110,6 @@ def check_server_args(vc_config, server_args) -> bool:
         _die(f"--radix-cache-backend evicpress needs --hicache-mem-layout layer_first or page_first, got {layout}")
     if getattr(server_args, "tp_size", 1) != 1 or getattr(server_args, "dp_size", 1) != 1:
         _die("--radix-cache-backend evicpress supports --tp-size 1 and --dp-size 1 only")
-    if getattr(server_args, "hicache_storage_backend", None):
-        _die("--radix-cache-backend evicpress has its own disk tier; drop --hicache-storage-backend")
     return True
 
 

@@ -52,6 +52,19 @@ def flag_value(argv: list[str], *names: str) -> tuple[int, Optional[str]]:
     return found
 
 
+def without_flag(argv: list[str], name: str) -> list[str]:
+    """``argv`` without any ``--name VALUE`` / ``--name=VALUE``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
 def lossy_choice(config: VCConfig, argv: list[str]) -> Optional[BackendChoice]:
     """Lossy serving: a compressor and no speculative algorithm (which then owns it)."""
     if not config.vc_compressor or flag_value(argv, "--speculative-algorithm")[1]:
