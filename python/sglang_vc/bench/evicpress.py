@@ -54,17 +54,21 @@ GENERIC_QUESTIONS = (
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M, float32: 2 * 30 layers * 3 heads * 64 * 4
 
 
-def build_contexts(tokenizer_dir: str, n: int, length: int, seed: int) -> list[dict]:
-    """``n`` contexts (half reading, half code items), each with its test question and
-    the generic profiling questions, as token ids."""
+def build_contexts(tokenizer_dir: str, n: int, lengths: tuple[int, ...], seed: int) -> list[dict]:
+    """``n`` contexts (half reading, half code items, their lengths drawn from the
+    ``lengths`` grid), each with its test question and the generic profiling questions,
+    as token ids."""
     from transformers import AutoTokenizer
 
     from sglang_vc.bench.workloads import load_workload
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     n_read = n // 2
-    items = list(load_workload("reading", tokenizer=tokenizer_dir, n=n_read, seed=seed, lengths=(length,)))
-    items += list(load_workload("code", tokenizer=tokenizer_dir, n=n - n_read, seed=seed, lengths=(length,)))
+    budget = max(lengths) + 256
+    items = list(load_workload("reading", tokenizer=tokenizer_dir, max_tokens=budget, n=n_read, seed=seed,
+                               lengths=tuple(lengths)))
+    items += list(load_workload("code", tokenizer=tokenizer_dir, max_tokens=budget, n=n - n_read, seed=seed,
+                                lengths=tuple(lengths)))
     out = []
     for it in items:
         context = it["prompt"][: len(it["prompt"]) - len(it["question"])]
@@ -207,7 +211,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small run (a few minutes on an idle 2-core CPU)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--contexts", type=int, default=None, help="number of contexts (>= 30)")
-    ap.add_argument("--context-tokens", type=int, default=None)
+    ap.add_argument("--context-tokens", type=str, default=None,
+                    help="context length in tokens, or a comma-separated grid (mixed lengths, "
+                    "e.g. 256,512,1024,2048: prefill cost then differs between contexts)")
+    ap.add_argument("--methods", type=str, default="kivi",
+                    help="EvicPress candidate methods (--evicpress-methods), e.g. kivi,knorm,streamingllm")
+    ap.add_argument("--device-contexts", type=float, default=None,
+                    help="EvicPress device tier, in full contexts (default: the server's, a quarter of the pool)")
     ap.add_argument("--requests", type=int, default=None, help="measured requests per system")
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--alphas", type=str, default=None, help="comma-separated EvicPress alphas")
@@ -227,7 +237,11 @@ def main(argv=None) -> int:
     n_ctx = args.contexts or 30 if q else args.contexts or 48
     if n_ctx < 30:
         ap.error("--contexts must be >= 30")
-    length = args.context_tokens or (256 if q else 512)
+    try:
+        lengths = tuple(int(x) for x in (args.context_tokens or ("256" if q else "512")).split(","))
+    except ValueError:
+        ap.error(f"--context-tokens: expected integers, got {args.context_tokens!r}")
+    length = max(lengths)
     n_req = args.requests or (30 if q else 150)
     alphas = [float(a) for a in (args.alphas or ("1" if q else "0.2,1,5")).split(",")]
     fixed = [f.strip() for f in args.fixed.split(",") if f.strip()]
@@ -241,7 +255,14 @@ def main(argv=None) -> int:
             ap.error(f"--fixed {f}: {exc}")
     host_ctx = args.host_contexts or 5.0
     disk_ctx = args.disk_contexts or 10.0
-    device_tokens = args.device_tokens or 8 * length
+    device_tokens = args.device_tokens or (8 * length if len(lengths) == 1 else 4 * length)
+    from sglang_vc.compress.registry import get_compressor, list_compressors
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in list_compressors():
+            ap.error(f"--methods: unknown method {m!r}")
+        drops_tokens |= get_compressor(m).scenario == "token_dropping"
     max_new = args.max_new_tokens or (12 if q else 24)
     profile_new = 8 if q else max_new
     out_json = Path(args.json)
@@ -254,8 +275,8 @@ def main(argv=None) -> int:
 
     model_dir = models.resolve(args.model)
     t_start = time.time()
-    log(f"building {n_ctx} contexts of ~{length} tokens")
-    contexts = build_contexts(model_dir, n_ctx, length, args.seed)
+    log(f"building {n_ctx} contexts of ~{'/'.join(map(str, lengths))} tokens")
+    contexts = build_contexts(model_dir, n_ctx, lengths, args.seed)
     stream = zipf_stream(n_ctx, n_req, args.zipf, args.seed)
     ctx_bytes = KV_BYTES_PER_TOKEN * sum(len(c["token_ids"]) for c in contexts) / len(contexts)
     gb = 1 << 30
@@ -268,13 +289,15 @@ def main(argv=None) -> int:
         "--evicpress-disk-dir", os.path.join(tmp.name, "disk"),
         "--evicpress-host-size-gb", f"{host_ctx * ctx_bytes / gb:.6f}",
         "--evicpress-disk-size-gb", f"{disk_ctx * ctx_bytes / gb:.6f}",
-        "--evicpress-methods", "kivi", "--evicpress-bits", "2,4",
+        "--evicpress-methods", ",".join(methods), "--evicpress-bits", "2,4",
         "--evicpress-profile-queries", "1" if q else "2",
         "--evicpress-profile-max-new-tokens", str(profile_new),
         "--evicpress-generate-queries", "0", "--evicpress-observe-rate", "0",
         "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
         "--chunked-prefill-size", str(max(1024, 2 * length)),
     ]
+    if args.device_contexts is not None:
+        server_args += ["--evicpress-device-size-gb", f"{args.device_contexts * ctx_bytes / gb:.6f}"]
     if drops_tokens:  # token-dropped contexts are served by the lossy attention backend
         server_args += ["--attention-backend", "vc_torch"]
     from sglang_vc.evicpress.quality import EmbeddingScorer
@@ -362,6 +385,8 @@ def main(argv=None) -> int:
         "model": args.model,
         "contexts": n_ctx,
         "context_tokens_mean": sum(len(c["token_ids"]) for c in contexts) / n_ctx,
+        "context_tokens_grid": list(lengths),
+        "methods": methods,
         "context_kv_bytes_mean": ctx_bytes,
         "requests_per_system": n_req,
         "zipf_s": args.zipf,
