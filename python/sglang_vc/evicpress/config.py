@@ -222,10 +222,15 @@ class TierSpec:
     ``capacity_bytes=None`` is unlimited (the paper's remote disk, section 4.1).
     ``load_bandwidth`` is bytes/s into the device; use ``math.inf`` for the device tier
     itself (KV already resident costs no load time).
+    ``compresses_in_place``: whether the knapsack may re-encode a copy while it stays on
+    this tier (the paper's "more aggressive compression to fit in S"). A runtime that can
+    hold only some forms on a tier turns it off there, so that relieving that tier never
+    locks a context into the one family it can hold (compression is one-way).
     """
 
     capacity_bytes: Optional[int]
     load_bandwidth: float
+    compresses_in_place: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes < 0:

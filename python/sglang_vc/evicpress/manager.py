@@ -236,8 +236,13 @@ class EvicPressManager:
             Tier.HOST: TierSpec(int(min(host_cap, host_store.capacity_bytes)), settings.host_bandwidth),
             Tier.DISK: TierSpec(int(settings.disk_capacity), settings.disk_bandwidth),
         }
-        if self.device is not None:  # resident copies cost no load time
-            self.tier_specs[Tier.DEVICE] = TierSpec(int(settings.device_capacity), math.inf)
+        if self.device is not None:
+            # Resident copies cost no load time. The device holds full and token-dropped
+            # copies only, so it is relieved by demotion (compressing on the way down as
+            # the knapsack likes), never by re-encoding in place: that would confine a
+            # context to token dropping for good.
+            self.tier_specs[Tier.DEVICE] = TierSpec(int(settings.device_capacity), math.inf,
+                                                    compresses_in_place=False)
         self.policy = self._make_policy()
 
     def _make_policy(self) -> Policy:

@@ -121,23 +121,25 @@ def _id_key(ctx_id: Hashable) -> tuple:
 
 
 def _options(
-    ctx: ContextInfo, cur: Placement, lower: Sequence[Tier], can_transform: TransformFn
+    ctx: ContextInfo, cur: Placement, lower: Sequence[Tier], can_transform: TransformFn,
+    in_place: bool = True,
 ) -> list[Placement]:
-    """Placements reachable from ``cur`` that free space on ``cur.tier`` (section 4.4)."""
+    """Placements reachable from ``cur`` that free space on ``cur.tier`` (section 4.4);
+    ``in_place`` False: none that stays on ``cur.tier``."""
     cur_bytes = ctx.bytes_at(cur)
     out = []
     for cfg in ctx.candidates():
         if not can_transform(cur.config, cfg):
             continue
         stay = Placement(cfg, cur.tier)
-        if ctx.bytes_at(stay) < cur_bytes:
+        if in_place and ctx.bytes_at(stay) < cur_bytes:
             out.append(stay)
         out.extend(Placement(cfg, t) for t in lower)
     out.append(DROPPED)
     return out
 
 
-def _best_option(ctx, cur, lower, utility, rank, can_transform) -> tuple:
+def _best_option(ctx, cur, lower, utility, rank, can_transform, in_place=True) -> tuple:
     """Heap entry for ``ctx``'s least-drop option: (score, -freed, id, dst key, dst).
 
     The id key is unique per context and each context has one entry, so comparisons
@@ -146,7 +148,7 @@ def _best_option(ctx, cur, lower, utility, rank, can_transform) -> tuple:
     u_cur = utility(ctx, cur)
     cur_bytes = ctx.bytes_at(cur)
     best = None
-    for dst in _options(ctx, cur, lower, can_transform):
+    for dst in _options(ctx, cur, lower, can_transform, in_place):
         drop = u_cur - utility(ctx, dst)
         freed = cur_bytes - (ctx.bytes_at(dst) if dst.tier == cur.tier else 0)
         if rank == "drop":
@@ -205,7 +207,9 @@ def greedy_steps(
         lower = order[i + 1 :]
         on_tier = sorted((cid for cid, p in state.items() if p.tier == tier), key=_id_key)
         used = sum(ctxs[cid].bytes_at(state[cid]) for cid in on_tier)
-        heap = [_best_option(ctxs[c], state[c], lower, utility, rank, can_transform) for c in on_tier]
+        in_place = tiers[tier].compresses_in_place
+        heap = [_best_option(ctxs[c], state[c], lower, utility, rank, can_transform, in_place)
+                for c in on_tier]
         heapq.heapify(heap)
         while used > cap:
             # One entry per context on the tier; DROPPED is always an option, so the
@@ -218,7 +222,7 @@ def greedy_steps(
             used -= ctx.bytes_at(src)
             if dst.tier == tier:  # compressed in place: may be compressed or demoted again
                 used += ctx.bytes_at(dst)
-                heapq.heappush(heap, _best_option(ctx, dst, lower, utility, rank, can_transform))
+                heapq.heappush(heap, _best_option(ctx, dst, lower, utility, rank, can_transform, in_place))
     return steps
 
 
