@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import requests
 
-CTX_TOKENS = 200
+import sglang_vc.testing.evicpress as epx
+from sglang_vc.testing.evicpress import CTX_TOKENS
+
 FULL_BYTES = CTX_TOKENS * 46080  # float32 KV of SmolLM2-135M
-QUESTION = "\n\nQuestion: What is this text about?\nAnswer:"
 
 
 @pytest.fixture(scope="module")
@@ -36,39 +37,14 @@ def drop_server(model_dir, tmp_path_factory):
     proc.stop()
 
 
-def _api(server, method, path, body=None):
-    r = requests.request(method, server.url + path, json=body, timeout=300)
-    assert r.status_code == 200, (r.status_code, r.text, server.log_tail(30))
-    return r.json()
-
-
-def _counters(server) -> dict:
-    return _api(server, "GET", "/evicpress/status")["counters"]
-
-
-def _register(server, tokenizer, ctx_id, passage):
-    ids = tokenizer(passage)["input_ids"][:CTX_TOKENS]
-    _api(server, "POST", "/evicpress/contexts", {"id": ctx_id, "token_ids": ids})
-    return ids
-
-
-def _ask(server, tokenizer, ids, n=8):
-    q = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    return server.generate(input_ids=ids + q, max_new_tokens=n)
-
-
-def _placement(server, ctx_id):
-    return _api(server, "GET", f"/evicpress/contexts/{ctx_id}")["placement"]
-
-
 def _hit(server, tokenizer, ids, tier):
     """Ask with the device tree emptied first (except for a device hit); check that the
     hit came from ``tier`` and that the context was not prefilled again."""
     if tier != "device":
-        _api(server, "POST", "/evicpress/evict_device")
-    before = _counters(server)
-    out = _ask(server, tokenizer, ids)
-    after = _counters(server)
+        epx.api(server, "POST", "/evicpress/evict_device")
+    before = epx.counters(server)
+    out = epx.ask(server, tokenizer, ids)
+    after = epx.counters(server)
     assert after.get(f"hits_{tier}", 0) == before.get(f"hits_{tier}", 0) + 1, (before, after)
     assert after.get("misses", 0) == before.get("misses", 0)
     assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS, out["meta_info"]
@@ -83,38 +59,38 @@ def test_dropped_context_half_stored_served_from_kept_rows_across_tiers(drop_ser
 
     s = drop_server
     assert "vc_torch" in s.log_path.read_text(errors="replace")  # the backend EvicPress chose
-    ids = _register(s, tokenizer, "d1", real_text_passages(4, words=220)[0])
-    _ask(s, tokenizer, ids)  # miss: prefilled, then stored as knorm@0.5
-    p = _placement(s, "d1")
+    ids = epx.register(s, tokenizer, "d1", real_text_passages(4, words=220)[0])[0]
+    epx.ask(s, tokenizer, ids)  # miss: prefilled, then stored as knorm@0.5
+    p = epx.placement(s, "d1")
     assert p["tier"] == "host" and p["config"] == "knorm@0.5", p
     assert 0.5 * FULL_BYTES < p["stored_bytes"] < 0.53 * FULL_BYTES, p  # rows + positions
 
     host = _hit(s, tokenizer, ids, "host")  # host -> device: the kept rows
-    d0 = _api(s, "GET", "/evicpress/contexts/d1/digest")
+    d0 = epx.api(s, "GET", "/evicpress/contexts/d1/digest")
     assert d0["device_tokens"] == CTX_TOKENS and d0["device_config"] == "knorm@0.5"
     # the device copy holds the kept rows only: n_keep pool slots for the n tokens
     kv = s.server_info()["sglang_vc"]["counters"]["kv_pool"]
     assert d0["device_slots"] == CTX_TOKENS // 2 == kv["evictable_tokens"], (d0, kv)
     assert kv["available_tokens"] == kv["total_tokens"] - CTX_TOKENS // 2, kv
     assert d0["device"] == d0["stored"]  # the device's kept rows are the stored ones
-    assert _api(s, "GET", "/evicpress/contexts/d1")["device_config"] == "knorm@0.5"
+    assert epx.api(s, "GET", "/evicpress/contexts/d1")["device_config"] == "knorm@0.5"
     assert _hit(s, tokenizer, ids, "device")["output_ids"] == host["output_ids"]
 
-    _api(s, "POST", "/evicpress/contexts/d1/placement", {"tier": "disk", "config": "knorm@0.5"})  # host -> disk
-    assert _placement(s, "d1")["tier"] == "disk"
-    d1 = _api(s, "GET", "/evicpress/contexts/d1/digest")
+    epx.api(s, "POST", "/evicpress/contexts/d1/placement", {"tier": "disk", "config": "knorm@0.5"})  # host -> disk
+    assert epx.placement(s, "d1")["tier"] == "disk"
+    d1 = epx.api(s, "GET", "/evicpress/contexts/d1/digest")
     assert d1["blob"] == d0["blob"] and d1["stored"] == d0["stored"]
     disk = _hit(s, tokenizer, ids, "disk")  # disk -> device
-    d2 = _api(s, "GET", "/evicpress/contexts/d1/digest")
+    d2 = epx.api(s, "GET", "/evicpress/contexts/d1/digest")
     assert d2["device"] == d0["device"]
     assert disk["output_ids"] == host["output_ids"]
 
     # shrinking a token-dropped copy re-selects among its kept rows
-    _api(s, "POST", "/evicpress/contexts/d1/placement", {"tier": "host", "config": "knorm@0.3"})
-    p = _placement(s, "d1")
+    epx.api(s, "POST", "/evicpress/contexts/d1/placement", {"tier": "host", "config": "knorm@0.3"})
+    p = epx.placement(s, "d1")
     assert p["config"] == "knorm@0.3" and p["stored_bytes"] < 0.32 * FULL_BYTES, p
     _hit(s, tokenizer, ids, "host")
-    d3 = _api(s, "GET", "/evicpress/contexts/d1/digest")
+    d3 = epx.api(s, "GET", "/evicpress/contexts/d1/digest")
     assert d3["device"] == d3["stored"] != d0["stored"]
     # a token-dropped copy cannot become another method or a larger one
     for config in ("kivi@2b", "knorm@0.6", "keydiff@0.3"):
@@ -130,26 +106,26 @@ def test_ratio_one_answer_equals_full_kv_answer(drop_server, tokenizer):
     from conftest import real_text_passages
 
     s = drop_server
-    _api(s, "POST", "/evicpress/reconfigure", {"policy": "fixed", "fixed_config": "knorm@1"})
+    epx.api(s, "POST", "/evicpress/reconfigure", {"policy": "fixed", "fixed_config": "knorm@1"})
     passages = real_text_passages(4, words=220)
-    ids = _register(s, tokenizer, "r1", passages[1])
-    full = _ask(s, tokenizer, ids, n=16)  # miss: full KV
-    assert _placement(s, "r1")["config"] == "knorm@1"
-    _api(s, "POST", "/evicpress/evict_device")
-    before = _counters(s)
-    again = _ask(s, tokenizer, ids, n=16)
-    assert _counters(s).get("hits_host", 0) == before.get("hits_host", 0) + 1
+    ids = epx.register(s, tokenizer, "r1", passages[1])[0]
+    full = epx.ask(s, tokenizer, ids, n=16)  # miss: full KV
+    assert epx.placement(s, "r1")["config"] == "knorm@1"
+    epx.api(s, "POST", "/evicpress/evict_device")
+    before = epx.counters(s)
+    again = epx.ask(s, tokenizer, ids, n=16)
+    assert epx.counters(s).get("hits_host", 0) == before.get("hits_host", 0) + 1
     assert again["meta_info"]["cached_tokens"] >= CTX_TOKENS
     assert again["output_ids"] == full["output_ids"]
 
     # batched with an ordinary request (the backend's per-request path for both)
     other = tokenizer(passages[2])["input_ids"][:120]
     alone = s.generate(input_ids=other, max_new_tokens=8)
-    _api(s, "POST", "/evicpress/evict_device")
+    epx.api(s, "POST", "/evicpress/evict_device")
     import threading
 
     outs = {}
-    threads = [threading.Thread(target=lambda: outs.__setitem__("ctx", _ask(s, tokenizer, ids, n=16))),
+    threads = [threading.Thread(target=lambda: outs.__setitem__("ctx", epx.ask(s, tokenizer, ids, n=16))),
                threading.Thread(target=lambda: outs.__setitem__("other", s.generate(input_ids=other, max_new_tokens=8)))]
     for t in threads:
         t.start()
@@ -168,8 +144,8 @@ def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
     from sglang_vc.evicpress.manager import CFG_NAMESPACE, REF_NAMESPACE
 
     s = drop_server
-    ids = _register(s, tokenizer, "p1", real_text_passages(4, words=220)[3])
-    prompt = ids + tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    ids = epx.register(s, tokenizer, "p1", real_text_passages(4, words=220)[3])[0]
+    prompt = ids + tokenizer(epx.QUESTION, add_special_tokens=False)["input_ids"]
 
     def gen(ns):
         r = requests.post(s.url + "/generate", timeout=300, json={
@@ -180,9 +156,9 @@ def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
 
     ref = gen(REF_NAMESPACE)  # full KV, kept as the source of the variants
     for label in ("knorm@1", "knorm@0.5"):
-        before = _counters(s)
+        before = epx.counters(s)
         out = gen(CFG_NAMESPACE + label)
-        after = _counters(s)
+        after = epx.counters(s)
         assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS, (label, out["meta_info"])
         for key in ("profile_loads", "dropped_prefix_requests"):
             assert after.get(key, 0) == before.get(key, 0) + 1, (label, key, before, after)

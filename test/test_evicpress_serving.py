@@ -525,8 +525,8 @@ def test_launcher_exits_2_on_inconsistent_evicpress_flags(model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- real server
 
-CTX_TOKENS = 200  # 9 MB of float32 KV per context for SmolLM2-135M
-QUESTION = "\n\nQuestion: What is this text about?\nAnswer:"
+import sglang_vc.testing.evicpress as epx
+from sglang_vc.testing.evicpress import CTX_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -558,81 +558,54 @@ def ep_server(model_dir, tmp_path_factory):
     proc.stop()
 
 
-def _api(server, method, path, body=None):
-    r = requests.request(method, server.url + path, json=body, timeout=300)
-    assert r.status_code == 200, (r.status_code, r.text, server.log_tail(30))
-    return r.json()
-
-
-def _counters(server) -> dict:
-    # /evicpress/status runs after the stores the backend deferred to the next step
-    return _api(server, "GET", "/evicpress/status")["counters"]
-
-
-def _register(server, tokenizer, ctx_id, passage, **extra):
-    ids = tokenizer(passage)["input_ids"][:CTX_TOKENS]
-    info = _api(server, "POST", "/evicpress/contexts", {"id": ctx_id, "token_ids": ids, **extra})
-    return ids, info
-
-
-def _ask(server, tokenizer, ids, n=8):
-    q = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    return server.generate(input_ids=ids + q, max_new_tokens=n)
-
-
-def _placement(server, ctx_id):
-    return _api(server, "GET", f"/evicpress/contexts/{ctx_id}")["placement"]
-
-
 def test_server_kv_bytes_survive_device_host_disk_device(ep_server, tokenizer):
     from conftest import real_text_passages
 
     s = ep_server
-    ids, _ = _register(s, tokenizer, "move", real_text_passages(12, words=220)[0])
-    first = _ask(s, tokenizer, ids)
-    assert _placement(s, "move")["tier"] == "host"
-    d0 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    ids, _ = epx.register(s, tokenizer, "move", real_text_passages(12, words=220)[0])
+    first = epx.ask(s, tokenizer, ids)
+    assert epx.placement(s, "move")["tier"] == "host"
+    d0 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d0["device_tokens"] == CTX_TOKENS and d0["device"] == d0["stored"]  # device -> host
-    before = _counters(s)
-    _api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "disk"})
-    assert _placement(s, "move")["tier"] == "disk"
-    d1 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    before = epx.counters(s)
+    epx.api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "disk"})
+    assert epx.placement(s, "move")["tier"] == "disk"
+    d1 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d1["stored"] == d0["device"] and d1["blob"] == d0["blob"]  # host -> disk
-    _api(s, "POST", "/evicpress/evict_device")
-    assert _api(s, "GET", "/evicpress/contexts/move/digest")["device_tokens"] == 0
-    again = _ask(s, tokenizer, ids)  # disk -> device
-    after = _counters(s)
+    epx.api(s, "POST", "/evicpress/evict_device")
+    assert epx.api(s, "GET", "/evicpress/contexts/move/digest")["device_tokens"] == 0
+    again = epx.ask(s, tokenizer, ids)  # disk -> device
+    after = epx.counters(s)
     assert after.get("hits_disk", 0) == before.get("hits_disk", 0) + 1, after
-    d2 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    d2 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d2["device"] == d0["device"]
     assert again["output_ids"] == first["output_ids"]
     assert again["meta_info"]["cached_tokens"] >= CTX_TOKENS
 
     # compressed: 4-bit on the host, dequantized into device slots on a hit
-    _api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "host", "config": "kivi@4b"})
-    p = _placement(s, "move")
+    epx.api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "host", "config": "kivi@4b"})
+    p = epx.placement(s, "move")
     assert p["tier"] == "host" and p["config"] == "kivi@4b" and p["stored_bytes"] < 0.3 * 46080 * CTX_TOKENS
-    _api(s, "POST", "/evicpress/evict_device")
-    lossy = _ask(s, tokenizer, ids)
-    d3 = _api(s, "GET", "/evicpress/contexts/move/digest")
+    epx.api(s, "POST", "/evicpress/evict_device")
+    lossy = epx.ask(s, tokenizer, ids)
+    d3 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d3["device"] == d3["stored"] != d0["device"]
     assert lossy["meta_info"]["cached_tokens"] >= CTX_TOKENS
-    assert _counters(s)["hits_host"] >= 1
-    info = _api(s, "GET", "/evicpress/contexts/move")
+    assert epx.counters(s)["hits_host"] >= 1
+    info = epx.api(s, "GET", "/evicpress/contexts/move")
     assert info["device_config"] == "kivi@4b"
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     from conftest import real_text_passages
-    from sglang_vc.evicpress.disk_tier import DiskTierStore
 
     s = ep_server
     cid = f"bad-{damage}"
-    ids, _ = _register(s, tokenizer, cid, real_text_passages(12, words=220)[1 if damage == "flip" else 2])
-    first = _ask(s, tokenizer, ids)
-    _api(s, "POST", f"/evicpress/contexts/{cid}/placement", {"tier": "disk"})
-    files = _api(s, "GET", f"/evicpress/contexts/{cid}/digest")["storage_files"]
+    ids, _ = epx.register(s, tokenizer, cid, real_text_passages(12, words=220)[1 if damage == "flip" else 2])
+    first = epx.ask(s, tokenizer, ids)
+    epx.api(s, "POST", f"/evicpress/contexts/{cid}/placement", {"tier": "disk"})
+    files = epx.api(s, "GET", f"/evicpress/contexts/{cid}/digest")["storage_files"]
     assert len(files) == 2 and all(str(s.disk_dir) in f for f in files), files  # header, payload
     path = Path(files[1])  # the payload
     data = bytearray(path.read_bytes())
@@ -641,16 +614,16 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
         path.write_bytes(bytes(data))
     else:
         path.write_bytes(bytes(data[: len(data) // 2]))
-    _api(s, "POST", "/evicpress/evict_device")
-    before = _counters(s)
-    again = _ask(s, tokenizer, ids)
-    after = _counters(s)
+    epx.api(s, "POST", "/evicpress/evict_device")
+    before = epx.counters(s)
+    again = epx.ask(s, tokenizer, ids)
+    after = epx.counters(s)
     assert after.get("disk_corrupted", 0) == before.get("disk_corrupted", 0) + 1
     assert after.get("misses", 0) == before.get("misses", 0) + 1
     assert after.get("hits_disk", 0) == before.get("hits_disk", 0)
     assert again["output_ids"] == first["output_ids"]  # recomputed, never served
-    assert not path.exists() or _placement(s, cid)["tier"] == "host"
-    assert _placement(s, cid)["tier"] == "host"  # stored again after the recompute
+    assert not path.exists() or epx.placement(s, cid)["tier"] == "host"
+    assert epx.placement(s, cid)["tier"] == "host"  # stored again after the recompute
 
 
 def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
@@ -662,15 +635,15 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     from conftest import real_text_passages
 
     s = ep_server
-    _api(s, "POST", "/evicpress/reconfigure", {"policy": "evicpress"})
+    epx.api(s, "POST", "/evicpress/reconfigure", {"policy": "evicpress"})
     passages = real_text_passages(16, words=220)[4:12]
-    ctxs = {f"t{i}": _register(s, tokenizer, f"t{i}", p)[0] for i, p in enumerate(passages)}
-    before = _counters(s)
-    ref = {cid: _ask(s, tokenizer, ids)["output_ids"] for cid, ids in ctxs.items()}  # misses
-    after_misses = _counters(s)
+    ctxs = {f"t{i}": epx.register(s, tokenizer, f"t{i}", p)[0] for i, p in enumerate(passages)}
+    before = epx.counters(s)
+    ref = {cid: epx.ask(s, tokenizer, ids)["output_ids"] for cid, ids in ctxs.items()}  # misses
+    after_misses = epx.counters(s)
     assert after_misses.get("misses", 0) - before.get("misses", 0) == len(ctxs)
-    status = _api(s, "GET", "/evicpress/status")
-    placed = {c["id"]: c["placement"] for c in _api(s, "GET", "/evicpress/contexts")["contexts"]
+    status = epx.api(s, "GET", "/evicpress/status")
+    placed = {c["id"]: c["placement"] for c in epx.api(s, "GET", "/evicpress/contexts")["contexts"]
               if c["id"] in ctxs}
     by_tier = {t: sorted(cid for cid, p in placed.items() if p["tier"] == t) for t in ("host", "disk", None)}
     assert (len(by_tier["host"]), len(by_tier["disk"]), len(by_tier[None])) == (2, 4, 2), placed
@@ -682,10 +655,10 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
 
     def ask_from(cid, counter, evict=True):
         if evict:
-            _api(s, "POST", "/evicpress/evict_device")
-        c0 = _counters(s)
-        out = _ask(s, tokenizer, ctxs[cid])
-        c1 = _counters(s)
+            epx.api(s, "POST", "/evicpress/evict_device")
+        c0 = epx.counters(s)
+        out = epx.ask(s, tokenizer, ctxs[cid])
+        c1 = epx.counters(s)
         assert c1.get(counter, 0) == c0.get(counter, 0) + 1, (cid, counter, c0, c1)
         assert out["output_ids"] == ref[cid], cid  # full KV from every tier: same tokens
         return out
@@ -704,7 +677,7 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     metrics = requests.get(s.url + "/metrics", timeout=60).text
     for key in ("hits_host", "hits_disk", "demotions", "bytes_loaded_disk"):
         assert f"sglang_vc:evicpress_{key}_total" in metrics, metrics[-3000:]
-    status = _api(s, "GET", "/evicpress/status")
+    status = epx.api(s, "GET", "/evicpress/status")
     for tier in ("host", "disk"):
         t = status["tiers"][tier]
         assert t["used_bytes"] <= t["capacity_bytes"], status["tiers"]
@@ -735,13 +708,13 @@ def test_server_long_prompt_becomes_a_context(ep_server, tokenizer):
 
     s = ep_server
     ids = tokenizer(real_text_passages(12, words=220)[11])["input_ids"][:CTX_TOKENS]
-    first = _ask(s, tokenizer, ids)
-    autos = [c for c in _api(s, "GET", "/evicpress/contexts")["contexts"] if c["source"] == "auto"]
+    first = epx.ask(s, tokenizer, ids)
+    autos = [c for c in epx.api(s, "GET", "/evicpress/contexts")["contexts"] if c["source"] == "auto"]
     assert len(autos) == 1 and autos[0]["placement"]["tier"] is not None, autos
-    _api(s, "POST", "/evicpress/evict_device")
-    before = _counters(s)
-    again = _ask(s, tokenizer, ids)
-    after = _counters(s)
+    epx.api(s, "POST", "/evicpress/evict_device")
+    before = epx.counters(s)
+    again = epx.ask(s, tokenizer, ids)
+    after = epx.counters(s)
     assert sum(after.get(k, 0) - before.get(k, 0) for k in ("hits_host", "hits_disk")) == 1
     assert again["meta_info"]["cached_tokens"] >= CTX_TOKENS
     assert again["output_ids"] == first["output_ids"]
@@ -752,27 +725,27 @@ def test_server_reprofiles_on_quality_drift(ep_server, tokenizer):
     from conftest import real_text_passages
 
     s = ep_server
-    ids, info = _register(s, tokenizer, "drift", real_text_passages(12, words=220)[10],
+    ids, info = epx.register(s, tokenizer, "drift", real_text_passages(12, words=220)[10],
                           queries=["What is this text about?"],
                           quality={"kivi@2b": 0.9, "kivi@4b": 0.97})
     assert info["profile_pending"] is None and info["quality"]["kivi@2b"] == 0.9
-    _ask(s, tokenizer, ids)
-    _api(s, "POST", "/evicpress/contexts/drift/placement", {"tier": "host", "config": "kivi@2b"})
-    _api(s, "POST", "/evicpress/evict_device")
-    _ask(s, tokenizer, ids)  # served from the 2-bit copy: sampled for a shadow check
-    before = _counters(s)
-    fired = [_api(s, "POST", "/evicpress/contexts/drift/observations",
+    epx.ask(s, tokenizer, ids)
+    epx.api(s, "POST", "/evicpress/contexts/drift/placement", {"tier": "host", "config": "kivi@2b"})
+    epx.api(s, "POST", "/evicpress/evict_device")
+    epx.ask(s, tokenizer, ids)  # served from the 2-bit copy: sampled for a shadow check
+    before = epx.counters(s)
+    fired = [epx.api(s, "POST", "/evicpress/contexts/drift/observations",
                   {"config": "kivi@2b", "quality": 0.1})["reprofile"] for _ in range(4)]
     assert any(fired)
     deadline = time.time() + 600
     while time.time() < deadline:
-        c = _counters(s)
+        c = epx.counters(s)
         if c.get("reprofilings", 0) > before.get("reprofilings", 0) and c.get("observations", 0) >= 5:
             break
         time.sleep(2)
     else:
-        pytest.fail(f"no re-profiling: {_counters(s)}\n{s.log_tail(40)}")
-    info = _api(s, "GET", "/evicpress/contexts/drift")
+        pytest.fail(f"no re-profiling: {epx.counters(s)}\n{s.log_tail(40)}")
+    info = epx.api(s, "GET", "/evicpress/contexts/drift")
     assert info["profile_pending"] is None and info["profiled"]
     assert set(info["quality"]) >= {"full", "kivi@2b", "kivi@4b"}
     assert c.get("observations", 0) >= 5  # ours + the profiler's shadow check

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import requests
 
-CTX_TOKENS = 200
+import sglang_vc.testing.evicpress as epx
+from sglang_vc.testing.evicpress import CTX_TOKENS
+
 FULL_BYTES = CTX_TOKENS * 46080  # float32 KV of SmolLM2-135M
-QUESTION = "\n\nQuestion: What is this text about?\nAnswer:"
 
 
 def _server(tmp_path_factory, name: str, *extra: str):
@@ -44,35 +44,6 @@ def tier_server(tmp_path_factory):
     proc.stop()
 
 
-def _api(server, method, path, body=None):
-    r = requests.request(method, server.url + path, json=body, timeout=300)
-    assert r.status_code == 200, (r.status_code, r.text, server.log_tail(30))
-    return r.json()
-
-
-def _counters(server) -> dict:
-    return _api(server, "GET", "/evicpress/status")["counters"]
-
-
-def _pool(server) -> dict:
-    return server.server_info()["sglang_vc"]["counters"]["kv_pool"]
-
-
-def _register(server, tokenizer, ctx_id, passage):
-    ids = tokenizer(passage)["input_ids"][:CTX_TOKENS]
-    _api(server, "POST", "/evicpress/contexts", {"id": ctx_id, "token_ids": ids})
-    return ids
-
-
-def _ask(server, tokenizer, ids, n=8):
-    q = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    return server.generate(input_ids=ids + q, max_new_tokens=n, ignore_eos=True)
-
-
-def _tier(server, ctx_id):
-    return _api(server, "GET", f"/evicpress/contexts/{ctx_id}")["placement"]
-
-
 def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
     """LRU over device -> host -> disk: a computed context is kept on the device (its
     tree node pinned, so evicting the tree keeps it); a second one pushes the older to
@@ -81,37 +52,37 @@ def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
 
     s = tier_server
     passages = real_text_passages(6, words=220)
-    a = _register(s, tokenizer, "a", passages[0])
-    b = _register(s, tokenizer, "b", passages[1])
-    status = _api(s, "GET", "/evicpress/status")
+    a = epx.register(s, tokenizer, "a", passages[0])[0]
+    b = epx.register(s, tokenizer, "b", passages[1])[0]
+    status = epx.api(s, "GET", "/evicpress/status")
     assert abs(status["tiers"]["device"]["capacity_bytes"] - 1.5 * FULL_BYTES) < 4096  # the flag is in GiB
 
-    first_a = _ask(s, tokenizer, a)["output_ids"]  # miss: stored on the device tier
-    p = _tier(s, "a")
+    first_a = epx.ask(s, tokenizer, a, ignore_eos=True)["output_ids"]  # miss: stored on the device tier
+    p = epx.placement(s, "a")
     assert (p["tier"], p["config"]) == ("device", "full"), p
-    pool = _pool(s)
+    pool = epx.kv_pool(s)
     assert pool["protected_tokens"] >= CTX_TOKENS, pool  # pinned by EvicPress
-    _api(s, "POST", "/evicpress/evict_device")
-    c0 = _counters(s)
-    assert _ask(s, tokenizer, a)["output_ids"] == first_a
-    assert _counters(s).get("hits_device", 0) == c0.get("hits_device", 0) + 1  # survived the eviction
+    epx.api(s, "POST", "/evicpress/evict_device")
+    c0 = epx.counters(s)
+    assert epx.ask(s, tokenizer, a, ignore_eos=True)["output_ids"] == first_a
+    assert epx.counters(s).get("hits_device", 0) == c0.get("hits_device", 0) + 1  # survived the eviction
 
-    first_b = _ask(s, tokenizer, b)["output_ids"]  # miss: b enters the device, a (older) goes down
-    assert _tier(s, "b")["tier"] == "device" and _tier(s, "a")["tier"] == "host"
-    status = _api(s, "GET", "/evicpress/status")
+    first_b = epx.ask(s, tokenizer, b, ignore_eos=True)["output_ids"]  # miss: b enters the device, a (older) goes down
+    assert epx.placement(s, "b")["tier"] == "device" and epx.placement(s, "a")["tier"] == "host"
+    status = epx.api(s, "GET", "/evicpress/status")
     assert status["tiers"]["device"]["used_bytes"] <= status["tiers"]["device"]["capacity_bytes"]
     assert status["tiers"]["device"]["contexts"] == 1
 
-    _api(s, "POST", "/evicpress/evict_device")
-    c0 = _counters(s)
-    again = _ask(s, tokenizer, a)  # host -> device, and promoted to the device tier
-    c1 = _counters(s)
+    epx.api(s, "POST", "/evicpress/evict_device")
+    c0 = epx.counters(s)
+    again = epx.ask(s, tokenizer, a, ignore_eos=True)  # host -> device, and promoted to the device tier
+    c1 = epx.counters(s)
     assert c1.get("hits_host", 0) == c0.get("hits_host", 0) + 1
     assert again["output_ids"] == first_a and again["meta_info"]["cached_tokens"] >= CTX_TOKENS
-    assert _tier(s, "a")["tier"] == "device" and _tier(s, "b")["tier"] == "host"
+    assert epx.placement(s, "a")["tier"] == "device" and epx.placement(s, "b")["tier"] == "host"
     assert c1.get("promotions", 0) > c0.get("promotions", 0)
-    _api(s, "POST", "/evicpress/evict_device")
-    assert _ask(s, tokenizer, b)["output_ids"] == first_b  # from the host again
+    epx.api(s, "POST", "/evicpress/evict_device")
+    assert epx.ask(s, tokenizer, b, ignore_eos=True)["output_ids"] == first_b  # from the host again
 
 
 @pytest.fixture(scope="module")
@@ -134,31 +105,31 @@ def test_token_dropped_device_copy_holds_only_its_kept_rows(drop_tier_server, to
     from conftest import real_text_passages
 
     s = drop_tier_server
-    ids = _register(s, tokenizer, "d", real_text_passages(6, words=220)[2])
-    _ask(s, tokenizer, ids)  # miss: computed in full, stored as its kept rows
-    p = _tier(s, "d")
+    ids = epx.register(s, tokenizer, "d", real_text_passages(6, words=220)[2])[0]
+    epx.ask(s, tokenizer, ids, ignore_eos=True)  # miss: computed in full, stored as its kept rows
+    p = epx.placement(s, "d")
     assert p["tier"] == "device" and p["config"] == "knorm@0.5", p
-    _api(s, "POST", "/evicpress/evict_device")  # the full rows of the miss go; the kept rows stay
-    pool = _pool(s)
+    epx.api(s, "POST", "/evicpress/evict_device")  # the full rows of the miss go; the kept rows stay
+    pool = epx.kv_pool(s)
     assert pool["protected_tokens"] == CTX_TOKENS // 2 and pool["evictable_tokens"] == 0, pool
     assert pool["available_tokens"] == pool["total_tokens"] - CTX_TOKENS // 2, pool
-    digest = _api(s, "GET", "/evicpress/contexts/d/digest")
+    digest = epx.api(s, "GET", "/evicpress/contexts/d/digest")
     assert digest["device_slots"] == CTX_TOKENS // 2 and digest["device_tokens"] == CTX_TOKENS
-    c0 = _counters(s)
-    out = _ask(s, tokenizer, ids)
-    c1 = _counters(s)
+    c0 = epx.counters(s)
+    out = epx.ask(s, tokenizer, ids, ignore_eos=True)
+    c1 = epx.counters(s)
     assert c1.get("hits_device", 0) == c0.get("hits_device", 0) + 1
     assert c1.get("dropped_prefix_requests", 0) == c0.get("dropped_prefix_requests", 0) + 1
     assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS and len(out["output_ids"]) == 8
     first = out["output_ids"]
 
     # the storage tier is SGLang's file backend: the kept rows go there and come back
-    _api(s, "POST", "/evicpress/contexts/d/placement", {"tier": "disk", "config": "knorm@0.5"})
-    assert _tier(s, "d")["tier"] == "disk"
+    epx.api(s, "POST", "/evicpress/contexts/d/placement", {"tier": "disk", "config": "knorm@0.5"})
+    assert epx.placement(s, "d")["tier"] == "disk"
     assert any(f.suffix == ".bin" for f in s.storage_dir.iterdir())  # HiCacheFile's objects
-    _api(s, "POST", "/evicpress/evict_device")
-    c0 = _counters(s)
-    out = _ask(s, tokenizer, ids)
-    c1 = _counters(s)
+    epx.api(s, "POST", "/evicpress/evict_device")
+    c0 = epx.counters(s)
+    out = epx.ask(s, tokenizer, ids, ignore_eos=True)
+    c1 = epx.counters(s)
     assert c1.get("hits_disk", 0) == c0.get("hits_disk", 0) + 1, (c0, c1)
     assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS and out["output_ids"] == first

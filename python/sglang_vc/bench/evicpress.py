@@ -216,6 +216,10 @@ def main(argv=None) -> int:
                     "e.g. 256,512,1024,2048: prefill cost then differs between contexts)")
     ap.add_argument("--methods", type=str, default="kivi",
                     help="EvicPress candidate methods (--evicpress-methods), e.g. kivi,knorm,streamingllm")
+    ap.add_argument("--profile-queries", type=int, default=None,
+                    help="queries per context the profiler answers (default 1 with --quick, else 2)")
+    ap.add_argument("--profile-tokens", type=int, default=None,
+                    help="answer length when profiling (default 8 with --quick, else --max-new-tokens)")
     ap.add_argument("--device-contexts", type=float, default=None,
                     help="EvicPress device tier, in full contexts (default: the server's, a quarter of the pool)")
     ap.add_argument("--requests", type=int, default=None, help="measured requests per system")
@@ -264,7 +268,8 @@ def main(argv=None) -> int:
             ap.error(f"--methods: unknown method {m!r}")
         drops_tokens |= get_compressor(m).scenario == "token_dropping"
     max_new = args.max_new_tokens or (12 if q else 24)
-    profile_new = 8 if q else max_new
+    profile_new = args.profile_tokens or (8 if q else max_new)
+    profile_queries = args.profile_queries or (1 if q else 2)
     out_json = Path(args.json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
 
@@ -290,7 +295,7 @@ def main(argv=None) -> int:
         "--evicpress-host-size-gb", f"{host_ctx * ctx_bytes / gb:.6f}",
         "--evicpress-disk-size-gb", f"{disk_ctx * ctx_bytes / gb:.6f}",
         "--evicpress-methods", ",".join(methods), "--evicpress-bits", "2,4",
-        "--evicpress-profile-queries", "1" if q else "2",
+        "--evicpress-profile-queries", str(profile_queries),
         "--evicpress-profile-max-new-tokens", str(profile_new),
         "--evicpress-generate-queries", "0", "--evicpress-observe-rate", "0",
         "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
