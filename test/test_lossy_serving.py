@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from pathlib import Path
 
@@ -148,7 +149,43 @@ def test_per_request_override_resolution():
     assert (spec.compressor, spec.bits, spec.scenario) == ("kivi", 4, "quantization")
     for bad in ({"vc_compressor": "kivi"}, {"vc_compressor": "nope"}, {"vc_compression_ratio": 3}):
         spec, err = resolve_spec(default, bad)
-        assert spec == default and err  # the server default runs, the error is reported
+        assert spec == default and err  # the scheduler's side: it cannot reject any more
+
+
+BAD_OVERRIDES = [({"vc_compressor": "kivi"}, "needs vc_kv_bits"),
+                 ({"vc_compressor": "nope"}, "nope"),
+                 ({"vc_compression_ratio": 3}, "(0, 1]"),
+                 ({"vc_compressor": "kivi", "vc_kv_bits": 3}, "bit")]
+
+
+def test_per_request_override_is_checked_against_the_server():
+    from sglang_vc.kvruntime.plan import check_request, make_spec
+
+    default = make_spec("snapkv", ratio=0.25)
+    for good in (None, {}, {"other": 1}, {"vc_compressor": "none"}, {"vc_compression_ratio": 0.5},
+                 {"vc_compressor": "kivi", "vc_kv_bits": 2}):
+        check_request(good, default, serves_overrides=True)
+    for bad, why in BAD_OVERRIDES:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            check_request(bad, default, serves_overrides=True)
+    with pytest.raises(ValueError, match="without vc_compressor"):
+        check_request({"vc_kv_bits": 2}, None, serves_overrides=True)
+    # a server whose cache does not apply per-request compression would ignore it
+    with pytest.raises(ValueError, match="only by a server with --vc-compressor"):
+        check_request({"vc_compressor": "knorm", "vc_compression_ratio": 0.5}, None, serves_overrides=False)
+    check_request({"temperature_hint": 1}, None, serves_overrides=False)
+
+
+def test_bad_per_request_compression_is_http_400(server, lossy_server, tokenizer):
+    """Refused before it is queued, with the reason; never served with another setting."""
+    ids = prompt_ids(tokenizer, 0, 40)
+    for target, custom, why in [(lossy_server, bad, w) for bad, w in BAD_OVERRIDES] + [
+            (server, {"vc_compressor": "knorm", "vc_compression_ratio": 0.5}, "--vc-compressor")]:
+        r = requests.post(target.url + "/generate", timeout=60, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "custom_params": custom}})
+        assert r.status_code == 400, (custom, r.status_code, r.text)
+        assert why in r.text, (custom, r.text)
+    assert generate(lossy_server, ids, 2, {"vc_compressor": "none"})["output_ids"]  # still serving
 
 
 def test_config_needs_the_amount_that_fits_the_compressor():

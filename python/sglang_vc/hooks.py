@@ -60,6 +60,18 @@ def _add_vc_counters(result, *args, **kwargs):
     return result
 
 
+def _check_compression_params(result, *args, **kwargs):
+    """SGLang validates sampling parameters in the tokenizer manager (a ``ValueError``
+    there is the client's HTTP 400) but has no seam for a plugin's own ``custom_params``
+    keys. Without this check an invalid per-request compression, or one asked of a server
+    that does not apply it, would reach the scheduler, which cannot reject a request, and
+    be served with something else than asked."""
+    from sglang_vc.kvruntime.admission import check_sampling_params
+
+    check_sampling_params(args[0])
+    return result
+
+
 def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
@@ -103,6 +115,11 @@ def install() -> None:
         "sglang.srt.managers.scheduler_components.internal_state."
         "SchedulerInternalStateController.get_internal_state",
         _add_vc_counters,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.sampling.sampling_params.SamplingParams.verify",
+        _check_compression_params,
         HookType.AFTER,
     )
     if _on_cpu_platform():

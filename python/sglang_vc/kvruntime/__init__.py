@@ -27,7 +27,9 @@ A request may choose its own compression through ``sampling_params.custom_params
 ``{"vc_compressor": "h2o", "vc_compression_ratio": 0.5}``, ``{"vc_compressor": "kivi",
 "vc_kv_bits": 4}`` or ``{"vc_compressor": "none"}`` (full KV). Each response's
 ``meta_info["sglang_vc_compression"]`` is a one-element list with what was done; the
-``compression`` counters of ``/server_info`` sum it up.
+``compression`` counters of ``/server_info`` sum it up. An override the server cannot
+honour exactly (invalid, or sent to a server without the ``vc`` radix cache) is refused
+with HTTP 400 before it is queued (:mod:`.admission`).
 
 Memory: a token-dropped prefix keeps ``n_keep`` rows in the request's own slots; the
 row positions of its dropped tokens point at :data:`NULL_SLOT` (SGLang's reserved padding

@@ -9,6 +9,8 @@ from typing import Any, Optional
 from sglang_vc.compress import check_bits, check_ratio, get_compressor, num_kept
 from sglang_vc.compress.kivi import kivi_split
 
+from .names import REQUEST_KEYS
+
 NO_COMPRESSION = ("none", "full", "")
 
 
@@ -68,29 +70,57 @@ def make_spec(name: str, ratio: Any = None, bits: Any = None) -> CompressionSpec
     return CompressionSpec(compressor.name, compressor.scenario, compressor.mode, ratio=float(ratio))
 
 
-def resolve_spec(default: Optional[CompressionSpec], custom_params: Any) -> tuple[Optional[CompressionSpec], Optional[str]]:
-    """The spec for one request: ``default`` unless ``custom_params`` overrides it.
+def request_override(default: Optional[CompressionSpec], custom_params: Any) -> tuple[bool, Optional[CompressionSpec]]:
+    """``(overrides, spec)``: whether ``custom_params`` chooses the request's compression
+    and the spec it chooses (None = full KV). ``ValueError`` with a message when the
+    choice is invalid.
 
     Keys: ``vc_compressor`` (a name, or "none" for full KV), ``vc_compression_ratio``,
     ``vc_kv_bits``. A missing amount is taken from the server's setting when that is of
-    the same kind. Returns ``(spec, error)``: on an invalid override the default is kept
-    and ``error`` says why (the scheduler cannot reject a request at this point)."""
-    if not isinstance(custom_params, dict):
-        return default, None
-    keys = ("vc_compressor", "vc_compression_ratio", "vc_kv_bits")
-    if not any(k in custom_params for k in keys):
-        return default, None
+    the same kind."""
+    if not isinstance(custom_params, dict) or not any(k in custom_params for k in REQUEST_KEYS):
+        return False, default
     name = custom_params.get("vc_compressor", default.compressor if default else None)
-    if name is None or str(name).lower() in NO_COMPRESSION:
-        return None, None
+    if name is None:
+        raise ValueError(f"{_keys_given(custom_params)} without vc_compressor: this server "
+                         "has no default compressor to apply it to")
+    if str(name).lower() in NO_COMPRESSION:
+        return True, None
     try:
         scenario = get_compressor(str(name)).scenario
         same_kind = default is not None and default.scenario == scenario
         ratio = custom_params.get("vc_compression_ratio", default.ratio if same_kind else None)
         bits = custom_params.get("vc_kv_bits", default.bits if same_kind else None)
-        return make_spec(str(name), ratio, bits), None
+        return True, make_spec(str(name), ratio, bits)
     except (ValueError, TypeError) as exc:
-        return default, f"invalid per-request compression {dict((k, custom_params.get(k)) for k in keys)}: {exc}"
+        raise ValueError(f"invalid per-request compression {_keys_given(custom_params)}: {exc}") from exc
+
+
+def resolve_spec(default: Optional[CompressionSpec], custom_params: Any) -> tuple[Optional[CompressionSpec], Optional[str]]:
+    """The spec for one request: ``default`` unless ``custom_params`` overrides it.
+    Returns ``(spec, error)``: on an invalid override the default is kept and ``error``
+    says why. The HTTP layer refuses such requests first (:func:`check_request`); this is
+    the scheduler's side, which cannot reject a request."""
+    try:
+        return request_override(default, custom_params)[1], None
+    except ValueError as exc:
+        return default, str(exc)
+
+
+def check_request(custom_params: Any, default: Optional[CompressionSpec], serves_overrides: bool) -> None:
+    """Refuse (``ValueError``, the client's HTTP 400) a per-request compression this
+    server cannot honour exactly: an invalid one, or any on a server whose cache does not
+    apply per-request compression (the ``vc`` radix cache of lossy serving and VERICACHE does)."""
+    if not isinstance(custom_params, dict) or not any(k in custom_params for k in REQUEST_KEYS):
+        return
+    if not serves_overrides:
+        raise ValueError(f"{_keys_given(custom_params)}: per-request compression is applied only by "
+                         "a server with --vc-compressor (lossy serving, VERICACHE); this one would ignore it")
+    request_override(default, custom_params)
+
+
+def _keys_given(custom_params: dict) -> dict:
+    return {k: custom_params[k] for k in REQUEST_KEYS if k in custom_params}
 
 
 def quantized_len(spec: CompressionSpec, num_tokens: int) -> int:
