@@ -70,6 +70,7 @@ def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
     first_b = epx.ask(s, tokenizer, b, ignore_eos=True)["output_ids"]  # miss: b enters the device, a (older) goes down
     assert epx.placement(s, "b")["tier"] == "device" and epx.placement(s, "a")["tier"] == "host"
     status = epx.api(s, "GET", "/evicpress/status")
+    assert status["host_backups"] == 1  # a's full host copy is SGLang's backup of its tree nodes
     assert status["tiers"]["device"]["used_bytes"] <= status["tiers"]["device"]["capacity_bytes"]
     assert status["tiers"]["device"]["contexts"] == 1
 
@@ -79,6 +80,8 @@ def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
     c1 = epx.counters(s)
     assert c1.get("hits_host", 0) == c0.get("hits_host", 0) + 1
     assert again["output_ids"] == first_a and again["meta_info"]["cached_tokens"] >= CTX_TOKENS
+    # SGLang's own host hit: its scheduler loaded the HiCache backup back (not EvicPress)
+    assert again["meta_info"]["cached_tokens_details"]["host"] == CTX_TOKENS, again["meta_info"]
     assert epx.placement(s, "a")["tier"] == "device" and epx.placement(s, "b")["tier"] == "host"
     assert c1.get("promotions", 0) > c0.get("promotions", 0)
     epx.api(s, "POST", "/evicpress/evict_device")

@@ -1,4 +1,9 @@
-"""EvicPress's host tier: context blobs kept in the slots of SGLang's HiCache host pool.
+"""EvicPress's host tier: SGLang's HiCache host pool.
+
+:class:`HostTierStore` is the tier the manager sees. A full copy of a context whose rows
+are on the device is SGLang's own HiCache backup of the context's tree nodes (the
+controller writes it; SGLang loads it back for a request); anything else is a blob in
+pool slots (:class:`HostSlotStore`, below).
 
 With ``--enable-hierarchical-cache`` SGLang allocates a host KV pool
 (``mem_cache/pool_host/mha.py`` ``MHATokenToKVPoolHost``: one slot holds one token's K
@@ -21,13 +26,18 @@ without a host pool.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
-from typing import Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-__all__ = ["HostSlotStore", "RamHostStore"]
+from . import codec
+from .codec import FullKV
+from .config import FULL
+
+__all__ = ["HostSlotStore", "HostTierStore", "RamHostStore"]
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -40,6 +50,7 @@ class _Stats:
         self.bytes_written = 0
         self.bytes_read = 0
         self.deletes = 0
+        self.backups = 0  # full copies kept as HiCache node backups (HostTierStore)
 
 
 class RamHostStore:
@@ -98,7 +109,7 @@ class RamHostStore:
             self.stats.deletes += 1
             return True
 
-    def clear(self) -> None:
+    def clear(self, pool_was_cleared: bool = False) -> None:
         with self._lock:
             self._blobs.clear()
             self._used = 0
@@ -140,6 +151,9 @@ class HostSlotStore:
         self._slots: dict[str, tuple[torch.Tensor, int]] = {}  # key -> (indices, nbytes)
         self._used = 0  # bytes of slots held
         self.stats = _Stats()
+        # called with a slot count when the pool allocator is out of slots (HostTierStore:
+        # evict the HiCache backups EvicPress released); returns the slots freed
+        self.on_pool_full: Optional[Callable[[int], int]] = None
         self._lock = threading.Lock()
 
     def footprint(self, nbytes: int) -> int:
@@ -177,6 +191,8 @@ class HostSlotStore:
                 self.stats.put_rejected += 1
                 return False
             idx = self.pool.alloc(n)
+            if idx is None and self.on_pool_full is not None and self.on_pool_full(n) > 0:
+                idx = self.pool.alloc(n)
             if idx is None:
                 self.stats.put_rejected += 1
                 return False
@@ -225,3 +241,123 @@ class HostSlotStore:
                     self.pool.free(idx)
             self._slots.clear()
             self._used = 0
+
+
+class HostTree(Protocol):
+    """What the host tier needs from the radix cache (:class:`~.radix.EvicPressRadixCache`)
+    to keep full copies as SGLang's own HiCache backups of tree nodes."""
+
+    def back_up_full(self, ctx: Any) -> Optional[Any]:
+        """Back the context's device node path up into the host pool through the HiCache
+        controller and host-lock it; a handle, or None (not on the device, no room)."""
+
+    def read_backed(self, handle: Any) -> Optional[FullKV]:
+        """The full KV of a backed-up context (device rows, then host rows of the
+        evicted part); None when SGLang no longer holds all of it."""
+
+    def release_backed(self, handle: Any) -> None:
+        """Drop the host lock: the backup becomes evictable by SGLang's host LRU."""
+
+    def free_host(self, num_slots: int) -> int:
+        """Evict unlocked backups from the host pool (SGLang's ``evict_host``)."""
+
+
+@dataclasses.dataclass
+class BackedCopy:
+    """A full context kept as HiCache node backups: the tree handle and its slots."""
+
+    handle: Any
+    slots: int
+
+
+class HostTierStore:
+    """EvicPress's host tier over SGLang's HiCache host pool.
+
+    * A **full** copy of a context whose rows are on the device is SGLang's own backup of
+      the context's tree nodes, written by the HiCache controller (``write``) and
+      host-locked; a request that finds the device copy evicted gets SGLang's host hit
+      and layer-wise load-back (``init_load_back``, ``LayerDoneCounter``), not ours.
+    * Compressed copies (which SGLang's per-token backup cannot represent) and full
+      copies arriving from another tier are blobs in pool slots (:class:`HostSlotStore`).
+
+    Both come out of the same pool allocator and one byte budget. When the pool has no
+    free slots for a blob, backups EvicPress released are evicted first (``free_host``).
+    """
+
+    def __init__(self, slots: HostSlotStore, tree: HostTree,
+                 context_of: Callable[[str], Optional[Any]]) -> None:
+        self.slots = slots
+        self.tree = tree
+        self._context_of = context_of
+        self.backed: dict[str, BackedCopy] = {}
+        self.capacity_bytes = slots.capacity_bytes
+        self.slot_bytes = slots.slot_bytes
+        self.stats = slots.stats
+        slots.on_pool_full = tree.free_host
+
+    def footprint(self, nbytes: int) -> int:
+        return self.slots.footprint(nbytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.slots.used_bytes + sum(c.slots for c in self.backed.values()) * self.slot_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.backed or key in self.slots
+
+    def __len__(self) -> int:
+        return len(self.backed) + len(self.slots)
+
+    def is_backed(self, key: str) -> bool:
+        """Whether ``key`` is kept as SGLang node backups (served by SGLang's load-back)."""
+        return key in self.backed
+
+    def put(self, key: str, blob: bytes) -> bool:
+        self.delete(key)
+        if codec.blob_config(blob).is_full:
+            ctx = self._context_of(key)
+            slots = math.ceil(codec.blob_tokens(blob) / self.slots.page_size) * self.slots.page_size
+            if ctx is not None and self.used_bytes + slots * self.slot_bytes <= self.capacity_bytes:
+                handle = self.tree.back_up_full(ctx)
+                if handle is not None:
+                    self.backed[key] = BackedCopy(handle, slots)
+                    self.stats.puts += 1
+                    self.stats.backups += 1
+                    self.stats.bytes_written += len(blob)
+                    return True
+        if self.used_bytes + self.slots.footprint(len(blob)) > self.capacity_bytes:
+            self.stats.put_rejected += 1
+            return False
+        return self.slots.put(key, blob)
+
+    def get(self, key: str) -> Optional[bytes]:
+        copy = self.backed.get(key)
+        if copy is None:
+            return self.slots.get(key)
+        self.stats.gets += 1
+        kv = self.tree.read_backed(copy.handle)
+        if kv is None:  # SGLang lost part of it: the manager recomputes the context
+            return None
+        blob = codec.encode(kv, FULL)
+        self.stats.bytes_read += len(blob)
+        return blob
+
+    def delete(self, key: str) -> bool:
+        copy = self.backed.pop(key, None)
+        if copy is None:
+            return self.slots.delete(key)
+        self.tree.release_backed(copy.handle)
+        self.stats.deletes += 1
+        return True
+
+    def clear(self, pool_was_cleared: bool = False) -> None:
+        """Forget every copy (SGLang's cache reset also drops the tree's backups and locks)."""
+        backed, self.backed = self.backed, {}
+        if not pool_was_cleared:
+            for copy in backed.values():
+                self.tree.release_backed(copy.handle)
+        self.slots.clear(pool_was_cleared)

@@ -450,6 +450,11 @@ class EvicPressManager:
             return content_key(self.settings.model_id, ctx.namespace, ctx.token_ids)
         return f"ctx/{ctx.ctx_id}"
 
+    def host_backed(self, ctx: Context) -> bool:
+        """Whether ``ctx``'s host copy is SGLang's HiCache backup of its tree nodes."""
+        is_backed = getattr(self.host, "is_backed", None)
+        return bool(is_backed and is_backed(self.blob_key(ctx, Tier.HOST)))
+
     def stored_blob(self, ctx: Context) -> Optional[bytes]:
         """The stored bytes of ``ctx`` as they are now (None when not stored); no
         accounting, no side effect (diagnostics)."""
@@ -746,7 +751,7 @@ class EvicPressManager:
     def on_host_cleared(self) -> None:
         """SGLang reset its cache (flush_cache): the host pool is empty again."""
         with self.lock:
-            self.host.clear(pool_was_cleared=True) if hasattr(self.host, "pool") else self.host.clear()
+            self.host.clear(pool_was_cleared=True)
             if self.device is not None:
                 self.device.clear(tree_was_reset=True)
             for ctx in self.contexts.values():
@@ -973,6 +978,8 @@ class EvicPressManager:
                     }
                     for t, spec in self.tier_specs.items()
                 },
+                # full host copies kept as SGLang's own HiCache node backups
+                "host_backups": len(getattr(self.host, "backed", ())),
                 "prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "decompress_bytes_per_s": dict(s.decompress_bytes_per_s),
                 "contexts": len(self.contexts),

@@ -8,9 +8,12 @@
   private node of its kept rows for a token-dropped one (``n_keep`` slots); other device
   copies are SGLang's LRU cache of what requests loaded;
 * **host tier** -- the HiCache host pool SGLang allocates for ``--enable-hierarchical-cache``.
-  The tree no longer backs its nodes up into it by itself (write-through threshold set
-  out of reach, write-back off); EvicPress stores whole contexts there, compressed or
-  not (:mod:`.host_tier`), so a compressed context takes fewer host slots;
+  The tree no longer backs every node up by itself (write-through threshold set out of
+  reach, write-back off): EvicPress decides what goes there (:mod:`.host_tier`). A full
+  copy is the tree's own backup of the context's nodes, written by the HiCache
+  controller; a request that finds it evicted from the device is SGLang's host hit,
+  loaded back by the scheduler. A compressed copy is a blob in pool slots, so it takes
+  fewer host slots;
 * **storage tier** -- :class:`~.storage_tier.StorageTier` on the HiCache storage backend
   SGLang builds from ``--hicache-storage-backend`` (``file``, ``seaweedfs``...; with
   ``--evicpress-disk-dir`` our checksummed ``evicpress_file``), shared by every server of
@@ -77,7 +80,7 @@ from .codec import FullKV
 from .config import FULL, CompressionConfig, Tier
 from .device_tier import DeviceTierStore
 from .disk_tier import measure_bandwidth
-from .host_tier import HostSlotStore
+from .host_tier import HostSlotStore, HostTierStore
 from .storage_tier import StorageTier
 from .manager import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, EvicPressManager, KVDims
 
@@ -109,6 +112,7 @@ class _Pin:
 
     key: RadixKey
     lock: Any
+    node: Any = None  # the node a host lock is held on
 
 
 @dataclass
@@ -123,6 +127,7 @@ class _Req:
     t0: float
     prefix_have: int = 0
     fetched: object = None
+    backed_hit: bool = False  # served by SGLang's load-back of a HiCache backup
 
 
 def evicpress_factory(ctx):
@@ -178,7 +183,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if hasattr(host_pool, "get_pool"):  # a HostPoolGroup: its KV pool is the anchor
             host_pool = host_pool.get_pool(PoolName.KV)
         host_cap = None if ep["host_size_gb"] is None else int(ep["host_size_gb"] * flags.GB)
-        host = HostSlotStore(host_pool, host_cap)
+        self._host_pool = host_pool
+        host = HostTierStore(HostSlotStore(host_pool, host_cap), self,
+                             lambda key: self.evicpress.context_of_key(key))
         # The storage tier: the HiCache storage backend SGLang built from
         # --hicache-storage-backend (ours for --evicpress-disk-dir). EvicPress decides
         # what goes there; the tree's own page backups and prefetches stay off.
@@ -267,6 +274,11 @@ class EvicPressRadixCache(UnifiedRadixCache):
         )
         return have, r.last_device_node, idx[:have]
 
+    def _cached_len(self, key: RadixKey) -> int:
+        """Tokens of ``key`` the tree holds on the device or, backed up, on the host."""
+        r = self._match_tree(MatchPrefixParams(key=key))
+        return int(r.device_prefix_len) + int(r.host_hit_length)
+
     def _gather(self, indices: torch.Tensor) -> FullKV:
         pool = self._kv_pool
         idx = indices.to(torch.int64).to(pool.k_buffer[0].device)
@@ -353,6 +365,48 @@ class EvicPressRadixCache(UnifiedRadixCache):
 
     def unpin(self, pin: _Pin) -> None:
         self.unlock(pin.lock)
+
+    # ------------------------------------------------------------------ host tier
+    # The HostTree protocol of :mod:`.host_tier`: a full host copy is SGLang's own
+    # HiCache backup of the context's nodes (controller write), host-locked; SGLang loads
+    # it back layer-wise when a request finds the device copy evicted.
+    def back_up_full(self, ctx: Context) -> Optional[_Pin]:
+        n = ctx.stored_len or ctx.num_tokens
+        key = self._key(ctx.token_ids[:n].tolist(), None, ctx.namespace)
+        have, node, _ = self._device_match(key)
+        if have < n:
+            return None  # not on the device: the caller stores a blob instead
+        for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
+            if not self.tree_core.is_backuped(node_id) and not self.backup_node_for_write_back(node_id):
+                logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
+                return None
+        return _Pin(key, self.inc_host_lock_ref(node).to_dec_params(), node)
+
+    def read_backed(self, pin: _Pin) -> Optional[FullKV]:
+        r = self._match_tree(MatchPrefixParams(key=pin.key))
+        have = int(r.device_prefix_len)
+        if have + int(r.host_hit_length) < len(pin.key):
+            return None
+        kv = None
+        if have:
+            idx = self.tree_core.collect_full_device_indices(
+                r.last_device_node, self.root_node_handle(pin.key.extra_key))[:have]
+            kv = self._gather(idx)
+        if have < len(pin.key):
+            xfer, _ = self.tree_core.build_load_back_spec(r.best_match_node)
+            host_idx = xfer.host_indices[: len(pin.key) - have].to(torch.int64)
+            if len(host_idx) < len(pin.key) - have:
+                return None
+            rows = FullKV(_host_rows(self._host_pool, self._host_pool.k_buffer, host_idx),
+                          _host_rows(self._host_pool, self._host_pool.v_buffer, host_idx))
+            kv = rows if kv is None else FullKV(torch.cat([kv.k, rows.k], 1), torch.cat([kv.v, rows.v], 1))
+        return kv
+
+    def release_backed(self, pin: _Pin) -> None:
+        self.dec_host_lock_ref(pin.node, pin.lock)
+
+    def free_host(self, num_slots: int) -> int:
+        return self.evict_host(num_slots)
 
     # ------------------------------------------------------------------ SGLang hooks
     def match_prefix(self, params: MatchPrefixParams):
@@ -497,6 +551,12 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
                     kv = self._gather(idx)
                     self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
+        elif ctx.placement.tier == Tier.HOST and mgr.host_backed(ctx) and self._cached_len(ctx_key) >= st.usable:
+            # SGLang's own host hit on the HiCache backup: the scheduler loads it back
+            # layer-wise (init_load_back); nothing for EvicPress to fetch
+            if first:
+                st.tier, st.served, st.backed_hit = "host", FULL, True
+                ctx.device_config = FULL
         elif ctx.stored or (first and mgr.find_shared(ctx)):  # ours, or another server's
             fetched = mgr.fetch(ctx)
             if fetched is not None:
@@ -522,7 +582,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if first:
             tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
             mgr.on_request(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp)
-            if tier is not None:
+            if tier is not None and not st.backed_hit:  # a load-back promotes once done (on_release)
                 blob = st.fetched.blob if st.fetched is not None else None
                 self._deferred.append(lambda: mgr.after_hit(ctx, tier, blob))
             st.fetched = None
@@ -622,6 +682,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if st is None or st.tier == "ref":
             return
         self.evicpress.note_activity(req.rid, False)
+        if st.backed_hit:  # SGLang loaded the backup back: the rows are on the device now
+            ctx, mgr = st.ctx, self.evicpress
+            self._deferred.append(lambda: mgr.after_hit(ctx, Tier.HOST))
         if st.ctx is None or st.served is None or st.served.is_full:
             return
         try:
@@ -686,6 +749,15 @@ def _digest(kv: FullKV) -> str:
     h.update(kv.k.contiguous().numpy().tobytes())
     h.update(kv.v.contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _host_rows(pool, buffer: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Token rows ``idx`` of a host pool K or V buffer as ``[L, n, H, D]``."""
+    if pool.layout == "layer_first":  # [L, size, H, D]
+        return buffer[:, idx.to(buffer.device)].cpu()
+    if pool.layout == "page_first":  # [size, L, H, D]
+        return buffer[idx.to(buffer.device)].transpose(0, 1).cpu()
+    raise ValueError(f"EvicPress reads host pools with layout layer_first or page_first, not {pool.layout!r}")
 
 
 def _storage_dir(backend) -> Optional[Path]:
