@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from . import codec
+from .budget import ByteBudget
 from .codec import FullKV
 from .config import CompressionConfig
 
@@ -75,7 +76,7 @@ class DeviceTierStats:
     deletes: int = 0
 
 
-class DeviceTierStore:
+class DeviceTierStore(ByteBudget):
     """The device tier as a blob store over pinned radix-tree nodes."""
 
     def __init__(self, tree: DeviceTree, capacity_bytes: int,
@@ -93,10 +94,6 @@ class DeviceTierStore:
     @property
     def used_bytes(self) -> int:
         return sum(c.slots for c in self.copies.values()) * self.tree.bytes_per_token
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self.used_bytes)
 
     def __contains__(self, key: str) -> bool:
         return key in self.copies

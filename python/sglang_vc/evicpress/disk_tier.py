@@ -34,6 +34,8 @@ from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import xxhash
 
+from .budget import ByteBudget
+
 __all__ = ["DiskTierStore", "DiskTierStats", "Bandwidth", "measure_bandwidth"]
 
 MAGIC = b"EVPK"
@@ -107,7 +109,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class DiskTierStore:
+class DiskTierStore(ByteBudget):
     """KV blobs on disk under ``root``, at most ``capacity_bytes`` in total.
 
     ``used_bytes`` counts whole files (header + key + payload). Existing entries are
@@ -148,14 +150,6 @@ class DiskTierStore:
     def entry_bytes(key: Key, payload_bytes: int) -> int:
         """On-disk size of an entry with a payload of ``payload_bytes``."""
         return _HEAD.size + len(_key_bytes(key)) + payload_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self._used)
 
     def __len__(self) -> int:
         return len(self._sizes)

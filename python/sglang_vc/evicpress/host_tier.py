@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from . import codec
+from .budget import ByteBudget
 from .codec import FullKV
 from .config import FULL
 
@@ -53,7 +54,7 @@ class _Stats:
         self.backups = 0  # full copies kept as HiCache node backups (HostTierStore)
 
 
-class RamHostStore:
+class RamHostStore(ByteBudget):
     """Blobs in a dict, at most ``capacity_bytes`` (counted as blob bytes)."""
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -65,14 +66,6 @@ class RamHostStore:
 
     def footprint(self, nbytes: int) -> int:
         return int(nbytes)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self._used)
 
     def __contains__(self, key: str) -> bool:
         return key in self._blobs
@@ -115,7 +108,7 @@ class RamHostStore:
             self._used = 0
 
 
-class HostSlotStore:
+class HostSlotStore(ByteBudget):
     """Blobs in slots of a HiCache host pool; at most ``capacity_bytes`` of slots
     (default: the whole pool).
 
@@ -163,14 +156,6 @@ class HostSlotStore:
     def _num_slots(self, nbytes: int) -> int:
         n = max(1, math.ceil(nbytes / self.slot_bytes))
         return math.ceil(n / self.page_size) * self.page_size
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self._used)
 
     def __contains__(self, key: str) -> bool:
         return key in self._slots
@@ -270,7 +255,7 @@ class BackedCopy:
     slots: int
 
 
-class HostTierStore:
+class HostTierStore(ByteBudget):
     """EvicPress's host tier over SGLang's HiCache host pool.
 
     * A **full** copy of a context whose rows are on the device is SGLang's own backup of
@@ -301,10 +286,6 @@ class HostTierStore:
     @property
     def used_bytes(self) -> int:
         return self.slots.used_bytes + sum(c.slots for c in self.backed.values()) * self.slot_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self.used_bytes)
 
     def __contains__(self, key: str) -> bool:
         return key in self.backed or key in self.slots

@@ -70,6 +70,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .budget import ByteBudget
+
 __all__ = ["StorageTier", "StorageTierStats", "content_key", "HEADER_BYTES"]
 
 logger = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ class _Damaged(Exception):
     pass
 
 
-class StorageTier:
+class StorageTier(ByteBudget):
     """Blobs on ``backend`` (a ``HiCacheStorage``), at most ``capacity_bytes`` put by this
     tier, under ``namespace``. Thread-safe (one lock; backend calls run under it)."""
 
@@ -172,14 +174,6 @@ class StorageTier:
 
     def footprint(self, nbytes: int) -> int:
         return self.entry_bytes("", nbytes)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self._used)
 
     def __len__(self) -> int:
         return len(self._entries)
