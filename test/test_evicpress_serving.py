@@ -160,6 +160,68 @@ def test_host_slots_roundtrip_bytes(layout):
     assert store.get("b1") == blobs["b1"]
 
 
+class _FakeHostTree:
+    """The radix cache's side of HostTierStore: node backups of contexts on the device."""
+
+    def __init__(self, pool, on_device: dict):
+        self.pool, self.on_device = pool, on_device  # ctx -> FullKV it holds on the device
+        self.backups: dict = {}  # ctx -> host slots (locked or released)
+        self.locked: set = set()
+        self.lost: set = set()  # backups SGLang no longer has all of
+
+    def back_up_full(self, ctx):
+        kv = self.on_device.get(ctx)
+        idx = None if kv is None else self.pool.alloc(kv.num_tokens)
+        if idx is None:
+            return None
+        self.backups[ctx] = idx
+        self.locked.add(ctx)
+        return ctx
+
+    def read_backed(self, ctx):
+        return None if ctx in self.lost else self.on_device[ctx]
+
+    def release_backed(self, ctx):
+        self.locked.discard(ctx)
+
+    def free_host(self, n):  # SGLang's host LRU: only released backups go
+        freed = 0
+        for ctx in [c for c in self.backups if c not in self.locked]:
+            idx = self.backups.pop(ctx)
+            self.pool.free(idx)
+            freed += len(idx)
+        return freed
+
+
+def test_host_tier_keeps_full_copies_as_node_backups_and_the_rest_as_blobs():
+    from sglang_vc.evicpress.host_tier import HostTierStore
+
+    pool = _FakeHostPool(300)
+    kv_a, kv_b = _kv(100, seed=1), _kv(100, seed=2)
+    tree = _FakeHostTree(pool, {"a": kv_a, "b": kv_b})
+    store = HostTierStore(HostSlotStore(pool), tree, context_of=lambda key: key)
+    full_a = codec.encode(kv_a, FULL)
+    assert store.put("a", full_a) and store.is_backed("a") and "a" in tree.locked
+    assert store.get("a") == full_a  # read back from the backup, bit-exact
+    assert store.used_bytes == 100 * store.slot_bytes
+    # a backup SGLang lost is reported missing, never served
+    assert store.put("b", codec.encode(kv_b, FULL)) and store.is_backed("b")
+    tree.lost.add("b")
+    assert store.get("b") is None
+    assert store.delete("b") and "b" not in tree.locked
+    # a compressed copy, and a full one not on the device, are blobs in pool slots
+    kivi_b = codec.encode(kv_b, KIVI2)
+    assert store.put("b2", kivi_b) and not store.is_backed("b2") and store.get("b2") == kivi_b
+    full_c = codec.encode(_kv(20, seed=3), FULL)
+    assert store.put("c", full_c) and not store.is_backed("c") and store.get("c") == full_c
+    # released: the backup stays in the pool until a blob needs its slots
+    assert store.delete("a") and "a" not in tree.locked and "a" in tree.backups
+    assert store.used_bytes == store.slots.used_bytes
+    free_before = len(pool.free_slots)
+    big = codec.encode(_kv(free_before + 20, seed=4), FULL)  # more slots than the pool has free
+    assert store.put("big", big) and "a" not in tree.backups and store.get("big") == big
+
+
 # ---------------------------------------------------------------------------- manager
 
 
