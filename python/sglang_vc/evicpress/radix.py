@@ -108,11 +108,12 @@ def _drop_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool 
 
 @dataclass
 class _Pin:
-    """A device-tier copy: the tree key it is stored under and EvicPress's lock on it."""
+    """A copy EvicPress holds in the tree: its key and EvicPress's lock on it (a device
+    lock for a device-tier copy; for a host backup, the host-lock receipt of ``node``)."""
 
     key: RadixKey
     lock: Any
-    node: Any = None  # the node a host lock is held on
+    node: Any = None
 
 
 @dataclass
