@@ -265,8 +265,11 @@ class HostTierStore(ByteBudget):
     * Compressed copies (which SGLang's per-token backup cannot represent) and full
       copies arriving from another tier are blobs in pool slots (:class:`HostSlotStore`).
 
-    Both come out of the same pool allocator and one byte budget. When the pool has no
-    free slots for a blob, backups EvicPress released are evicted first (``free_host``).
+    Both come out of the same pool allocator and one byte budget. A backup EvicPress
+    releases (the context was demoted or dropped) stays in SGLang's tree until SGLang's
+    host LRU evicts it; the radix cache has that done at every scheduler step
+    (:meth:`excess_slots`), so the host tier never serves more than its placements say,
+    and a blob that finds no free slots evicts them first (``free_host``).
     """
 
     def __init__(self, slots: HostSlotStore, tree: HostTree,
@@ -286,6 +289,17 @@ class HostTierStore(ByteBudget):
     @property
     def used_bytes(self) -> int:
         return self.slots.used_bytes + sum(c.slots for c in self.backed.values()) * self.slot_bytes
+
+    @property
+    def pool_used_bytes(self) -> int:
+        """Bytes of the HiCache host pool in use: EvicPress's copies, plus backups it
+        released that SGLang has not evicted yet (:meth:`excess_slots`)."""
+        pool = self.slots.pool
+        return (int(pool.size) - int(pool.available_size())) * self.slot_bytes
+
+    def excess_slots(self) -> int:
+        """Host pool slots beyond what EvicPress holds (released backups)."""
+        return max(0, (self.pool_used_bytes - self.used_bytes) // self.slot_bytes)
 
     def __contains__(self, key: str) -> bool:
         return key in self.backed or key in self.slots

@@ -980,6 +980,7 @@ class EvicPressManager:
                 },
                 # full host copies kept as SGLang's own HiCache node backups
                 "host_backups": len(getattr(self.host, "backed", ())),
+                "host_pool_used_bytes": getattr(self.host, "pool_used_bytes", None),
                 "prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "decompress_bytes_per_s": dict(s.decompress_bytes_per_s),
                 "contexts": len(self.contexts),

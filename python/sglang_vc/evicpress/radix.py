@@ -250,6 +250,18 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 except Exception:
                     logger.exception("EvicPress: deferred store/promotion failed")
             self.evicpress.run_pending()
+            self._trim_host_pool()
+
+    def _trim_host_pool(self) -> None:
+        """Evict the HiCache backups EvicPress released (SGLang's host LRU: the ones it
+        still holds are host-locked): a context the policy demoted or dropped must not
+        keep answering from the host pool beyond the host tier's budget. A released
+        backup whose rows are also on the device (a context promoted to the device tier)
+        is not evictable from the host until its device copy is evicted; such copies
+        are bounded by the device tier's size."""
+        excess = self.evicpress.host.excess_slots()
+        if excess:
+            self.evict_host(excess)
 
     # ------------------------------------------------------------------ helpers
     def _key(self, ids, like: Optional[RadixKey], namespace=_SAME) -> RadixKey:
@@ -740,6 +752,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         n = self.evictable_size()
         if n:
             self.evict(EvictParams(num_tokens=n))
+        self._trim_host_pool()  # evicted backed-up nodes went to the host: drop released ones
         return n
 
 
