@@ -35,6 +35,7 @@ Writes ``OUT.json`` (``{"results": [{"system", "ttft_mean_s", "quality", ...}]}`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -52,6 +53,11 @@ GENERIC_QUESTIONS = (
     "Question: What is the main topic of the text above?",
 )
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M, float32: 2 * 30 layers * 3 heads * 64 * 4
+
+
+def _fingerprint(context: dict) -> str:
+    """What a saved profile was measured on: the context's tokens and profile queries."""
+    return hashlib.sha256(json.dumps([context["token_ids"], context["profile"]]).encode()).hexdigest()[:16]
 
 
 def build_contexts(tokenizer_dir: str, n: int, lengths: tuple[int, ...], seed: int) -> list[dict]:
@@ -316,10 +322,16 @@ def main(argv=None) -> int:
     state: dict = {"server": None}
     profiles: dict = {}
     prof_path = out_json.with_suffix(".profiles.json")
+    fingerprints = {c["id"]: _fingerprint(c) for c in contexts}
     if args.reuse_profiles and prof_path.exists():
+        # The contexts are rebuilt from text on this machine, which can change (packages
+        # installed...): a profile is reused only for the very same tokens and queries.
         saved = json.loads(prof_path.read_text())
-        profiles.update({k: v for k, v in saved.items() if k in {c["id"] for c in contexts}})
-        log(f"reusing {len(profiles)} saved profiles")
+        for cid, entry in saved.items():
+            if isinstance(entry, dict) and entry.get("fingerprint") == fingerprints.get(cid):
+                profiles[cid] = entry["quality"]
+        log(f"reusing {len(profiles)} saved profiles ({len(contexts) - len(profiles)} contexts "
+            "differ from the saved ones or have none: profiled again)")
     refs: dict = {}
     rows, records = [], {}
     t_profile = 0.0
@@ -345,7 +357,8 @@ def main(argv=None) -> int:
             for c in cl.api("GET", "/evicpress/contexts")["contexts"]:
                 if c["profiled"]:
                     profiles[c["id"]] = {k: v for k, v in c["quality"].items() if k != "full"}
-            prof_path.write_text(json.dumps(profiles, indent=1))
+            prof_path.write_text(json.dumps(
+                {cid: {"fingerprint": fingerprints[cid], "quality": q} for cid, q in profiles.items()}, indent=1))
             st = cl.api("GET", "/evicpress/status")
             if st["pending_profiles"] == 0:
                 return
