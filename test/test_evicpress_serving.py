@@ -242,6 +242,20 @@ def _ctx(mgr, i, n=200, quality=None):
     return ctx
 
 
+def test_a_quantized_config_as_good_as_full_never_enters_the_device(tmp_path):
+    """A profile where KIVI answers exactly like the full KV (quality 1.0, common on short
+    answers) once made the admission pick KIVI for the device tier, whose store refuses
+    it: the context was then never stored. The device tier admits the full form."""
+    from sglang_vc.evicpress.placement import admit
+
+    mgr = _manager(tmp_path, 10**7, 10**7)
+    ctx = _ctx(mgr, 1, quality={"kivi@2b": 1.0, "kivi@4b": 1.0})
+    info = mgr.info(ctx)
+    assert info.bytes_at(Placement(KIVI4, Tier.DEVICE)) >= info.bytes_at(Placement(FULL, Tier.DEVICE))
+    assert admit(info, [Tier.DEVICE, Tier.HOST, Tier.DISK]) == Placement(FULL, Tier.DEVICE)
+    assert admit(info, [Tier.HOST, Tier.DISK]).config == KIVI2  # smallest of the equals off the device
+
+
 def test_manager_store_fetch_demote_bytes_equal(tmp_path):
     full = DIMS.bytes_per_token * 200
     mgr = _manager(tmp_path, host_bytes=int(2.5 * full), disk_bytes=10 * full, policy="lru")

@@ -404,6 +404,9 @@ class EvicPressManager:
             exact = ctx.sizes.get(cfg) if ctx.stored_len == n else None
             sizes[cfg] = exact if exact is not None else codec.estimate_bytes(full, n, cfg, self.dims.itemsize)
         sizes = {c: self._footprint(c, s) for c, s in sizes.items()}
+        # the device tier holds no quantized copy (it would be dequantized there): it
+        # would take as much room as the full one, so it is never chosen for the device
+        resident = {c: sizes[FULL] for c in cfgs if c.is_quantized}
         return ContextInfo(
             ctx_id=ctx.ctx_id,
             num_tokens=n,
@@ -412,8 +415,7 @@ class EvicPressManager:
             quality=quality,
             query_tokens=int(ctx.suffix_tokens),
             sizes=sizes,
-            # the device tier holds no quantized copy (it would be dequantized there)
-            resident_bytes={c: full for c in cfgs if c.is_quantized},
+            resident_bytes=resident,
         )
 
     def _footprint(self, cfg, nbytes: int) -> int:
@@ -523,7 +525,12 @@ class EvicPressManager:
     def _put_blob(self, ctx: Context, tier: Tier, blob: bytes) -> bool:
         store = self._store(tier)
         before = getattr(store.stats, "write_errors", 0)
-        ok = store.put(self.blob_key(ctx, tier), blob)
+        try:
+            ok = store.put(self.blob_key(ctx, tier), blob)
+        except Exception:  # a store refusing the form is a policy bug: say so, place lower
+            logger.exception("EvicPress: the %s tier refused context %s", tier.name.lower(), ctx.ctx_id)
+            self.count(put_errors=1)
+            return False
         if not ok:
             if tier == Tier.DISK:
                 if getattr(store.stats, "write_errors", 0) > before:
