@@ -162,6 +162,7 @@ def _tier_of(before: dict, after: dict) -> str:
 def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict, warm: bool,
                reconfig: Optional[dict], log) -> tuple[dict, list]:
     """Run the stream under one system; returns its row and per-request records."""
+    start = cl.counters()
     if reconfig is not None:
         cl.api("POST", "/evicpress/reconfigure", reconfig)
     full_prefill = reconfig is None
@@ -197,9 +198,17 @@ def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict
         "counters_delta": {k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c1) | set(c0))
                            if not k.endswith("_used_bytes") and c1.get(k, 0) != c0.get(k, 0)},
     }
+    # stores or moves the server failed (warm pass included): never silent
+    row["server_failures"] = sum(c1.get(k, 0) - start.get(k, 0) for k in FAILURE_COUNTERS)
+    if row["server_failures"]:
+        log(f"  WARNING: {name}: the server failed {row['server_failures']:g} stores or moves "
+            "(its log has the tracebacks)")
     if not full_prefill:
         row["placements"] = _placements(cl)
     return row, recs
+
+
+FAILURE_COUNTERS = ("deferred_failures", "put_errors")
 
 
 def _placements(cl: Client) -> dict:
@@ -430,7 +439,8 @@ def main(argv=None) -> int:
     log(f"wrote {out_json} and {png}")
     for r in rows:
         log(f"{r['system']:>24}  ttft {r['ttft_mean_s']:.3f}s  quality {r['quality']:.3f}  "
-            f"hits {json.dumps({k: round(v, 2) for k, v in r['hit_rate_by_tier'].items()})}")
+            f"hits {json.dumps({k: round(v, 2) for k, v in r['hit_rate_by_tier'].items()})}"
+            + (f"  SERVER FAILURES {r['server_failures']:g}" if r.get("server_failures") else ""))
     return 0
 
 
