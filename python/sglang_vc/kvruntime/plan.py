@@ -70,28 +70,27 @@ def make_spec(name: str, ratio: Any = None, bits: Any = None) -> CompressionSpec
     return CompressionSpec(compressor.name, compressor.scenario, compressor.mode, ratio=float(ratio))
 
 
-def request_override(default: Optional[CompressionSpec], custom_params: Any) -> tuple[bool, Optional[CompressionSpec]]:
-    """``(overrides, spec)``: whether ``custom_params`` chooses the request's compression
-    and the spec it chooses (None = full KV). ``ValueError`` with a message when the
-    choice is invalid.
+def request_spec(default: Optional[CompressionSpec], custom_params: Any) -> Optional[CompressionSpec]:
+    """The spec ``custom_params`` chooses for a request (None = full KV; ``default``
+    when it chooses nothing). ``ValueError`` with a message when the choice is invalid.
 
     Keys: ``vc_compressor`` (a name, or "none" for full KV), ``vc_compression_ratio``,
     ``vc_kv_bits``. A missing amount is taken from the server's setting when that is of
     the same kind."""
     if not isinstance(custom_params, dict) or not any(k in custom_params for k in REQUEST_KEYS):
-        return False, default
+        return default
     name = custom_params.get("vc_compressor", default.compressor if default else None)
     if name is None:
         raise ValueError(f"{_keys_given(custom_params)} without vc_compressor: this server "
                          "has no default compressor to apply it to")
     if str(name).lower() in NO_COMPRESSION:
-        return True, None
+        return None
     try:
         scenario = get_compressor(str(name)).scenario
         same_kind = default is not None and default.scenario == scenario
         ratio = custom_params.get("vc_compression_ratio", default.ratio if same_kind else None)
         bits = custom_params.get("vc_kv_bits", default.bits if same_kind else None)
-        return True, make_spec(str(name), ratio, bits)
+        return make_spec(str(name), ratio, bits)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"invalid per-request compression {_keys_given(custom_params)}: {exc}") from exc
 
@@ -102,7 +101,7 @@ def resolve_spec(default: Optional[CompressionSpec], custom_params: Any) -> tupl
     says why. The HTTP layer refuses such requests first (:func:`check_request`); this is
     the scheduler's side, which cannot reject a request."""
     try:
-        return request_override(default, custom_params)[1], None
+        return request_spec(default, custom_params), None
     except ValueError as exc:
         return default, str(exc)
 
@@ -116,7 +115,7 @@ def check_request(custom_params: Any, default: Optional[CompressionSpec], serves
     if not serves_overrides:
         raise ValueError(f"{_keys_given(custom_params)}: per-request compression is applied only by "
                          "a server with --vc-compressor (lossy serving, VERICACHE); this one would ignore it")
-    request_override(default, custom_params)
+    request_spec(default, custom_params)
 
 
 def _keys_given(custom_params: dict) -> dict:
