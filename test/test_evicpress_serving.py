@@ -620,7 +620,9 @@ def ep_server(model_dir, tmp_path_factory):
         "--evicpress-host-size-gb", f"{2.5 * per_ctx_gb:.6f}",
         "--evicpress-disk-size-gb", f"{4.5 * per_ctx_gb:.6f}",
         "--evicpress-observe-rate", "1", "--evicpress-generate-queries", "0",
-        "--evicpress-idle-seconds", "0.3", "--evicpress-profile-max-new-tokens", "8",
+        # the profiler works after 5 s without requests: never between a test's requests,
+        # however slow the machine (registered contexts are also profiled up front)
+        "--evicpress-idle-seconds", "5", "--evicpress-profile-max-new-tokens", "8",
         "--evicpress-profile-queries", "1", "--evicpress-auto-context-tokens", "150",
         "--evicpress-device-size-gb", "0",  # device copies: SGLang's LRU (tier tests: test_evicpress_tree)
         # the delay model's inputs are pinned, so that placements do not depend on what
@@ -638,7 +640,8 @@ def test_server_kv_bytes_survive_device_host_disk_device(ep_server, tokenizer):
     from conftest import real_text_passages
 
     s = ep_server
-    ids, _ = epx.register(s, tokenizer, "move", real_text_passages(12, words=220)[0])
+    # full KV only, profiled at registration: the profiler (idle-time work) never moves it
+    ids, _ = epx.register(s, tokenizer, "move", real_text_passages(12, words=220)[0], quality={})
     first = epx.ask(s, tokenizer, ids)
     assert epx.placement(s, "move")["tier"] == "host"
     d0 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
@@ -678,7 +681,8 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
 
     s = ep_server
     cid = f"bad-{damage}"
-    ids, _ = epx.register(s, tokenizer, cid, real_text_passages(12, words=220)[1 if damage == "flip" else 2])
+    ids, _ = epx.register(s, tokenizer, cid, real_text_passages(12, words=220)[1 if damage == "flip" else 2],
+                          quality={})  # as above: no idle-time profile moves it
     first = epx.ask(s, tokenizer, ids)
     epx.api(s, "POST", f"/evicpress/contexts/{cid}/placement", {"tier": "disk"})
     files = epx.api(s, "GET", f"/evicpress/contexts/{cid}/digest")["storage_files"]
@@ -713,7 +717,10 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     s = ep_server
     epx.api(s, "POST", "/evicpress/reconfigure", {"policy": "evicpress"})
     passages = real_text_passages(16, words=220)[4:12]
-    ctxs = {f"t{i}": epx.register(s, tokenizer, f"t{i}", p)[0] for i, p in enumerate(passages)}
+    # profiled at registration as full KV only: the server's profiler (which runs
+    # whenever the server is idle, so when depends on the machine) leaves them alone
+    ctxs = {f"t{i}": epx.register(s, tokenizer, f"t{i}", p, quality={})[0] for i, p in enumerate(passages)}
+    assert all(epx.api(s, "GET", f"/evicpress/contexts/{cid}")["profiled"] for cid in ctxs)
     before = epx.counters(s)
     ref = {cid: epx.ask(s, tokenizer, ids)["output_ids"] for cid, ids in ctxs.items()}  # misses
     after_misses = epx.counters(s)

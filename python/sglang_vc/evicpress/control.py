@@ -164,19 +164,25 @@ class ControlServer:
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise ControlError(400, "token_ids must be a list of ints")
         suffixes = body.get("query_suffixes") or []
-        try:
-            ctx = self.mgr.register(
-                ids,
-                ctx_id=body.get("id"),
-                namespace=body.get("extra_key"),
-                queries=suffixes,
-                query_texts=body.get("query_texts") or [],
-            )
-        except ValueError as exc:
-            raise ControlError(400, str(exc)) from None
-        if body.get("quality"):
-            self.mgr.set_profile(ctx.ctx_id, body["quality"], reason="api")
-        return ctx.describe()
+        quality = body.get("quality")
+        if quality is not None and not isinstance(quality, dict):
+            raise ControlError(400, "quality must be {config: quality} ({} = full KV only)")
+        # with a given profile (even {}), registered and profiled at once: the profiler
+        # never sees the context unprofiled
+        with self.mgr.lock:
+            try:
+                ctx = self.mgr.register(
+                    ids,
+                    ctx_id=body.get("id"),
+                    namespace=body.get("extra_key"),
+                    queries=suffixes,
+                    query_texts=body.get("query_texts") or [],
+                )
+                if quality is not None:
+                    self.mgr.set_profile(ctx.ctx_id, quality, reason="api")
+            except ValueError as exc:
+                raise ControlError(400, str(exc)) from None
+            return ctx.describe()
 
 
 def _make_handler(server: ControlServer):
