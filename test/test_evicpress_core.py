@@ -25,6 +25,7 @@ from sglang_vc.evicpress import (
     candidate_configs,
     greedy_steps,
     plan_insert,
+    monotone_profile,
     profile_quality,
     rebalance,
     reprofile,
@@ -514,3 +515,23 @@ def test_measure_bandwidth(tmp_path):
     bw = measure_bandwidth(tmp_path, nbytes=1 << 20, block=256 << 10)
     assert bw.write_bytes_per_s > 0 and bw.read_bytes_per_s > 0
     assert _files(tmp_path) == []
+
+
+def test_monotone_profile_pools_violators_per_method():
+    k = lambda r: CompressionConfig("knorm", ratio=r)  # noqa: E731
+    q = {FULL: 1.0, k(0.3): 0.9, k(0.6): 0.3, k(0.9): 0.6,
+         CompressionConfig("kivi", bits=2): 0.8, CompressionConfig("kivi", bits=4): 0.4,
+         CompressionConfig("streamingllm", ratio=0.5): 0.2}
+    m = monotone_profile(q)
+    # knorm: 0.9 > 0.3 pooled to 0.6, then 0.6 <= 0.6 stays: the least-squares fit
+    assert m[k(0.3)] == pytest.approx(0.6) and m[k(0.6)] == pytest.approx(0.6)
+    assert m[k(0.9)] == pytest.approx(0.6)
+    kv = [m[CompressionConfig("kivi", bits=b)] for b in (2, 4)]
+    assert kv == pytest.approx([0.6, 0.6])
+    assert m[CompressionConfig("streamingllm", ratio=0.5)] == 0.2 and m[FULL] == 1.0
+    # already monotone: unchanged; the input is not modified
+    ok = {FULL: 1.0, k(0.3): 0.2, k(0.6): 0.5, k(0.9): 0.9}
+    assert monotone_profile(ok) == ok and q[k(0.6)] == 0.3
+    for fam in ("knorm", "kivi"):
+        cfgs = sorted((c for c in m if c.method == fam), key=lambda c: c.size_fraction)
+        assert all(m[a] <= m[b] for a, b in zip(cfgs, cfgs[1:]))

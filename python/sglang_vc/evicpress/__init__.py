@@ -54,7 +54,7 @@ from .placement import (
     rebalance,
     total_utility,
 )
-from .profiler import QualityTracker, QueryLog, profile_quality, reprofile
+from .profiler import QualityTracker, QueryLog, monotone_profile, profile_quality, reprofile
 from .utility import TTFT, ContextInfo, UtilityModel
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "total_utility",
     "QualityTracker",
     "QueryLog",
+    "monotone_profile",
     "profile_quality",
     "reprofile",
 ]

@@ -35,7 +35,8 @@ idle for ``--evicpress-idle-seconds``, then (paper section 4.3):
   compressed version: dequantized KV, or for token dropping the kept rows, attended as
   a compressed prefix exactly as a user hit is served), concurrently so SGLang batches
   them; quality = mean MiniLM-L6-v2
-  cosine of each answer with its reference. Contexts without queries get questions
+  cosine of each answer with its reference, made monotone per method
+  (``profiler.monotone_profile``). Contexts without queries get questions
   written by the served model (``--evicpress-generate-queries``);
 * checks sampled answers served from compressed KV against the full-KV answer and
   reports the quality; a drop below the profile by ``--evicpress-reprofile-threshold``
@@ -52,9 +53,11 @@ from typing import Any, Optional
 
 import requests
 
+from .config import CompressionConfig
 from .control import ControlClient, ControlError
 from .flags import settings_of
 from .manager import CFG_NAMESPACE, REF_NAMESPACE
+from .profiler import monotone_profile
 
 logger = logging.getLogger(__name__)
 
@@ -407,6 +410,8 @@ class ProfilerService:
             quality[label] = sum(scores) / len(scores)
         if not quality:
             raise RuntimeError(f"no candidate of context {job['ctx_id']} could be profiled")
+        mono = monotone_profile({CompressionConfig.parse(k): v for k, v in quality.items()})
+        quality = {cfg.label: q for cfg, q in mono.items()}
         self.client.call("POST", "/work/profile",
                          {"ctx_id": job["ctx_id"], "quality": quality, "reason": job["reason"]})
         return quality
