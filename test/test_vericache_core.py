@@ -528,3 +528,20 @@ def test_metrics_counters_thread_safe_and_dict():
         m.add(nonsense=1)
     m.reset()
     assert m.to_dict()["verify_rounds"] == 0 and m.mean_acceptance_length == 0.0
+
+
+def test_unsupported_parameters_are_named():
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_vc.vericache.requests import unsupported_request, unsupported_sampling
+
+    assert unsupported_sampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1,
+                                               logit_bias={"3": -1.0}, sampling_seed=7)) == []
+    sp = SamplingParams(frequency_penalty=0.1, repetition_penalty=1.1, regex="a+", min_new_tokens=2)
+    assert unsupported_sampling(sp) == ["frequency_penalty", "repetition_penalty", "min_new_tokens", "regex"]
+    assert unsupported_request(GenerateReqInput(input_ids=[1, 2])) == []
+    assert unsupported_request(GenerateReqInput(input_ids=[1, 2], return_logprob=True)) == ["return_logprob"]
+    assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], return_logprob=[False, True])) == ["return_logprob"]
+    assert unsupported_request(GenerateReqInput(input_ids=[1], token_ids_logprob=[0])) == ["token_ids_logprob"]
+    assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], token_ids_logprob=[None, None])) == []

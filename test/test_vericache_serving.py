@@ -315,3 +315,56 @@ def test_full_host_store_and_failed_reload_keep_output_identical(server, model_d
     assert gained["host_store_full"] >= 1 and gained["fallbacks"] >= 1, gained
     assert gained["reload_failures"] >= 1, gained
     assert gained["bytes_reloaded"] > 0, gained  # the compressed one still verified
+
+
+# ----------------------------------------------------------------------------- parameters
+
+# What the verifier cannot apply as full-KV decoding does: each is refused with a 400
+# that names it (sglang_vc/vericache/requests.py).
+UNSUPPORTED = {
+    "frequency_penalty": ({"frequency_penalty": 0.5}, {}),
+    "presence_penalty": ({"presence_penalty": 0.5}, {}),
+    "repetition_penalty": ({"repetition_penalty": 1.2}, {}),
+    "min_new_tokens": ({"min_new_tokens": 4}, {}),
+    "json_schema": ({"json_schema": '{"type": "object"}'}, {}),
+    "regex": ({"regex": "[a-z]+"}, {}),
+    "ebnf": ({"ebnf": 'root ::= "a"'}, {}),
+    "return_logprob": ({}, {"return_logprob": True}),
+    "top_logprobs_num": ({}, {"return_logprob": True, "top_logprobs_num": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_parameter_is_http_400(server, vc4, name):
+    sampling, extra = UNSUPPORTED[name]
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 2, **sampling}, **extra}
+    r = requests.post(vc4.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert name in r.text and "VERICACHE" in r.text, r.text
+    if name in ("frequency_penalty", "return_logprob"):  # VERICACHE's refusal, not SGLang's
+        assert requests.post(server.url + "/generate", json=body, timeout=120).status_code == 200
+
+
+def test_unsupported_parameter_is_http_400_on_the_openai_api(vc4):
+    r = requests.post(vc4.url + "/v1/completions", json={
+        "model": "default", "prompt": "Hello", "max_tokens": 2, "presence_penalty": 0.3}, timeout=120)
+    assert r.status_code == 400, r.text
+    assert "presence_penalty" in r.text, r.text
+
+
+def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
+    """``logit_bias`` banning a token the full-KV output picks in a verify round changes
+    the output, and VERICACHE gives the biased full-KV tokens; ``min_p = 1`` at
+    temperature 1 keeps only the most likely token, so sampling must give the greedy
+    full-KV tokens (a verifier that ignored min_p would sample something else)."""
+    ids = prompts(tokenizer, 3)[2]  # 300 tokens
+    plain = generate(server, ids, 16)["output_ids"]
+    bias = {str(plain[3]): -100.0}
+    ref = generate(server, ids, 16, logit_bias=bias)["output_ids"]
+    assert ref != plain and plain[3] not in ref
+    assert generate(vc4, ids, 16, logit_bias=bias)["output_ids"] == ref
+
+    greedy_like = {"temperature": 1.0, "min_p": 1.0}
+    assert generate(server, ids, 16, **greedy_like)["output_ids"] == plain
+    for _ in range(2):
+        assert generate(vc4, ids, 16, **greedy_like)["output_ids"] == plain

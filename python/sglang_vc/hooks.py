@@ -60,15 +60,28 @@ def _add_vc_counters(result, *args, **kwargs):
     return result
 
 
-def _check_compression_params(result, *args, **kwargs):
+def _check_sampling_params(result, *args, **kwargs):
     """SGLang validates sampling parameters in the tokenizer manager (a ``ValueError``
     there is the client's HTTP 400) but has no seam for a plugin's own ``custom_params``
-    keys. Without this check an invalid per-request compression, or one asked of a server
-    that does not apply it, would reach the scheduler, which cannot reject a request, and
-    be served with something else than asked."""
+    keys, nor for a speculative algorithm to refuse what it cannot apply. Without this
+    check an invalid per-request compression, one asked of a server that does not apply
+    it, or a penalty or grammar under VERICACHE would reach the scheduler, which cannot
+    reject a request, and be served with something else than asked."""
     from sglang_vc.kvruntime.admission import check_sampling_params
+    from sglang_vc.vericache.requests import check_sampling_params as check_vericache
 
     check_sampling_params(args[0])
+    check_vericache(args[0])
+    return result
+
+
+def _check_request(result, *args, **kwargs):
+    """The request-level options (``return_logprob``, a custom logit processor) are not
+    sampling parameters; ``_validate_one_request`` is where SGLang refuses a request
+    with a 400, and where VERICACHE refuses those it cannot honour."""
+    from sglang_vc.vericache.requests import check_request
+
+    check_request(args[1])  # (self, obj, input_ids)
     return result
 
 
@@ -119,7 +132,12 @@ def install() -> None:
     )
     HookRegistry.register(
         "sglang.srt.sampling.sampling_params.SamplingParams.verify",
-        _check_compression_params,
+        _check_sampling_params,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        _check_request,
         HookType.AFTER,
     )
     if _on_cpu_platform():

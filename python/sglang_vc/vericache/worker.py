@@ -25,13 +25,16 @@ its last output token, whose KV is not computed yet):
 Greedy requests get exactly the full-KV tokens: every committed token is the full-KV
 argmax given committed tokens only. A sampling request commits drafts while they equal
 the verifier's own sample at that position (a lossless rule: each committed token is a
-sample of the full-KV distribution), then that sample.
+sample of the full-KV distribution), then that sample. The verifier applies a request's
+``logit_bias``, temperature, top-k, top-p, min-p and (deterministic inference) seed as
+SGLang's sampler does; what it cannot apply exactly (penalties, grammars, logprobs) is
+refused with HTTP 400 (:mod:`.requests`).
 
 Fallbacks: a request whose full KV does not fit the host store (``--vc-host-kv-gb``) is
 not compressed and decodes from its full device KV; a failed staged copy is retried
 synchronously. Not built: the §5 reload scheduler (every request verifies every round;
 the ReloadScheduler/ADMIT core is not driven by the worker yet), logprobs of speculative
-tokens, grammar-constrained requests.
+tokens, penalties and grammar-constrained requests (refused).
 """
 
 from __future__ import annotations
@@ -173,6 +176,8 @@ class VeriCacheWorker(BaseSpecWorker):
 
         # 1. draft X tokens greedily from the compressed KV
         attn = self.model_runner.attn_backend
+        info = batch.sampling_info
+        bias = None if info is None else info.logit_bias  # drafts honour it too: fewer rejections
         try:
             drafts = torch.empty(bs, x, dtype=torch.int64)
             cur = t0
@@ -180,7 +185,10 @@ class VeriCacheWorker(BaseSpecWorker):
                 lens = committed + j + 1
                 self._set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
                 res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                cur = res.logits_output.next_token_logits.argmax(-1).to("cpu", torch.int64)
+                draft_logits = res.logits_output.next_token_logits
+                if bias is not None:
+                    draft_logits = draft_logits.float() + bias[:, : draft_logits.shape[-1]].to(draft_logits.device)
+                cur = draft_logits.argmax(-1).to("cpu", torch.int64)
                 drafts[:, j] = cur
 
             # 3. verify t0 + drafts in one forward over the full KV
@@ -200,7 +208,7 @@ class VeriCacheWorker(BaseSpecWorker):
         logits = res.logits_output.next_token_logits.view(bs, w, -1)
 
         # 4. accept
-        targets = self._targets(logits, batch).to("cpu", torch.int64)
+        targets = self._targets(logits, batch, positions).to("cpu", torch.int64)
         verdict = greedy_verify_ids(drafts, targets, pad_id=0)
         accepted = verdict.num_accepted  # [bs]
         accept_lens = verdict.num_tokens.to(torch.int32)
@@ -284,27 +292,39 @@ class VeriCacheWorker(BaseSpecWorker):
         layers = list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
         return LayerwiseReload(self.copy_thread, entries, layers, self.device)
 
-    def _targets(self, logits: torch.Tensor, batch) -> torch.Tensor:
-        """The verifier's token at each of the W positions: argmax for greedy requests,
-        a sample of the full-KV distribution (temperature, top-k, top-p) otherwise."""
-        targets = logits.argmax(-1)
+    def _targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
+        """The verifier's token at each of the W positions ``[bs, W]``, chosen from the
+        full-KV logits as SGLang's sampler chooses in full-KV decoding: ``logit_bias``
+        added; argmax for greedy requests; otherwise softmax at the request's temperature,
+        then SGLang's own top-k / top-p / min-p sampling, seeded per request and position
+        under deterministic inference. Penalties and grammars are refused at the API
+        (:mod:`.requests`)."""
+        from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+        bs, w, vocab = logits.shape
         info = batch.sampling_info
+        logits = logits.float()
+        if info is not None and info.logit_bias is not None:
+            logits = logits + info.logit_bias[:, None, : vocab].to(logits.device)
         if info is None or info.is_all_greedy:
-            return targets
-        temps = info.temperatures.view(-1).float()
-        top_ks = info.top_ks.view(-1)
-        top_ps = info.top_ps.view(-1).float()
-        for i in range(logits.shape[0]):
-            if top_ks[i] <= 1 or temps[i] <= 0:
-                continue
-            scores = logits[i].float() / temps[i]
-            k = int(min(int(top_ks[i]), scores.shape[-1]))
-            vals, idx = scores.topk(k, dim=-1)
-            probs = vals.softmax(-1)
-            if top_ps[i] < 1:
-                cum = probs.cumsum(-1)
-                probs = probs.masked_fill(cum - probs > top_ps[i], 0)
-                probs = probs / probs.sum(-1, keepdim=True)
-            pick = torch.multinomial(probs, 1).squeeze(-1)
-            targets[i] = idx.gather(-1, pick[:, None]).squeeze(-1)
-        return targets
+            return logits.argmax(-1)
+
+        def per_position(t):  # [bs] -> [bs * W]
+            return t.view(-1).repeat_interleave(w)
+
+        flat = logits.view(bs * w, vocab)
+        probs = torch.softmax(flat / per_position(info.temperatures.float())[:, None], dim=-1)
+        seed = info.sampling_seed
+        ids = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs,
+            per_position(info.top_ks),
+            per_position(info.top_ps.float()),
+            per_position(info.min_ps.float()),
+            bool(info.need_min_p_sampling),
+            None if seed is None else per_position(seed),
+            positions.reshape(-1).to(probs.device),
+        )
+        targets = ids.view(bs, w).to(torch.int64)
+        # greedy requests of a mixed batch (SGLang gives them top_k = 1): exact argmax
+        greedy = (info.top_ks.view(-1) <= 1).to(targets.device)
+        return torch.where(greedy[:, None], logits.argmax(-1), targets)

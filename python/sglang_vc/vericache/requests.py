@@ -1,0 +1,107 @@
+"""What a VERICACHE request may ask for: honoured exactly, or refused with HTTP 400.
+
+The verifier picks each committed token from the full-KV logits the way SGLang's own
+sampler would in full-KV decoding (see ``worker.VeriCacheWorker._targets``):
+temperature, ``top_k``, ``top_p``, ``min_p``, ``logit_bias`` and, under
+``--enable-deterministic-inference``, the per-request ``sampling_seed``.
+
+Refused, because the verifier would silently produce something else than full-KV
+decoding:
+
+* penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``) and
+  ``min_new_tokens``: SGLang applies them from a per-request state that changes with
+  every output token, so position ``k`` of a verify window needs the state after the
+  ``k-1`` drafts before it; SGLang's own speculative workers apply the window's first
+  state to all positions, which is not full-KV decoding;
+* grammar constraints (``json_schema``, ``regex``, ``ebnf``, ``structural_tag``): the
+  grammar's vocabulary mask also depends on the tokens before each position;
+* ``watermark`` and custom logit processors (arbitrary per-step logits transforms);
+* ``beam_width`` (beam search is another decoding algorithm);
+* ``return_logprob`` (``top_logprobs_num``, ``token_ids_logprob``): not built for the
+  committed tokens of a verify window.
+
+SGLang validates a request in the tokenizer manager, where a ``ValueError`` is the
+client's HTTP 400; ``hooks.py`` calls :func:`check_sampling_params` after
+``SamplingParams.verify`` and :func:`check_request` after ``_validate_one_request``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .names import ALGORITHM
+
+__all__ = ["check_sampling_params", "check_request", "unsupported_sampling", "unsupported_request"]
+
+# (parameter, is it set to something the verifier cannot honour)
+_SAMPLING: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("frequency_penalty", lambda sp: float(sp.frequency_penalty or 0.0) != 0.0),
+    ("presence_penalty", lambda sp: float(sp.presence_penalty or 0.0) != 0.0),
+    ("repetition_penalty", lambda sp: float(1.0 if sp.repetition_penalty is None else sp.repetition_penalty) != 1.0),
+    ("min_new_tokens", lambda sp: int(sp.min_new_tokens or 0) > 0),
+    ("json_schema", lambda sp: sp.json_schema is not None),
+    ("regex", lambda sp: sp.regex is not None),
+    ("ebnf", lambda sp: sp.ebnf is not None),
+    ("structural_tag", lambda sp: sp.structural_tag is not None),
+    ("watermark", lambda sp: getattr(sp, "watermark", None) is not None),
+    ("beam_width", lambda sp: getattr(sp, "beam_width", None) is not None),
+)
+
+def _each(value) -> list:
+    """A request option's values: batched fields hold one per prompt."""
+    return value if isinstance(value, list) else [value]
+
+
+# request-level options (GenerateReqInput fields); token_ids_logprob is a list of token
+# ids, or one such list (or None) per prompt
+_REQUEST: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("return_logprob", lambda v: any(bool(x) for x in _each(v))),
+    ("top_logprobs_num", lambda v: any(bool(x) for x in _each(v))),
+    ("token_ids_logprob", lambda v: bool(v) and any(x is not None and x != [] for x in v)),
+    ("custom_logit_processor", lambda v: any(x is not None for x in _each(v))),
+)
+
+
+def unsupported_sampling(sampling_params: Any) -> list[str]:
+    """The parameters of a normalized ``SamplingParams`` VERICACHE cannot honour."""
+    return [name for name, is_set in _SAMPLING if is_set(sampling_params)]
+
+
+def unsupported_request(req: Any) -> list[str]:
+    """The request-level options (``GenerateReqInput``) VERICACHE cannot honour; a
+    batched field (one value per prompt) counts when any of its values is set."""
+    return [name for name, is_set in _REQUEST if is_set(getattr(req, name, None))]
+
+
+def _serving_vericache() -> bool:
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        server_args = get_server_args()
+    except ValueError:  # "Global server args is not set yet!": not in a server
+        return False
+    algo: Optional[str] = getattr(server_args, "speculative_algorithm", None)
+    return bool(algo) and str(algo).upper() == ALGORITHM
+
+
+def _refuse(names: list[str]) -> None:
+    if names:
+        raise ValueError(
+            f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with "
+            f"--speculative-algorithm {ALGORITHM}: its verifier cannot apply "
+            f"{'it' if len(names) == 1 else 'them'} exactly as full-KV decoding does "
+            "(supported: temperature, top_k, top_p, min_p, logit_bias, sampling_seed)")
+
+
+def check_sampling_params(sampling_params: Any) -> None:
+    """``ValueError`` (HTTP 400) naming each sampling parameter a VERICACHE server
+    cannot honour; nothing on any other server."""
+    if _serving_vericache():
+        _refuse(unsupported_sampling(sampling_params))
+
+
+def check_request(req: Any) -> None:
+    """``ValueError`` (HTTP 400) naming each request option a VERICACHE server cannot
+    honour; nothing on any other server."""
+    if _serving_vericache():
+        _refuse(unsupported_request(req))
