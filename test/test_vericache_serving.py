@@ -325,7 +325,7 @@ UNSUPPORTED = {
     "frequency_penalty": ({"frequency_penalty": 0.5}, {}),
     "presence_penalty": ({"presence_penalty": 0.5}, {}),
     "repetition_penalty": ({"repetition_penalty": 1.2}, {}),
-    "min_new_tokens": ({"min_new_tokens": 4}, {}),
+    "min_new_tokens": ({"min_new_tokens": 1}, {}),
     "json_schema": ({"json_schema": '{"type": "object"}'}, {}),
     "regex": ({"regex": "[a-z]+"}, {}),
     "ebnf": ({"ebnf": 'root ::= "a"'}, {}),
