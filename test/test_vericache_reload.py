@@ -75,12 +75,30 @@ def test_failed_copy_is_retried_synchronously(monkeypatch):
 
 def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
     store, _ = _filled_store()
-    monkeypatch.setattr(reload_mod._faults, "remaining", 1 + reload_mod.SYNC_RETRIES)
+    monkeypatch.setattr(reload_mod._faults, "whole", 1)  # every copy of the next reload fails
     with ThreadPoolExecutor(1) as pool:
         rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
-        with pytest.raises(RuntimeError, match="reload of layer 0 failed"):
+        with pytest.raises(reload_mod.ReloadFailed, match="reload of layer 0 failed"):
             rl.layer(0)
         rl.close()
+
+
+def test_copy_failing_every_retry_hands_the_requests_over(monkeypatch):
+    """With ``on_failure`` (the worker restores the full KV on the device) a copy that
+    fails every retry calls it once with the requests, and no staged rows are served from
+    then on: the verify reads the restored device KV."""
+    store, _ = _filled_store()
+    taken = []
+    monkeypatch.setattr(reload_mod._faults, "whole", 1)
+    with ThreadPoolExecutor(1) as pool:
+        entries = {0: store.get("a", 5)}
+        rl = LayerwiseReload(pool, entries, LAYERS, "cpu", on_failure=taken.append)
+        got = [rl.layer(l) for l in LAYERS]
+        rl.close()
+    assert taken == [entries] and rl.gave_up
+    assert got == [{}] * len(LAYERS)
+    assert rl.failures == 1 + reload_mod.SYNC_RETRIES
+    assert rl.nbytes() < store.get("a", 5).nbytes()  # not every layer was staged
 
 
 def test_close_unblocks_unconsumed_layers():

@@ -506,6 +506,38 @@ class KVRuntime:
         row = self.req_to_token[entry.req_pool_idx, max(start, entry.prefix_len) : end].to(torch.int64)
         return row[row != NULL_SLOT]
 
+    def restore_full_kv(self, req_pool_idx: int, start: int, k: dict[int, torch.Tensor],
+                        v: dict[int, torch.Tensor]) -> bool:
+        """Undo the compression of the request in row ``req_pool_idx``: its full KV of
+        row positions ``[start, start + N)`` (``k``/``v``: layer id -> ``[N, H, D]``, e.g.
+        a host copy) goes back into device slots -- the live ones it still owns, and new
+        ones where compression freed them -- and its compressed index is dropped, so it
+        attends to full KV from now on (it still never enters the tree). False, with
+        nothing changed, when the pool has no free slots for it."""
+        entry = self.index.get(req_pool_idx)
+        if entry is None or not k:
+            return False
+        n = next(iter(k.values())).shape[0]
+        row = self.req_to_token[req_pool_idx]
+        slots = row[start : start + n].to(torch.int64)
+        missing = (slots == NULL_SLOT).nonzero().view(-1)
+        if missing.numel():
+            new = self.allocator.alloc(int(missing.numel()))
+            if new is None:
+                return False
+            slots[missing] = new.to(slots.device, torch.int64)
+            row[start : start + n] = slots.to(row.dtype)
+        dev = self.kv_pool.get_key_buffer(next(iter(k))).device
+        at = slots.to(dev)
+        for layer_id in k:
+            kernels.write_rows(self.kv_pool.get_key_buffer(layer_id), at, k[layer_id].to(dev))
+            kernels.write_rows(self.kv_pool.get_value_buffer(layer_id), at, v[layer_id].to(dev))
+        del self.index[req_pool_idx]
+        if entry.payload is not None:
+            self.payload_bytes -= entry.payload.nbytes
+        stats.add("compression", restored=1, slots_restored=int(missing.numel()))
+        return True
+
     def release(self, rid: str, req_pool_idx: Optional[int]) -> None:
         """Forget a request (finished, aborted or retracted)."""
         entry = self.index.get(req_pool_idx) if req_pool_idx is not None else None

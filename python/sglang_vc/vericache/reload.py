@@ -10,8 +10,10 @@ copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, an
 while the batch drafts. The transient region is thus ``depth`` layers of the verifying
 requests, not their whole full KV; it lives outside SGLang's KV pool, so no pool slot is
 borrowed and a full pool cannot fail a verify. A failed copy is retried synchronously on
-the scheduler thread (counted as a reload failure); only a copy that fails every retry
-raises.
+the scheduler thread (counted as a reload failure). A copy that fails every retry hands
+its requests to ``on_failure`` (the worker writes their full KV back into device slots,
+and they verify and decode from it: the slower correct path); without one it raises
+:class:`ReloadFailed`.
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 SYNC_RETRIES = 2
-# Testing hook: fail the first N staged copies (the async copy and its retries alike),
-# so that tests can force the fallback path of a real server.
+# Testing hooks, so that tests can force the fallback paths of a real server:
+# fail the first N staged copies (the async copy and its retries alike) ...
 FAIL_RELOADS_ENV = "SGLANG_VC_FAIL_RELOADS"
+# ... or every copy of the first N reloads (a permanent failure).
+FAIL_WHOLE_RELOADS_ENV = "SGLANG_VC_FAIL_WHOLE_RELOADS"
 
 
 @dataclasses.dataclass
@@ -92,17 +96,24 @@ class HostKVStore:
             return None
         return entry
 
+    def drop(self, rid: str) -> None:
+        entry = self.entries.pop(rid, None)
+        if entry is not None:
+            self.reserved_bytes -= entry.reserved
+
     def retain(self, live_rids: set[str]) -> None:
         for rid in [r for r in self.entries if r not in live_rids]:
             self.reserved_bytes -= self.entries.pop(rid).reserved
 
     def nbytes(self) -> int:
-        return sum(e.nbytes() for e in self.entries.values())
+        """Bytes staged so far (each layer once, retries included)."""
+        return self.staged_bytes
 
 
 class _FaultInjector:
     def __init__(self):
         self.remaining = int(os.environ.get(FAIL_RELOADS_ENV, "0") or 0)
+        self.whole = int(os.environ.get(FAIL_WHOLE_RELOADS_ENV, "0") or 0)
         self.lock = threading.Lock()
 
     def check(self) -> None:
@@ -111,8 +122,19 @@ class _FaultInjector:
                 self.remaining -= 1
                 raise RuntimeError(f"injected reload failure ({FAIL_RELOADS_ENV})")
 
+    def doom_next_reload(self) -> bool:
+        with self.lock:
+            if self.whole > 0:
+                self.whole -= 1
+                return True
+            return False
+
 
 _faults = _FaultInjector()
+
+
+class ReloadFailed(RuntimeError):
+    """A layer's staged copy failed the first time and every synchronous retry."""
 
 
 class LayerwiseReload:
@@ -120,11 +142,17 @@ class LayerwiseReload:
     one layer at a time, ``depth`` layers ahead of the consumer."""
 
     def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry],
-                 layer_ids: list[int], device, depth: int = 2):
+                 layer_ids: list[int], device, depth: int = 2,
+                 on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None):
         self.entries = entries
         self.device = device
         self.layer_ids = layer_ids
         self.failures = 0
+        self.on_failure = on_failure
+        self.gave_up = False  # every retry failed: on_failure took the requests over
+        self.staged_bytes = 0
+        self._lock = threading.Lock()
+        self._doomed = _faults.doom_next_reload()
         self._slots = threading.Semaphore(depth)
         self._futures: dict[int, Future] = {}
         self._cancelled = False
@@ -132,12 +160,16 @@ class LayerwiseReload:
             self._futures[layer_id] = executor.submit(self._stage_async, layer_id)
 
     def _stage(self, layer_id: int) -> dict[int, tuple[int, int, torch.Tensor, torch.Tensor]]:
+        if self._doomed:
+            raise RuntimeError(f"injected reload failure ({FAIL_WHOLE_RELOADS_ENV})")
         _faults.check()
         out = {}
         for i, e in self.entries.items():
             k = e.k[layer_id].to(self.device, non_blocking=True, copy=True)
             v = e.v[layer_id].to(self.device, non_blocking=True, copy=True)
             out[i] = (e.p, e.n, k, v)
+        with self._lock:
+            self.staged_bytes += sum(t.numel() * t.element_size() for (_, _, k, v) in out.values() for t in (k, v))
         return out
 
     def _stage_async(self, layer_id: int):
@@ -147,14 +179,27 @@ class LayerwiseReload:
         return self._stage(layer_id)
 
     def layer(self, layer_id: int) -> dict[int, tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """The staged rows of ``layer_id``; frees a staging slot for a later layer."""
+        """The staged rows of ``layer_id``; frees a staging slot for a later layer. Empty
+        once ``on_failure`` has taken the requests over (their KV is on the device)."""
         fut = self._futures.pop(layer_id)
+        if self.gave_up:  # the requests' KV is on the device now
+            self._slots.release()
+            return {}
         try:
             staged = fut.result()
         except Exception as exc:  # the slower path: copy again, here
-            staged = self._retry(layer_id, exc)
+            try:
+                staged = self._retry(layer_id, exc)
+            except ReloadFailed:
+                if self.on_failure is None:
+                    raise
+                if not self.gave_up:
+                    self.gave_up = True
+                    self._cancelled = True  # the copy thread stops staging later layers
+                    self.on_failure(self.entries)
+                staged = None
         self._slots.release()
-        return staged
+        return {} if self.gave_up or staged is None else staged
 
     def _retry(self, layer_id: int, exc: Exception):
         self.failures += 1
@@ -165,7 +210,7 @@ class LayerwiseReload:
             except Exception as again:  # noqa: PERF203 - a rare path
                 self.failures += 1
                 exc = again
-        raise RuntimeError(f"VERICACHE: reload of layer {layer_id} failed {SYNC_RETRIES + 1} times: {exc}")
+        raise ReloadFailed(f"VERICACHE: reload of layer {layer_id} failed {SYNC_RETRIES + 1} times: {exc}")
 
     def close(self) -> None:
         """Drop what was not consumed (e.g. the forward raised)."""
@@ -180,4 +225,5 @@ class LayerwiseReload:
         self._futures.clear()
 
     def nbytes(self) -> int:
-        return sum(e.nbytes() for e in self.entries.values())
+        """Bytes staged so far (each layer once, retries included)."""
+        return self.staged_bytes

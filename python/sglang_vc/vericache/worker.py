@@ -32,7 +32,8 @@ refused with HTTP 400 (:mod:`.requests`).
 
 Fallbacks: a request whose full KV does not fit the host store (``--vc-host-kv-gb``) is
 not compressed and decodes from its full device KV; a failed staged copy is retried
-synchronously. Not built: the §5 reload scheduler (every request verifies every round;
+synchronously, and a copy that fails every retry restores the request's full KV on the
+device from the host store (``reload_fallbacks``), from which it verifies and decodes. Not built: the §5 reload scheduler (every request verifies every round;
 the ReloadScheduler/ADMIT core is not driven by the worker yet), logprobs of speculative
 tokens, penalties and grammar-constrained requests (refused).
 """
@@ -290,7 +291,23 @@ class VeriCacheWorker(BaseSpecWorker):
             return None
         kv_pool = self.runtime.kv_pool
         layers = list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
-        return LayerwiseReload(self.copy_thread, entries, layers, self.device)
+        return LayerwiseReload(self.copy_thread, entries, layers, self.device, on_failure=self._restore_full_kv)
+
+    def _restore_full_kv(self, entries) -> None:
+        """A staged reload failed every retry (called from the verify forward, before the
+        failed layer is attended): the slower correct path. Each request's full KV goes
+        from the host store back into device slots and its compressed index is dropped,
+        so it verifies -- from this layer on -- and decodes from its full device KV, like a
+        request the host store never admitted. Its output stays the full-KV output."""
+        for entry in entries.values():
+            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, entry.k, entry.v):
+                # both the host path and the pool failed: nothing correct is left to serve
+                raise RuntimeError(f"VERICACHE: the reload of request {entry.rid} failed and the "
+                                   "KV pool has no free slots to restore its full KV")
+            self.host.drop(entry.rid)
+            logger.warning("VERICACHE: reload of request %s failed every retry; it decodes from its "
+                           "full KV, restored on the device", entry.rid)
+            stats.add("vericache", reload_fallbacks=1, fallbacks=1)
 
     def _targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
         """The verifier's token at each of the W positions ``[bs, W]``, chosen from the
