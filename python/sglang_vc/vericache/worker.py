@@ -33,8 +33,10 @@ refused with HTTP 400 (:mod:`.requests`).
 Fallbacks: a request whose full KV does not fit the host store (``--vc-host-kv-gb``) is
 not compressed and decodes from its full device KV; a failed staged copy is retried
 synchronously, and a copy that fails every retry restores the request's full KV on the
-device from the host store (``reload_fallbacks``), from which it verifies and decodes. Not built: the §5 reload scheduler (every request verifies every round;
-the ReloadScheduler/ADMIT core is not driven by the worker yet), logprobs of speculative
+device from the host store (``reload_fallbacks``), from which it verifies and decodes.
+
+Not built: the §5 reload scheduler (every request verifies every round; the
+ReloadScheduler/ADMIT core is not driven by the worker yet), logprobs of speculative
 tokens, penalties and grammar-constrained requests (refused).
 """
 
