@@ -85,6 +85,30 @@ def _check_request(result, *args, **kwargs):
     return result
 
 
+def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
+    """VERICACHE's staggered schedule commits nothing for a request in the iterations
+    in which it only drafts (its tokens are committed at its verify). SGLang's spec-v2
+    output path then calls ``update_finish_state(0)``, which reads the new tokens as
+    ``output_ids[-0:]``: the whole output, re-checked as if new. With no new token there
+    is nothing to check; a pending finish (``to_finish``, e.g. an abort) still applies."""
+    if new_accepted_len == 0 and not req.to_finish:
+        return None
+    return original(req, new_accepted_len)
+
+
+def _correct_drafts_histogram(original, req, num_correct_drafts: int):
+    """SGLang's spec-v2 output path counts every decode iteration as a verify
+    (``spec_verify_ct += 1``, ``accept_len - 1`` correct drafts into a histogram). An
+    iteration in which a VERICACHE request only drafted commits 0 tokens, i.e. -1
+    "correct drafts", which would index the histogram at -1 (an IndexError on its first
+    iteration). Such an iteration is not a verify: it is taken out of the counts."""
+    if num_correct_drafts < 0:
+        req.spec_verify_ct -= 1
+        req.spec_num_correct_drafts -= num_correct_drafts
+        return None
+    return original(req, num_correct_drafts)
+
+
 def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
@@ -139,6 +163,16 @@ def install() -> None:
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         _check_request,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.Req.update_finish_state",
+        _finish_check_of_new_tokens,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram",
+        _correct_drafts_histogram,
+        HookType.AROUND,
     )
     if _on_cpu_platform():
         _install_cpu_shims()

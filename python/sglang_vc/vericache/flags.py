@@ -1,10 +1,12 @@
-"""VeriCache's own flags (``--vc-host-kv-gb``), registered as a flag group; the drafter's
+"""VeriCache's own flags (``--vc-host-kv-gb``, ``--vc-schedule``,
+``--vc-schedule-trace``), registered as a flag group; the drafter's
 compressor is the shared ``--vc-compressor`` family, and the algorithm is chosen the
 SGLang way (``--speculative-algorithm VERICACHE --speculative-num-draft-tokens X``)."""
 
 from __future__ import annotations
 
 import argparse
+import enum
 from typing import Optional
 
 from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
@@ -12,6 +14,11 @@ from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 from .names import ALGORITHM, ATTENTION_BACKEND
 
 GROUP = "vericache"
+
+
+class Schedule(str, enum.Enum):
+    STAGGERED = "staggered"  # §4.2/§5: drafts and verifies interleaved, ADMIT-driven
+    LOCKSTEP = "lockstep"  # the comparison mode: the whole batch drafts X, then verifies
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -24,13 +31,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "device (GiB; default unbounded). A request that does not fit decodes from its "
         "full device KV instead of being compressed.",
     )
+    g.add_argument(
+        "--vc-schedule",
+        choices=[s.value for s in Schedule],
+        default=Schedule.STAGGERED.value,
+        help="VERICACHE: 'staggered' (default) interleaves drafting and verifying across "
+        "requests, each verify placed by ADMIT over the link-bandwidth and device-memory "
+        "rings; 'lockstep' drafts X tokens for the whole batch, then verifies it.",
+    )
+    g.add_argument(
+        "--vc-schedule-trace",
+        default=None,
+        metavar="PATH",
+        help="VERICACHE staggered schedule: write one JSON line per decode iteration (each "
+        "request's role, drafts, commits and ADMIT's reservation) to PATH.",
+    )
 
 
 def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
     host = args.vc_host_kv_gb
     if host is not None and not host >= 0:
         raise ConfigError(f"--vc-host-kv-gb must be >= 0, got {host}")
-    return {"host_kv_gb": host}
+    return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace}
+
+
+def schedule(settings: Optional[dict]) -> Schedule:
+    return Schedule((settings or {}).get("schedule") or Schedule.STAGGERED.value)
+
+
+def trace_path(settings: Optional[dict]) -> Optional[str]:
+    return (settings or {}).get("schedule_trace")
 
 
 def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:

@@ -110,6 +110,24 @@ class HostKVStore:
         return self.staged_bytes
 
 
+def measure_bandwidth(device, nbytes: int = 32 << 20, repeats: int = 3) -> float:
+    """Host-to-device copy bandwidth (bytes/s), the best of ``repeats`` copies of
+    ``nbytes``: the BW ring's link speed, measured at start-up on the link reloads use."""
+    import time
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    if torch.device(device).type == "cuda":
+        src = src.pin_memory()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst = src.to(device, copy=True)
+        if dst.device.type == "cuda":
+            torch.cuda.synchronize(dst.device)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / max(best, 1e-9)
+
+
 class _FaultInjector:
     def __init__(self):
         self.remaining = int(os.environ.get(FAIL_RELOADS_ENV, "0") or 0)

@@ -1,6 +1,13 @@
 """The VERICACHE speculative worker (SGLang spec-V2 schema, synchronous).
 
-One scheduler decode round of a batch (``L`` = committed KV length of a request, ``t0`` =
+Two schedules (``--vc-schedule``). **staggered** (the default, VeriCache §4.2 and §5.2,
+:mod:`.staggered`): at each iteration every speculating request drafts one token from
+its compressed KV, while the few whose verify ADMIT reserved for this iteration verify
+their drafts against the full KV instead; reloads start at their reserved window and
+stage the whole request over the drafting iterations in between. **lockstep** (the
+comparison mode) runs one round per iteration for the whole batch, described below.
+
+One lock-step decode round of a batch (``L`` = committed KV length of a request, ``t0`` =
 its last output token, whose KV is not computed yet):
 
 1. **Draft** ``X`` tokens greedily with ``X`` decode forwards of the target model whose
@@ -35,15 +42,17 @@ not compressed and decodes from its full device KV; a failed staged copy is retr
 synchronously, and a copy that fails every retry restores the request's full KV on the
 device from the host store (``reload_fallbacks``), from which it verifies and decodes.
 
-Not built: the §5 reload scheduler (every request verifies every round; the
-ReloadScheduler/ADMIT core is not driven by the worker yet), logprobs of speculative
-tokens, penalties and grammar-constrained requests (refused).
+Not built: logprobs of speculative tokens, penalties and grammar-constrained requests
+(refused); admission at the compressed size; reloading only the dropped rows.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import torch
 
@@ -55,8 +64,10 @@ from sglang_vc.kvruntime import get_runtime
 
 from . import flags
 from .names import META_INFO_KEY
-from .reload import HostKVStore, LayerwiseReload
+from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .sampling import greedy_verify_ids
+from .scheduler import ReloadScheduler
+from .staggered import Outcome, Role, StaggeredSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +88,18 @@ class VeriCacheWorker(BaseSpecWorker):
         self.device = get_device().device
         from sglang_vc.config import get_vc_config
 
-        self.host = HostKVStore(flags.host_kv_bytes(get_vc_config(server_args).group(flags.GROUP)))
+        settings = get_vc_config(server_args).group(flags.GROUP)
+        self.host = HostKVStore(flags.host_kv_bytes(settings))
+        self.schedule = flags.schedule(settings)
+        # staggered: a request drafts up to 2X - 1 tokens between verifies (ADMIT searches
+        # X-1, X+1, ...), all inside the 2X slots SGLang reserves past its committed length
+        self.window = 2 * self.num_drafts
+        self.stride = self.width if self.schedule is flags.Schedule.LOCKSTEP else self.window
+        self.trace_path = flags.trace_path(settings)
         self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
         self.per_request: dict[str, dict] = {}
         self._runtime = None
+        self._staggered: Optional[StaggeredSchedule] = None
 
     # ------------------------------------------------------------------ SGLang plumbing
 
@@ -115,12 +134,15 @@ class VeriCacheWorker(BaseSpecWorker):
 
         runtime = self.runtime  # installs the host sink before the first prefill
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
-            result = self._decode_round(batch)
+            if self.schedule is flags.Schedule.STAGGERED:
+                result = self._staggered_round(batch)
+            else:
+                result = self._decode_round(batch)
         else:
             res = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
             predict = res.next_token_ids
             bs = len(batch.reqs)
-            accept_tokens = torch.zeros(bs, self.width, dtype=torch.int32, device=predict.device)
+            accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int32, device=predict.device)
             if bs:
                 accept_tokens[:, 0] = predict
             accept_lens = torch.ones(bs, dtype=torch.int32, device=predict.device)
@@ -131,8 +153,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 accept_lens=accept_lens,
                 new_seq_lens=batch.seq_lens,
                 next_draft_input=self._draft_input(batch.seq_lens.clone(), accept_tokens.flatten(), accept_lens),
-                speculative_num_draft_tokens=self.width,
-                speculative_output_stride=self.width,
+                speculative_num_draft_tokens=self.stride,
+                speculative_output_stride=self.stride,
             )
         self.host.retain(runtime.compressed_rids())
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
@@ -145,7 +167,7 @@ class VeriCacheWorker(BaseSpecWorker):
 
         # SGLang's chain/tree verify input carries the per-request accept state between
         # rounds (filter/merge on batch changes); VeriCache keeps nothing else there.
-        return NgramVerifyInput(draft_token_num=self.width, new_seq_lens=new_seq_lens,
+        return NgramVerifyInput(draft_token_num=self.stride, new_seq_lens=new_seq_lens,
                                 accept_tokens=accept_tokens, accept_lens=accept_lens)
 
     # ------------------------------------------------------------------ one round
@@ -222,16 +244,7 @@ class VeriCacheWorker(BaseSpecWorker):
         stats.add("vericache", verify_rounds=bs, drafted=bs * x, accepted=n_acc,
                   committed=n_acc + bs, bytes_reloaded=reloaded)
         for i, req in enumerate(batch.reqs):
-            info = self.per_request.setdefault(req.rid, {"verify_rounds": 0, "drafted": 0, "accepted": 0,
-                                                        "committed": 0, "draft_tokens": x})
-            info["verify_rounds"] += 1
-            info["drafted"] += x
-            info["accepted"] += int(accepted[i])
-            info["committed"] += int(accept_lens[i])
-            info["mean_acceptance_length"] = info["committed"] / info["verify_rounds"]
-            if req.customized_info is None:
-                req.customized_info = {}
-            req.customized_info[META_INFO_KEY] = [info]
+            self._record(req, x, int(accepted[i]), int(accept_lens[i]))
 
         accept_tokens_dev = accept_tokens.to(dev).flatten()
         accept_lens_dev = accept_lens.to(dev)
@@ -245,6 +258,215 @@ class VeriCacheWorker(BaseSpecWorker):
             speculative_num_draft_tokens=w,
             speculative_output_stride=w,
         )
+
+    def _record(self, req, drafted: int, accepted: int, committed: int) -> None:
+        """Per-request verify counters, returned in the request's ``meta_info``."""
+        info = self.per_request.setdefault(req.rid, {"verify_rounds": 0, "drafted": 0, "accepted": 0,
+                                                    "committed": 0, "draft_tokens": self.num_drafts})
+        info["verify_rounds"] += 1
+        info["drafted"] += drafted
+        info["accepted"] += accepted
+        info["committed"] += committed
+        info["mean_acceptance_length"] = info["committed"] / info["verify_rounds"]
+        if req.customized_info is None:
+            req.customized_info = {}
+        req.customized_info[META_INFO_KEY] = [info]
+
+    # ------------------------------------------------------------------ staggered
+
+    def _schedule(self) -> StaggeredSchedule:
+        if self._staggered is None:
+            bandwidth = measure_bandwidth(self.device)
+            sched = ReloadScheduler(window=self.window, iter_time=0.05, bandwidth=bandwidth,
+                                    hbm_bytes=self._pool_bytes(), fallback_after=self.window)
+            self._staggered = StaggeredSchedule(sched, self.num_drafts, trace_path=self.trace_path)
+            logger.info("VERICACHE staggered schedule: window %d iterations, anchor X=%d, link %.2f GB/s "
+                        "(measured), device KV budget %.1f MB", self.window, self.num_drafts,
+                        bandwidth / 1e9, self._pool_bytes() / 1e6)
+        return self._staggered
+
+    def _pool_bytes(self) -> int:
+        return int(self.token_to_kv_pool_allocator.size * self.runtime.bytes_per_slot)
+
+    def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
+        """Bytes a verify of this request reloads; None if its KV is not compressed (it
+        decodes from its full device KV)."""
+        entry = self.host.get(rid, row)
+        if entry is None or not entry.num_tokens or self.runtime.entry_for_row(row) is None:
+            return None
+        return entry.nbytes()
+
+    def _layer_ids(self) -> list[int]:
+        kv_pool = self.runtime.kv_pool
+        return list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
+
+    def _reload_one(self, track) -> Optional[LayerwiseReload]:
+        """Stage one request's whole full KV (all layers, ``depth`` = every layer): it is
+        consumed iterations later, and must not hold the copy thread meanwhile."""
+        entry = self.host.get(track.rid, track.row)
+        if entry is None or not entry.num_tokens:
+            return None
+        layers = self._layer_ids()
+        return LayerwiseReload(self.copy_thread, {0: entry}, layers, self.device, depth=len(layers),
+                               on_failure=self._restore_full_kv)
+
+    @torch.inference_mode()
+    def _staggered_round(self, batch):
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        started = time.perf_counter()
+        sched = self._schedule()
+        bs, dev = len(batch.reqs), batch.seq_lens.device
+        committed = batch.seq_lens.to("cpu", torch.int64)
+        rows = batch.req_pool_indices.to("cpu", torch.int64)
+        req_to_token = self.req_to_token_pool.req_to_token
+        t0 = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
+        for row in rows.tolist():
+            entry = self.runtime.entry_for_row(row)
+            if entry is not None:
+                entry.keep_full_rows = True  # see _decode_round
+        used = self.token_to_kv_pool_allocator.size - self.token_to_kv_pool_allocator.available_size()
+        sched.sched.set_resident_bytes(used * self.runtime.bytes_per_slot)
+
+        plan = sched.plan([r.rid for r in batch.reqs], rows.tolist(), committed.tolist(),
+                          lambda i: self._reload_bytes(batch.reqs[i].rid, int(rows[i])))
+        for slot in plan.reloads_due:
+            slot.track.reload = self._reload_one(slot.track)
+            slot.track.reload_started_at = plan.iteration
+        full = []
+        for slot in plan.of(Role.FULL):
+            if slot.track.full or self._fall_back(slot.track):
+                full.append(slot)
+        drafters = plan.of(Role.DRAFT)
+        verifiers = plan.of(Role.VERIFY)
+
+        accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)
+        accept_lens = torch.zeros(bs, dtype=torch.int64)
+        outcome: dict[str, Outcome] = {}
+        reloaded: dict[str, int] = {}
+
+        # 1. one decode forward: a draft token for the speculating requests, the next
+        # (exact) token for those decoding from their full device KV
+        one = drafters + full
+        if one:
+            idx = [s.index for s in one]
+            tokens = torch.tensor([s.track.drafts[-1] if s.track.drafts else t0[s.index] for s in one])
+            pos = torch.tensor([s.track.committed + len(s.track.drafts) for s in one])
+            slots = req_to_token[rows[idx].to(req_to_token.device), pos.to(req_to_token.device)]
+            sub = self._sub_batch(batch, idx)
+            logits = self._forward(sub, ForwardMode.DECODE, tokens, pos + 1, slots, None)
+            bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
+            biased = logits.float() if bias is None else logits.float() + bias[:, : logits.shape[-1]].to(logits.device)
+            draft_ids = biased.argmax(-1).to("cpu", torch.int64)
+            exact = self._targets(logits[:, None, :], sub, pos[:, None]).to("cpu", torch.int64)[:, 0] if full else None
+            for k, s in enumerate(one):
+                if s.role is Role.DRAFT:
+                    s.track.drafts.append(int(draft_ids[k]))
+                else:
+                    accept_tokens[s.index, 0] = exact[k]
+                    accept_lens[s.index] = 1
+                    sched.verified(s.track, 1)
+                    outcome[s.track.rid] = Outcome(drafts=0, tokens=1)
+
+        # 2. one verify forward (TARGET_VERIFY over the full KV) for the requests whose
+        # reserved verify is this iteration; shorter draft runs are padded (causal mask)
+        if verifiers:
+            idx = [s.index for s in verifiers]
+            lens = torch.tensor([len(s.track.drafts) for s in verifiers])
+            w = int(lens.max()) + 1
+            drafts = torch.full((len(verifiers), w - 1), -1, dtype=torch.int64)
+            for k, s in enumerate(verifiers):
+                drafts[k, : len(s.track.drafts)] = torch.tensor(s.track.drafts, dtype=torch.int64)
+            ids = torch.cat([torch.tensor([t0[i] for i in idx])[:, None], drafts.clamp(min=0)], 1)
+            base = torch.tensor([s.track.committed for s in verifiers])
+            positions = base[:, None] + torch.arange(w)[None, :]
+            slots = req_to_token[rows[idx][:, None].to(req_to_token.device), positions.to(req_to_token.device)]
+            reloads = {}
+            for k, s in enumerate(verifiers):
+                if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
+                    s.track.reload = self._reload_one(s.track)  # not started on time: now
+                    s.track.reload_started_at = plan.iteration
+                if s.track.reload is not None:
+                    reloads[k] = s.track.reload
+            staging = _Staging(reloads) if reloads else None
+            sub = self._sub_batch(batch, idx)
+            attn = self.model_runner.attn_backend
+            try:
+                attn.reload = staging
+                logits = self._forward(sub, ForwardMode.TARGET_VERIFY, ids.flatten(), base,
+                                       slots.flatten(), self._verify_input(ids, positions, base, dev))
+            finally:
+                attn.reload = None
+                for r in reloads.values():
+                    r.close()
+            targets = self._targets(logits.view(len(idx), w, -1), sub, positions).to("cpu", torch.int64)
+            verdict = greedy_verify_ids(drafts, targets, draft_lens=lens, pad_id=0)
+            failures = 0
+            for k, s in enumerate(verifiers):
+                n = int(verdict.num_tokens[k])
+                accept_tokens[s.index, :n] = verdict.tokens[k, :n]
+                accept_lens[s.index] = n
+                outcome[s.track.rid] = Outcome(drafts=int(lens[k]), tokens=n)
+                if k in reloads:
+                    reloaded[s.track.rid] = reloads[k].nbytes()
+                    failures += reloads[k].failures
+                self._record(batch.reqs[s.index], int(lens[k]), int(verdict.num_accepted[k]), n)
+                sched.verified(s.track, n)
+            n_acc = int(verdict.num_accepted.sum())
+            stats.add("vericache", verify_rounds=len(idx), drafted=int(lens.sum()), accepted=n_acc,
+                      committed=n_acc + len(idx), bytes_reloaded=sum(reloaded.values()))
+            if failures:
+                stats.add("vericache", reload_failures=failures)
+        stats.add("vericache", iterations=1, draft_steps=len(drafters), waits=len(plan.of(Role.WAIT)) +
+                  len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
+        sched.finish(plan, time.perf_counter() - started, outcome, reloaded)
+
+        new_seq_lens = (committed + accept_lens).to(device=dev, dtype=batch.seq_lens.dtype)
+        accept_tokens_dev = accept_tokens.to(device=dev, dtype=torch.int32).flatten()
+        accept_lens_dev = accept_lens.to(device=dev, dtype=torch.int32)
+        return GenerationBatchResult(
+            logits_output=LogitsProcessorOutput(next_token_logits=None),
+            next_token_ids=accept_tokens_dev,
+            can_run_cuda_graph=False,
+            accept_lens=accept_lens_dev,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=self._draft_input(new_seq_lens, accept_tokens_dev, accept_lens_dev),
+            speculative_num_draft_tokens=self.stride,
+            speculative_output_stride=self.stride,
+        )
+
+    def _fall_back(self, track) -> bool:
+        """ADMIT gave up on this request (deferred too often, or its reload can never
+        fit the window): its full KV goes back onto the device and it decodes from it
+        (appendix B.1's ``B_g``). False when the pool has no room yet (it waits)."""
+        entry = self.host.get(track.rid, track.row)
+        if entry is not None and self.runtime.entry_for_row(track.row) is not None:
+            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, entry.k, entry.v):
+                return False
+            self.host.drop(track.rid)
+        self._staggered.fall_back(track)
+        stats.add("vericache", fallbacks=1, admit_fallbacks=1)
+        return True
+
+    def _sub_batch(self, batch, indices: list[int]):
+        """The requests ``indices`` of the batch, as a batch of their own (SGLang's
+        ``filter_batch`` on a shallow copy; the sampling info is copied, not shared)."""
+        sub = copy.copy(batch)
+        sub.sampling_info = copy.copy(batch.sampling_info)
+        if sub.sampling_info is not None and sub.sampling_info.penalizer_orchestrator is None:
+            # the forward's copy of the batch carries no penalizers (VERICACHE refuses
+            # penalties at the API), so there is nothing to filter there
+            sub.sampling_info.penalizer_orchestrator = _NoPenalties()
+        sub.spec_info = None
+        sub.filter_batch(keep_indices=list(indices))
+        return sub
+
+    def _forward(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info) -> torch.Tensor:
+        self._set_batch(sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info,
+                        sub.seq_lens.dtype, sub.seq_lens.device)
+        res = self.target_worker.forward_batch_generation(sub, is_verify=True)
+        return res.logits_output.next_token_logits
 
     def _set_batch(self, batch, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, seq_dtype, dev):
         """Point the (isolated) schedule batch at one forward of the round."""
@@ -347,3 +569,24 @@ class VeriCacheWorker(BaseSpecWorker):
         # greedy requests of a mixed batch (SGLang gives them top_k = 1): exact argmax
         greedy = (info.top_ks.view(-1) <= 1).to(targets.device)
         return torch.where(greedy[:, None], logits.argmax(-1), targets)
+
+
+class _NoPenalties:
+    def filter(self, keep_indices) -> None:
+        pass
+
+
+class _Staging:
+    """The staged reloads of one verify forward, each started for one request at its
+    reserved window, seen by the attention backend as one reload (request index in the
+    verify batch -> its staged rows)."""
+
+    def __init__(self, reloads: dict[int, LayerwiseReload]):
+        self.reloads = reloads
+
+    def layer(self, layer_id: int) -> dict:
+        out = {}
+        for k, reload in self.reloads.items():
+            for staged in reload.layer(layer_id).values():
+                out[k] = staged
+        return out

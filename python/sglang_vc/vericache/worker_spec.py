@@ -18,6 +18,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+from . import flags
 from .names import ALGORITHM, ATTENTION_BACKEND, DEFAULT_DRAFT_TOKENS, WORKER_PATH
 # Online compressors evict rows of the request's own row during decode (they compact
 # into the slots of committed tokens), which would overwrite the full KV the verifier
@@ -168,8 +169,10 @@ def handle_server_args(server_args) -> None:
             "kv_bits": config.vc_kv_bits,
             "attention_backend": ATTENTION_BACKEND,
             "radix_cache_backend": "vc",
-            "schedule": "verify every round (X drafts, then one verify)",
-            "reload": "layer-wise from the host store on a copy thread, 2 layers ahead",
+            "schedule": flags.schedule(config.group(flags.GROUP)).value,
+            "window": 2 * int(x),
+            "reload": "layer-wise from the host store on a copy thread (staggered: the whole "
+                      "request from its reserved window on; lockstep: 2 layers ahead)",
             "host_kv_gb": (config.group("vericache") or {}).get("host_kv_gb"),
         }
         config.enabled_mechanisms()

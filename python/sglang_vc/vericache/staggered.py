@@ -1,0 +1,208 @@
+"""The staggered schedule of VeriCache §4.2 and §5.2, driven by :class:`ReloadScheduler`.
+
+One SGLang decode iteration under ``--vc-schedule staggered`` (the default):
+
+* every **speculating** request drafts ONE token from its compressed KV, except
+* the requests whose reserved verify falls on this iteration (ADMIT's ``d_r``): they
+  verify all the tokens drafted since their admission in one extend over the full KV
+  and commit the accepted run (the only iterations in which they commit anything);
+* a request ADMIT could not place (no room on the BW or HBM ring, or the verify cap of
+  the window) **waits**: it commits nothing and retries ADMIT next iteration; after
+  ``window`` deferrals in a row it falls back to **full** decoding;
+* a **full** request (appendix B.1's ``B_g``: its KV was never compressed, or it fell
+  back) decodes one exact token per iteration from its full device KV.
+
+A request's reload is kicked off at the first window of its reserved span (``d_r - S_r
++ 1``) and stages every layer of its full KV before its verify, overlapped with the
+drafting iterations in between. ADMIT runs again after each verify (at the start of the
+next iteration), anchored at ``X``, so draft lengths vary round by round with the load
+on the link and on device memory.
+
+This module keeps the per-request state and decides the roles; the worker runs the
+forwards. No SGLang dependency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Callable, Optional
+
+from .scheduler import Admission, ReloadScheduler
+from .admit import Mode
+
+
+class Role(enum.Enum):
+    DRAFT = "draft"  # one draft token from the compressed KV
+    VERIFY = "verify"  # reserved verify: extend over the drafts against the full KV
+    WAIT = "wait"  # ADMIT deferred it: commits nothing this iteration
+    FULL = "full"  # decodes from its full device KV (never compressed, or fell back)
+
+
+@dataclasses.dataclass
+class Track:
+    """What the schedule knows of one decoding request between iterations."""
+
+    rid: str
+    row: int  # req_pool_idx
+    committed: int  # L: KV length committed by verifies (the drafts sit at L .. L+j-1)
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    admission: Optional[Admission] = None
+    reload: object = None  # the LayerwiseReload kicked off for its next verify
+    reload_started_at: Optional[int] = None
+    full: bool = False  # decodes from full device KV (no more speculation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """The inputs of one request's forward this iteration."""
+
+    index: int  # in the SGLang batch
+    role: Role
+    track: Track
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a request committed this iteration (VERIFY and FULL requests)."""
+
+    drafts: int  # drafts it verified
+    tokens: int  # tokens it committed (accepted drafts + correction or bonus)
+
+
+@dataclasses.dataclass
+class IterationPlan:
+    iteration: int
+    slots: list[Slot]
+    reloads_due: list[Slot]  # kick these reloads off now (before drafting)
+
+    def of(self, role: Role) -> list[Slot]:
+        return [s for s in self.slots if s.role is role]
+
+
+class StaggeredSchedule:
+    """Per-request tracks plus the reload scheduler, one iteration at a time.
+
+    ``plan(...)`` admits what needs admitting and returns each request's role;
+    ``finish(...)`` records what the worker did (the per-iteration trace) and slides the
+    window. ``kv_bytes(index)`` gives the reload size of a compressed request, None for a
+    request whose KV is not compressed (it decodes as FULL).
+    """
+
+    def __init__(self, scheduler: ReloadScheduler, draft_len: int,
+                 trace_path: Optional[str] = None, ema: float = 0.2):
+        self.sched = scheduler
+        self.draft_len = draft_len
+        self.tracks: dict[str, Track] = {}
+        self.trace_path = trace_path
+        self.iter_time: Optional[float] = None
+        self._ema = ema
+        if trace_path:
+            open(trace_path, "w").close()
+
+    @property
+    def now(self) -> int:
+        return self.sched.now
+
+    # ------------------------------------------------------------------ per iteration
+
+    def plan(self, rids: list[str], rows: list[int], committed: list[int],
+             kv_bytes: Callable[[int], Optional[int]]) -> IterationPlan:
+        live = set(rids)
+        for rid in [r for r in self.tracks if r not in live]:
+            self.forget(rid)
+        slots, due = [], []
+        due_now = set(self.sched.due_reloads())
+        verify_now = set(self.sched.due_verifies())
+        for i, (rid, row, length) in enumerate(zip(rids, rows, committed)):
+            track = self.tracks.get(rid)
+            if track is None or track.row != row or track.committed != length:
+                # new, or retracted and prefilled again: start over
+                if track is not None:
+                    self.forget(rid)
+                track = self.tracks[rid] = Track(rid, row, length)
+            nbytes = None if track.full else kv_bytes(i)
+            if nbytes is None:  # not compressed (any more): nothing to verify against
+                if not track.full:
+                    self.fall_back(track)
+                slots.append(Slot(i, Role.FULL, track))
+                continue
+            if track.admission is None:
+                track.admission = self.sched.admit(rid, nbytes, self.draft_len)
+            if track.admission is None:
+                if self.sched.mode(rid) is Mode.FALLBACK:
+                    slots.append(Slot(i, Role.FULL, track))  # the worker restores its full KV
+                else:
+                    slots.append(Slot(i, Role.WAIT, track))
+                continue
+            slot = Slot(i, Role.VERIFY if rid in verify_now else Role.DRAFT, track)
+            slots.append(slot)
+            if rid in due_now and track.reload is None:
+                due.append(slot)
+        return IterationPlan(self.now, slots, due)
+
+    def finish(self, plan: IterationPlan, iter_seconds: float, outcome: dict[str, "Outcome"],
+               reloaded: dict[str, int]) -> None:
+        """Record the iteration, then slide the window: the verified requests are
+        re-admitted at the start of the next iteration."""
+        self.iter_time = iter_seconds if self.iter_time is None else (
+            (1 - self._ema) * self.iter_time + self._ema * iter_seconds)
+        self.sched.set_iter_time(max(self.iter_time, 1e-4))
+        if self.trace_path:
+            self._trace(plan, iter_seconds, outcome, reloaded)
+        for rid in self.sched.advance():
+            track = self.tracks.get(rid)
+            if track is not None:
+                track.admission = None
+                track.reload = None
+                track.reload_started_at = None
+
+    def verified(self, track: Track, accepted_tokens: int) -> None:
+        """A verify committed ``accepted_tokens``: the drafts are spent."""
+        track.committed += accepted_tokens
+        track.drafts = []
+
+    def fall_back(self, track: Track) -> None:
+        """The request decodes from full device KV from now on; drafts not verified yet
+        are dropped (nothing of them was committed)."""
+        track.full = True
+        track.drafts = []
+        if track.reload is not None:
+            track.reload.close()
+            track.reload = None
+        self.sched.release(track.rid)
+        track.admission = None
+
+    def forget(self, rid: str) -> None:
+        track = self.tracks.pop(rid, None)
+        if track is not None and track.reload is not None:
+            track.reload.close()
+        self.sched.release(rid)
+
+    # ------------------------------------------------------------------ trace
+
+    def _trace(self, plan, iter_seconds, outcome, reloaded) -> None:
+        """One JSON line per iteration: what each request did, next to what ADMIT had
+        reserved for it (``--vc-schedule-trace``; the tests check one against the other)."""
+        rows = []
+        for s in plan.slots:
+            adm = s.track.admission
+            done = outcome.get(s.track.rid)
+            rows.append({
+                "rid": s.track.rid,
+                "role": s.role.value,
+                "drafts": len(s.track.drafts),  # drafted and not verified yet
+                "verified_drafts": None if done is None else done.drafts,
+                "committed": 0 if done is None else done.tokens,
+                "admitted_at": None if adm is None else adm.admitted_at,
+                "verify_at": None if adm is None else adm.verify_iteration,
+                "reload_at": None if adm is None else adm.reload_iteration,
+                "draft_len": None if adm is None else adm.draft_len,
+                "reload_started_at": s.track.reload_started_at,
+                "reload_bytes": reloaded.get(s.track.rid, 0),
+            })
+        record = {"iteration": plan.iteration, "seconds": round(iter_seconds, 6),
+                  "iter_time_ema": self.sched.bw_ring.iter_time, "requests": rows}
+        with open(self.trace_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
