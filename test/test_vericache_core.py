@@ -545,3 +545,63 @@ def test_unsupported_parameters_are_named():
     assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], return_logprob=[False, True])) == ["return_logprob"]
     assert unsupported_request(GenerateReqInput(input_ids=[1], token_ids_logprob=[0])) == ["token_ids_logprob"]
     assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], token_ids_logprob=[None, None])) == []
+
+
+# ----------------------------------------------------------------------------- staggered
+
+
+def _run_staggered(n_requests: int, x: int, iterations: int, kv_bytes, hbm_bytes=None):
+    """Drive StaggeredSchedule like the worker: drafters append a token, verifiers commit
+    one token (every draft rejected) and are re-admitted next iteration."""
+    from sglang_vc.vericache.staggered import Outcome, Role, StaggeredSchedule
+
+    sched = StaggeredSchedule(ReloadScheduler(window=2 * x, iter_time=1.0, bandwidth=1e9,
+                                              hbm_bytes=hbm_bytes, fallback_after=2 * x), x)
+    rids = [f"r{i}" for i in range(n_requests)]
+    committed = {rid: 100 for rid in rids}
+    log = []
+    for _ in range(iterations):
+        plan = sched.plan(rids, list(range(n_requests)), [committed[r] for r in rids], kv_bytes)
+        outcome = {}
+        for slot in plan.reloads_due:
+            slot.track.reload_started_at = plan.iteration
+        for slot in plan.slots:
+            if slot.role is Role.DRAFT:
+                slot.track.drafts.append(7)
+            elif slot.role in (Role.VERIFY, Role.FULL):
+                outcome[slot.track.rid] = Outcome(len(slot.track.drafts), 1)
+                adm = slot.track.admission
+                log.append((plan.iteration, slot.role, len(slot.track.drafts),
+                            None if adm is None else (adm.admitted_at, adm.verify_iteration, adm.reload_iteration),
+                            slot.track.reload_started_at))
+                sched.verified(slot.track, 1)
+                committed[slot.track.rid] += 1
+            else:
+                log.append((plan.iteration, slot.role, 0, None, None))
+        sched.finish(plan, 1.0, outcome, {})
+    return log
+
+
+def test_staggered_schedule_verifies_as_admitted_and_spreads_verifies():
+    """Eight requests at X = 4: each verify happens at the iteration ADMIT reserved, after
+    exactly the drafts it allowed, with the reload started at the reserved window; about
+    8 / 4 requests verify per iteration instead of all eight every fifth."""
+    log = _run_staggered(8, 4, 40, kv_bytes=lambda i: int(2e8))  # 0.2 s of link per reload
+    verifies = [e for e in log if e[1].value == "verify"]
+    assert len(verifies) >= 40
+    for it, _, drafts, (admitted, verify_at, reload_at), started in verifies:
+        assert it == verify_at and drafts == verify_at - admitted and started == reload_at
+    per_iteration = Counter(e[0] for e in verifies)
+    assert max(per_iteration.values()) <= 2  # ceil(8 / 4)
+
+
+def test_staggered_schedule_full_and_waiting_requests():
+    """A request whose KV is not compressed decodes every iteration (FULL). When the
+    device budget cannot hold a reload, requests wait, then fall back to full decoding."""
+    log = _run_staggered(3, 2, 6, kv_bytes=lambda i: None if i == 0 else int(1e8))
+    assert sum(e[1].value == "full" for e in log) == 6  # request 0, every iteration
+    assert any(e[1].value == "verify" for e in log)  # the others speculate
+    log = _run_staggered(2, 2, 12, kv_bytes=lambda i: int(1e8), hbm_bytes=5e7)
+    roles = [e[1].value for e in log]
+    assert roles[:2] == ["wait", "wait"] and "verify" not in roles
+    assert roles[-2:] == ["full", "full"]  # fell back after 2X deferrals
