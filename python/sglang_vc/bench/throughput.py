@@ -9,6 +9,14 @@ full KV, the achieved batch size (``sglang:num_running_reqs`` sampled from ``/me
 mean acceptance length and bytes reloaded (VERICACHE), how many outputs equal the full-KV
 outputs token for token, and the throughput appendix B.1 of the VeriCache paper predicts
 for the measured parameters (acceptance length, memory bandwidth, weights and KV sizes).
+
+``--schedule lockstep,staggered`` runs each VERICACHE configuration under each schedule;
+the staggered runs also report verifies per iteration over time (from the server's
+schedule trace) and the compute cost per drafted and per verified token, fitted on the
+trace's iteration times: on a CPU a verify token costs compute that a GPU's memory-bound
+iteration hides. ``--predict-gpu h100`` prints what appendix B.1 predicts on an H100 for
+a 7-8B model at 32k context from the acceptance lengths measured here (a prediction,
+not a measurement); with ``--from-json`` it reads them from an earlier report.
 """
 
 from __future__ import annotations
@@ -122,11 +130,27 @@ def delta(after: dict, before: dict) -> dict:
             for mech, vals in after.items()}
 
 
+def with_schedules(cfgs: list[dict], schedules: list[str]) -> list[dict]:
+    """One entry per (VERICACHE configuration, schedule); other kinds have no schedule."""
+    out = []
+    for cfg in cfgs:
+        if cfg["kind"] != "vericache":
+            out.append({**cfg, "schedule": None})
+            continue
+        for sched in schedules:
+            out.append({**cfg, "name": f"{cfg['name']} [{sched}]", "base": cfg["name"], "schedule": sched,
+                        "flags": [*cfg["flags"], "--vc-schedule", sched]})
+    return out
+
+
 def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: int, log_dir: Path) -> dict:
     log(f"{cfg['name']}: starting the server")
-    with ServerProcess([*common, *cfg["flags"]], log_path=log_dir / f"{_slug(cfg['name'])}.log",
+    trace = log_dir / f"{_slug(cfg['name'])}.trace.jsonl"
+    extra = ["--vc-schedule-trace", str(trace)] if cfg.get("schedule") == "staggered" else []
+    with ServerProcess([*common, *cfg["flags"], *extra], log_path=log_dir / f"{_slug(cfg['name'])}.log",
                        timeout=600) as server:
         generate(server.url, prompts[0][:64], 4)  # warm-up
+        skip = len(trace.read_text().splitlines()) if extra else 0
         before = counters(server.url)
         log(f"{cfg['name']}: {len(prompts)} requests at once")
         with RunningSampler(server.url) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
@@ -136,7 +160,7 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
         got = delta(counters(server.url), before)
     generated = sum(o["completion_tokens"] for o in outs)
     row = {
-        "config": cfg["name"], "kind": cfg["kind"], "elapsed_s": elapsed,
+        "config": cfg["name"], "kind": cfg["kind"], "schedule": cfg.get("schedule"), "elapsed_s": elapsed,
         "generated_tokens": generated, "tokens_per_s": generated / elapsed,
         "mean_latency_s": statistics.mean(o["latency_s"] for o in outs),
         **sampler.summary(), "counters": got,
@@ -147,10 +171,91 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
         row["mean_acceptance_length"] = vc["committed"] / vc["verify_rounds"]
         row["bytes_reloaded"] = vc.get("bytes_reloaded", 0)
         row["draft_tokens"] = cfg["draft_tokens"]
+        row["drafted_per_verify"] = vc["drafted"] / vc["verify_rounds"]
+    if extra:
+        records = [json.loads(line) for line in trace.read_text().splitlines()[skip:]]
+        row["trace"] = trace_summary(records)
     log(f"{cfg['name']}: {row['tokens_per_s']:.1f} tok/s, batch mean {row['mean_running']:.1f} "
         f"max {row['max_running']:.0f}" + (f", A={row['mean_acceptance_length']:.2f}"
                                            if "mean_acceptance_length" in row else ""))
     return row
+
+
+def trace_summary(records: list[dict]) -> dict:
+    """Per iteration of a staggered run: verifying, drafting, waiting and full-KV
+    requests; and a least-squares fit ``seconds = base + per_draft * drafting requests +
+    per_verify_token * verified tokens (drafts + 1 per verify) + per_full * full-KV
+    requests`` over the iterations (the compute cost of each kind of token here)."""
+    import torch
+
+    rows = []
+    for rec in records:
+        roles = [r["role"] for r in rec["requests"]]
+        rows.append({"iteration": rec["iteration"], "seconds": rec["seconds"],
+                     "verifies": roles.count("verify"), "drafting": roles.count("draft"),
+                     "waiting": roles.count("wait"), "full": roles.count("full"),
+                     "verify_tokens": sum((r["verified_drafts"] or 0) + 1 for r in rec["requests"]
+                                          if r["role"] == "verify")})
+    fit = None
+    if len(rows) >= 8:
+        a = torch.tensor([[1.0, r["drafting"], r["verify_tokens"], r["full"]] for r in rows], dtype=torch.float64)
+        b = torch.tensor([[r["seconds"]] for r in rows], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+        fit = dict(zip(("base_s", "per_draft_s", "per_verify_token_s", "per_full_s"), coef))
+    busy = [r for r in rows if r["verifies"] + r["drafting"] + r["full"] > 0]
+    return {
+        "iterations": len(rows),
+        "verifies_per_iteration": [r["verifies"] for r in rows],
+        "drafting_per_iteration": [r["drafting"] for r in rows],
+        "mean_verifies_per_iteration": sum(r["verifies"] for r in busy) / max(1, len(busy)),
+        "max_verifies_per_iteration": max((r["verifies"] for r in rows), default=0),
+        "wait_steps": sum(r["waiting"] for r in rows),
+        "full_kv_steps": sum(r["full"] for r in rows),
+        "mean_iteration_s": sum(r["seconds"] for r in rows) / max(1, len(rows)),
+        "cost_fit": fit,
+    }
+
+
+# Nominal H100 SXM figures for appendix B.1's GPU prediction, and a 7-8B model
+# (Llama-3-8B shapes: 32 layers, 8 KV heads of 128, fp16) at 32k context.
+GPUS = {"h100": {"hbm_bw": 3.35e12, "interconnect_bw": 64e9, "gpu_mem_bytes": 80e9}}
+GPU_MODEL = {"name": "8B (Llama-3-8B shapes, fp16)", "weights_bytes": 16e9,
+             "kv_bytes_per_token": 2 * 32 * 8 * 128 * 2, "context_tokens": 32768}
+
+
+def gpu_prediction(rows: list[dict], gpu: str) -> dict:
+    """Appendix B.1 on ``gpu`` for ``GPU_MODEL``, at each VERICACHE configuration's
+    measured acceptance length ``A(x)``; full KV at the same memory as the baseline."""
+    from sglang_vc.vericache import perf_model as pm
+
+    hw = GPUS[gpu]
+    kv_full = GPU_MODEL["kv_bytes_per_token"] * GPU_MODEL["context_tokens"]
+    base_tps, base_b, _ = pm.full_kv_from_hardware(weights_bytes=GPU_MODEL["weights_bytes"], kv_full_bytes=kv_full,
+                                                   hbm_bw=hw["hbm_bw"], gpu_mem_bytes=hw["gpu_mem_bytes"])
+    out = {"gpu": gpu, **hw, "model": GPU_MODEL, "label": "PREDICTION (appendix B.1), not a measurement",
+           "full": {"tokens_per_s": base_tps, "batch_size": base_b}, "configs": {}}
+    for row in rows:
+        if row.get("kind") != "vericache" or "mean_acceptance_length" not in row:
+            continue
+        x, a = row["draft_tokens"], row["mean_acceptance_length"]
+        kept = row.get("kept") or parse_config(row["config"].split(" [")[0])["kept"]  # older reports
+        pred = pm.predict_from_hardware(weights_bytes=GPU_MODEL["weights_bytes"], kv_full_bytes=kv_full,
+                                        compression=kept, draft_len=x, accept_len=a, **hw)
+        out["configs"][row["config"]] = {"draft_tokens": x, "accept_len": a, "kept": kept,
+                                         "batch_size": pred.batch_size, "tokens_per_s": pred.tokens_per_s,
+                                         "ratio_to_full": pred.tokens_per_s / base_tps,
+                                         "bottleneck": pred.bottleneck, "feasible": pred.feasible}
+    return out
+
+
+def print_gpu_prediction(pred: dict) -> None:
+    log(f"{pred['label']}: {pred['gpu']} ({pred['hbm_bw'] / 1e12:.2f} TB/s HBM, "
+        f"{pred['interconnect_bw'] / 1e9:.0f} GB/s link, {pred['gpu_mem_bytes'] / 1e9:.0f} GB), "
+        f"{pred['model']['name']} at {pred['model']['context_tokens']} tokens of context")
+    log(f"  full KV: batch {pred['full']['batch_size']}, {pred['full']['tokens_per_s']:.0f} tok/s")
+    for name, p in pred["configs"].items():
+        log(f"  {name}: A={p['accept_len']:.2f} at X={p['draft_tokens']}: batch {p['batch_size']}, "
+            f"{p['tokens_per_s']:.0f} tok/s, x{p['ratio_to_full']:.2f} ({p['bottleneck']}-bound)")
 
 
 def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:
@@ -247,7 +352,8 @@ def plot(report: dict, path: Path) -> None:
 
     rows = report["results"]
     names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    traced = [r for r in rows if r.get("trace")]
+    fig, axes = plt.subplots(1, 3 if traced else 2, figsize=(16 if traced else 11, 4.2))
     bars = axes[0].bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue", label="measured")
     for bar, r in zip(bars, rows):
         axes[0].annotate(f"{r['ratio_to_full']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -257,9 +363,16 @@ def plot(report: dict, path: Path) -> None:
     axes[1].scatter(names, [r["max_running"] for r in rows], color="black", marker="_", s=300, label="max")
     axes[1].set(ylabel="running requests", title="Achieved batch size")
     axes[1].legend(fontsize=8)
-    for ax in axes:
+    for ax in axes[:2]:
         ax.tick_params(axis="x", rotation=25, labelsize=8)
         ax.grid(axis="y", alpha=0.3)
+    if traced:
+        for r in traced:
+            axes[2].plot(r["trace"]["verifies_per_iteration"], lw=0.8, label=f"{r['config']}: verifying")
+            axes[2].plot(r["trace"]["drafting_per_iteration"], lw=0.8, ls=":", label=f"{r['config']}: drafting")
+        axes[2].set(xlabel="decode iteration", ylabel="requests", title="Staggered: verifies per iteration")
+        axes[2].legend(fontsize=7)
+        axes[2].grid(alpha=0.3)
     s = report["settings"]
     fig.suptitle(f"{report['model']} on {report['device']}: {s['requests']} x {s['prompt_tokens']}-token "
                  f"prompts, {s['max_new_tokens']} new tokens, KV pool {s['max_total_tokens']} tokens", fontsize=9)
@@ -276,13 +389,43 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
                         "vericache:streamingllm@0.25:4",
                         help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X]")
+    parser.add_argument("--schedule", default="lockstep,staggered",
+                        help="VERICACHE schedules to run each vericache config under (comma-separated)")
+    parser.add_argument("--quick", action="store_true",
+                        help="8 requests of 2048 tokens, 32 new tokens: full, lossy and VERICACHE snapkv@0.25 "
+                        "under both schedules (about 15 minutes on 2 CPU cores)")
+    parser.add_argument("--predict-gpu", choices=sorted(GPUS), default=None,
+                        help="also print appendix B.1's prediction on this GPU from the measured A(x)")
+    parser.add_argument("--from-json", default=None,
+                        help="with --predict-gpu: read the measured A(x) from this report, run nothing")
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=1536)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--full-kv-batch", type=int, default=4,
                         help="size the KV pool (--max-total-tokens) to hold this many full-KV requests")
     parser.add_argument("--server-args", default="--dtype float32", help="flags given to every server")
     args = parser.parse_args(argv)
+    if args.from_json:
+        if not args.predict_gpu:
+            parser.error("--from-json needs --predict-gpu")
+        try:
+            rows = json.loads(Path(args.from_json).read_text())["results"]
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--from-json {args.from_json}: not a throughput report ({exc})")
+        pred = gpu_prediction(rows, args.predict_gpu)
+        print_gpu_prediction(pred)
+        report = json.loads(Path(args.from_json).read_text())
+        report["gpu_prediction"] = pred
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0
+    if args.quick:
+        args.requests, args.prompt_tokens, args.max_new_tokens = 8, 2048, 32
+        args.full_kv_batch = 3
+        if args.configs == parser.get_default("configs"):
+            args.configs = "full,lossy:snapkv@0.25,vericache:snapkv@0.25:4"
+    schedules = [x for x in args.schedule.split(",") if x]
+    if not schedules or any(x not in ("lockstep", "staggered") for x in schedules):
+        parser.error("--schedule takes lockstep and/or staggered")
     if min(args.requests, args.prompt_tokens, args.max_new_tokens, args.full_kv_batch) <= 0:
         parser.error("--requests, --prompt-tokens, --max-new-tokens and --full-kv-batch must be positive")
     if args.full_kv_batch >= args.requests:
@@ -293,6 +436,7 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     if cfgs[0]["kind"] != "full":
         parser.error("--configs must start with full (the baseline)")
+    cfgs = with_schedules(cfgs, schedules)
 
     from sglang_vc import models
 
@@ -313,6 +457,7 @@ def main(argv=None) -> int:
     log_dir = out.parent / (out.stem + "-logs")
     log_dir.mkdir(exist_ok=True)
 
+    cfgs_by_name = {c["name"]: c for c in cfgs}
     rows = []
     for cfg in cfgs:
         rows.append(run_config(cfg, common, prompts, args.max_new_tokens, log_dir))
@@ -320,9 +465,13 @@ def main(argv=None) -> int:
     for row in rows:
         row["ratio_to_full"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["identical_to_full"] = sum(a == b for a, b in zip(row["output_ids"], base["output_ids"]))
+        row["identical"] = row["identical_to_full"]
+        row["requests"] = len(row["output_ids"])
+        row["batch_mean"], row["batch_max"] = row["mean_running"], row["max_running"]
+        row["kept"] = cfgs_by_name[row["config"]].get("kept")
     weights, kv_per_token = model_sizes(model_dir)
     bw = memory_bandwidth()
-    pred = predictions(rows, {c["name"]: c for c in cfgs}, weights=weights, kv_per_token=kv_per_token,
+    pred = predictions(rows, cfgs_by_name, weights=weights, kv_per_token=kv_per_token,
                        budget_tokens=budget, ctx_tokens=ctx, bw=bw)
     report = {
         "benchmark": "throughput",
@@ -335,6 +484,7 @@ def main(argv=None) -> int:
                                 "memory_bandwidth_bytes_per_s": bw},
         "results": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows],
         "appendix_b1_prediction": pred,
+        "gpu_prediction": gpu_prediction(rows, args.predict_gpu) if args.predict_gpu else None,
         "definitions": {
             "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
             "mean_running": "mean of sglang:num_running_reqs over /metrics samples (every 0.25 s) while non-zero",
@@ -351,6 +501,16 @@ def main(argv=None) -> int:
             f"batch {r['mean_running']:.1f}/{r['max_running']:.0f}  identical {r['identical_to_full']}/{args.requests}"
             + (f"  A={r['mean_acceptance_length']:.2f}  B.1 predicts x{p['ratio_to_full']:.2f}"
                f" (x{p['at_measured_batch']['ratio_to_full']:.2f} at the measured batch)" if p.get("ratio_to_full") else ""))
+    for r in report["results"]:
+        if r.get("trace"):
+            t = r["trace"]
+            fit = t["cost_fit"] or {}
+            log(f"{r['config']}: {t['mean_verifies_per_iteration']:.2f} verifies per iteration "
+                f"(max {t['max_verifies_per_iteration']}), {t['wait_steps']} waits, "
+                f"{t['full_kv_steps']} full-KV steps; cost fit: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in fit.items()))
+    if report["gpu_prediction"]:
+        print_gpu_prediction(report["gpu_prediction"])
     log(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -1,0 +1,75 @@
+"""The throughput benchmark's own logic, without servers: schedules per VERICACHE
+configuration, the trace summary and its cost fit, appendix B.1's GPU prediction, and
+bad arguments refused with a message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_vc.bench import throughput as tp
+
+
+def test_each_vericache_config_runs_under_each_schedule():
+    cfgs = tp.with_schedules([tp.parse_config("full"), tp.parse_config("vericache:snapkv@0.25:4")],
+                             ["lockstep", "staggered"])
+    assert [c["name"] for c in cfgs] == ["full", "vericache:snapkv@0.25:4 [lockstep]",
+                                         "vericache:snapkv@0.25:4 [staggered]"]
+    assert cfgs[0]["schedule"] is None
+    assert cfgs[2]["flags"][-2:] == ["--vc-schedule", "staggered"]
+
+
+def test_trace_summary_recovers_the_cost_of_each_token_kind():
+    """Iteration times built from known costs (10 ms base, 3 ms per draft, 5 ms per
+    verified token): the fit finds them."""
+    records = []
+    for it in range(20):
+        drafting, verifies, drafts = 2 + it % 5, 1 + it % 3, 2 + it % 4
+        reqs = [{"role": "draft", "verified_drafts": None}] * drafting + \
+               [{"role": "verify", "verified_drafts": drafts}] * verifies
+        seconds = 0.010 + 0.003 * drafting + 0.005 * verifies * (drafts + 1)
+        records.append({"iteration": it, "seconds": seconds, "requests": reqs})
+    out = tp.trace_summary(records)
+    fit = out["cost_fit"]
+    assert fit["base_s"] == pytest.approx(0.010, abs=1e-6)
+    assert fit["per_draft_s"] == pytest.approx(0.003, abs=1e-6)
+    assert fit["per_verify_token_s"] == pytest.approx(0.005, abs=1e-6)
+    assert out["max_verifies_per_iteration"] == 3 and len(out["verifies_per_iteration"]) == 20
+
+
+def test_gpu_prediction_uses_the_measured_acceptance_length():
+    rows = [{"config": "full", "kind": "full"},
+            {"config": "v", "kind": "vericache", "draft_tokens": 4, "kept": 0.25, "mean_acceptance_length": 3.0},
+            {"config": "w", "kind": "vericache", "draft_tokens": 4, "kept": 0.25, "mean_acceptance_length": 1.5}]
+    pred = tp.gpu_prediction(rows, "h100")
+    assert "not a measurement" in pred["label"]
+    assert pred["configs"]["v"]["tokens_per_s"] > pred["configs"]["w"]["tokens_per_s"] > 0
+    assert pred["full"]["batch_size"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedule", "sideways"], "--schedule"),
+    (["--from-json", "/nonexistent.json"], "--from-json needs --predict-gpu"),
+    (["--from-json", "/nonexistent.json", "--predict-gpu", "h100"], "not a throughput report"),
+])
+def test_bad_arguments_are_refused(tmp_path, argv, message):
+    proc = subprocess.run([sys.executable, "-m", "sglang_vc.bench.throughput", "--json",
+                           str(tmp_path / "out.json"), *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_predict_gpu_from_an_earlier_report(tmp_path):
+    report = {"results": [{"config": "v", "kind": "vericache", "draft_tokens": 4, "kept": 0.25,
+                           "mean_acceptance_length": 2.5}]}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(report))
+    proc = subprocess.run([sys.executable, "-m", "sglang_vc.bench.throughput", "--json", str(tmp_path / "gpu.json"),
+                           "--from-json", str(src), "--predict-gpu", "h100"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert out["gpu_prediction"]["configs"]["v"]["accept_len"] == 2.5
+    assert "PREDICTION" in proc.stderr
