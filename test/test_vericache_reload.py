@@ -51,9 +51,9 @@ def test_layerwise_reload_stages_every_layer_in_order():
     with ThreadPoolExecutor(1) as pool:
         rl = LayerwiseReload(pool, {3: store.get("a", 5)}, LAYERS, "cpu", depth=2)
         for l in LAYERS:
-            staged = rl.layer(l)
-            p, n, k, v = staged[3]
-            assert (p, n) == (2, 10)
+            span = rl.layer(l)[3]
+            p, n, k, v = span.p, span.n, span.k, span.v
+            assert (p, n) == (2, 10) and span.kept is None
             assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
             assert k.data_ptr() != store.get("a", 5).k[l].data_ptr()  # a transient copy
         rl.close()
@@ -69,8 +69,8 @@ def test_failed_copy_is_retried_synchronously(monkeypatch):
         got = [rl.layer(l)[0] for l in LAYERS]
         rl.close()
     assert rl.failures == 1
-    for l, (_, _, k, v) in zip(LAYERS, got):
-        assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
+    for l, span in zip(LAYERS, got):
+        assert torch.equal(span.k, full[l][0][2:]) and torch.equal(span.v, full[l][1][2:])
 
 
 def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
@@ -108,3 +108,42 @@ def test_close_unblocks_unconsumed_layers():
         rl.layer(0)
         rl.close()  # layers 1..3 never consumed: must not deadlock the copy thread
         assert pool.submit(lambda: 7).result(timeout=10) == 7
+
+
+def test_dropped_rows_only_are_staged_and_merged_with_the_kept_ones():
+    """After a token-dropping compressor kept 3 of the 8 span rows per head (different
+    rows per head), the host keeps the 5 dropped rows; a reload copies only those (and
+    their positions), and the span it serves equals the full rows once merged with the
+    kept rows still in the pool."""
+    store, full = _filled_store(n=10, p=2)
+    kept = torch.tensor([[2, 5, 9], [3, 4, 8]])  # absolute positions, per KV head
+    full_bytes = store.get("a", 5).nbytes()
+    for l in LAYERS:
+        store.kept("a", 5, l, kept)
+    entry = store.get("a", 5)
+    # the pool: row position 2 + j holds, for head h, position kept[h, j]
+    slots = torch.arange(10)
+    k_buf = {l: torch.zeros(10, 2, 4) for l in LAYERS}
+    v_buf = {l: torch.zeros(10, 2, 4) for l in LAYERS}
+    for l in LAYERS:
+        for h in range(2):
+            for j in range(3):
+                k_buf[l][2 + j, h] = full[l][0][kept[h, j], h]
+                v_buf[l][2 + j, h] = full[l][1][kept[h, j], h]
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS))
+        for l in LAYERS:
+            span = rl.layer(l)[0]
+            assert span.k.shape == (5, 2, 4)
+            k, v = span.full(k_buf[l], v_buf[l], slots)
+            assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
+        rl.close()
+    rows = 2 * len(LAYERS) * 5 * 2 * 4 * 4  # k and v, layers, dropped rows, heads, dim, fp32
+    positions = len(LAYERS) * (2 * 3 + 2 * 5) * 8
+    assert rl.nbytes() == entry.nbytes() == rows + positions < full_bytes
+
+
+def test_kept_rows_before_the_span_leave_the_full_rows():
+    store, full = _filled_store(n=10, p=2)
+    store.kept("a", 5, 0, torch.tensor([[0, 5, 9], [3, 4, 8]]))  # position 0 < p
+    assert store.get("a", 5).span(0).kept is None and store.get("a", 5).k[0].shape[0] == 8

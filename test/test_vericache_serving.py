@@ -10,6 +10,7 @@ plain server is the full-KV reference.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -181,8 +182,13 @@ def test_staggered_schedule_follows_admit(server, model_dir, tokenizer, vc4):
     passages = real_text_passages(12, words=400)
     ids_list = [tokenizer(passages[i])["input_ids"][:n] for i, n in enumerate((150, 200, 250, 300, 180, 220))]
     start = len(_trace(vc4))
-    _check_identical(server, vc4, model_dir, ids_list, 24)
+    outs = _check_identical(server, vc4, model_dir, ids_list, 24)
     records = _trace(vc4)[start:]
+    # a verify reloads only the rows SnapKV dropped (3/4 of the prompt), not the kept ones
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4  # float32
+    prompt_len = {out["meta_info"]["id"]: len(ids) for out, ids in zip(outs, ids_list)}
     assert records, "no decode iteration was traced"
     mixed = 0
     for rec in records:
@@ -195,6 +201,9 @@ def test_staggered_schedule_follows_admit(server, model_dir, tokenizer, vc4):
                 assert r["verified_drafts"] == r["draft_len"] == r["verify_at"] - r["admitted_at"], rec
                 assert r["reload_started_at"] == r["reload_at"] <= rec["iteration"], rec
                 assert r["reload_bytes"] > 0 and 1 <= r["committed"] <= r["verified_drafts"] + 1, rec
+                if r["rid"] in prompt_len:
+                    full_bytes = prompt_len[r["rid"]] * per_token
+                    assert 0.7 * full_bytes <= r["reload_bytes"] <= 0.8 * full_bytes, (r, full_bytes)
             elif r["role"] == "draft":
                 assert r["admitted_at"] <= rec["iteration"] < r["verify_at"], rec
                 assert r["drafts"] == rec["iteration"] - r["admitted_at"] + 1 and r["committed"] == 0, rec

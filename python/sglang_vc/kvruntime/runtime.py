@@ -137,6 +137,10 @@ class KVRuntime:
         # KV: ``admit(rid, req_pool_idx, p, n) -> bool``; a refused request keeps its
         # full KV on the device (decodes uncompressed).
         self.full_kv_admit = None
+        # ... and, for a token-dropping method, learns which rows stayed on the device:
+        # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
+        # layer's selection (the kept rows need no reload).
+        self.full_kv_kept = None
         logger.info(
             "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
@@ -274,6 +278,8 @@ class KVRuntime:
             ckv = comp.compress(layer_id, k, v, spec.amount, queries=queries, req_id=pend.plan.rid)
             if isinstance(ckv, DroppedKV):
                 assert ckv.n_keep == pend.n_keep, (ckv.n_keep, pend.n_keep)
+                if self.full_kv_kept is not None:
+                    self.full_kv_kept(pend.plan.rid, pend.req_pool_idx, layer_id, ckv.kept_positions)
                 dest = row[pend.p : pend.p + pend.n_keep].to(torch.int64)
                 kernels.write_rows(k_buf, dest, ckv.k)
                 kernels.write_rows(v_buf, dest, ckv.v)

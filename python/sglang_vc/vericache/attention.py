@@ -1,6 +1,7 @@
 """Attention backend ``vc_verify``: ``vc_torch`` (prefill + compression, decode over
 the compressed KV) plus VERICACHE's TARGET_VERIFY forward over the full KV, whose
-compressed positions come from the layer the worker staged from the host store."""
+compressed positions come from the layer the worker staged from the host store (the
+full rows, or the dropped rows merged with the kept ones still in the pool)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         for i, (row, committed) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens.tolist())):
             slots = req_to_token[row, : committed + w].to(torch.int64)
             if i in staged:
-                p, n, k_full, v_full = staged[i]
+                span = staged[i]
+                p, n = span.p, span.n
+                k_full, v_full = span.full(k_buf, v_buf, slots)
                 k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
                 v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
             elif self.runtime.entry_for_row(row) is not None:

@@ -38,23 +38,79 @@ FAIL_WHOLE_RELOADS_ENV = "SGLANG_VC_FAIL_WHOLE_RELOADS"
 
 
 @dataclasses.dataclass
+class Span:
+    """The KV a verify needs of one layer of one request: row positions ``[p, n)``.
+
+    Either the full rows (``k``/``v`` ``[n - p, H, D]``), or -- for a token-dropping
+    drafter -- only the rows compression dropped (``k``/``v`` ``[n_drop, H, D]`` at
+    ``dropped [H, n_drop]``, positions relative to ``p``), the kept ones being on the
+    device already: row ``p + j`` of the request holds, for head ``h``, position
+    ``p + kept[h, j]``."""
+
+    p: int
+    n: int
+    k: torch.Tensor
+    v: torch.Tensor
+    kept: Optional[torch.Tensor] = None  # [H, n_keep] relative positions, or None: full rows
+    dropped: Optional[torch.Tensor] = None  # [H, n_drop]
+
+    def to(self, device) -> "Span":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True, copy=True)  # noqa: E731
+        return Span(self.p, self.n, move(self.k), move(self.v), move(self.kept), move(self.dropped))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.kept, self.dropped)
+                   if t is not None)
+
+    def full(self, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor):
+        """The full rows ``[n - p, H, D]`` of the span: as staged, or assembled from the
+        kept rows in the pool (``slots``: the request's row of slots) and the dropped
+        rows staged from the host."""
+        if self.kept is None:
+            return self.k, self.v
+        n_keep = self.kept.shape[1]
+        kept_slots = slots[self.p : self.p + n_keep]
+        return (_assemble(self.n - self.p, k_buf[kept_slots], self.kept, self.k.to(k_buf.dtype), self.dropped),
+                _assemble(self.n - self.p, v_buf[kept_slots], self.kept, self.v.to(v_buf.dtype), self.dropped))
+
+
+def _assemble(num: int, kept_rows, kept_pos, dropped_rows, dropped_pos) -> torch.Tensor:
+    """``out[kept_pos[h, j], h] = kept_rows[j, h]`` and likewise for the dropped rows."""
+    h, d = kept_rows.shape[1], kept_rows.shape[2]
+    out = kept_rows.new_empty((num, h, d))
+    for rows, pos in ((kept_rows, kept_pos), (dropped_rows, dropped_pos)):
+        if pos.numel():
+            out.scatter_(0, pos.t().unsqueeze(-1).expand(-1, -1, d).to(out.device), rows)
+    return out
+
+
+@dataclasses.dataclass
 class HostEntry:
-    """Full KV of prompt positions ``[p, n)`` of one request, per layer, in host memory."""
+    """The KV of prompt positions ``[p, n)`` of one request that compression replaced
+    on the device, per layer, in host memory: the full rows, or only the dropped ones
+    once the compressor's kept positions are known (:meth:`HostKVStore.kept`)."""
 
     rid: str
     req_pool_idx: int
     p: int
     n: int
     reserved: int = 0  # bytes reserved in the store when admitted
-    k: dict = dataclasses.field(default_factory=dict)  # layer_id -> [n - p, H, D] (cpu)
+    k: dict = dataclasses.field(default_factory=dict)  # layer_id -> [n - p or n_drop, H, D] (cpu)
     v: dict = dataclasses.field(default_factory=dict)
+    kept: dict = dataclasses.field(default_factory=dict)  # layer_id -> [H, n_keep] (relative)
+    dropped: dict = dataclasses.field(default_factory=dict)  # layer_id -> [H, n_drop]
 
     @property
     def num_tokens(self) -> int:
         return self.n - self.p
 
+    def span(self, layer_id: int) -> Span:
+        return Span(self.p, self.n, self.k[layer_id], self.v[layer_id],
+                    self.kept.get(layer_id), self.dropped.get(layer_id))
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        """Bytes a reload of this request copies."""
+        return sum(self.span(layer_id).nbytes() for layer_id in self.k)
 
 
 class HostKVStore:
@@ -89,6 +145,27 @@ class HostKVStore:
             entry = self.entries[rid]
         entry.k[layer_id] = k[p:].to("cpu", copy=True)
         entry.v[layer_id] = v[p:].to("cpu", copy=True)
+
+    def kept(self, rid: str, req_pool_idx: int, layer_id: int, kept_positions: torch.Tensor) -> None:
+        """A token-dropping compressor kept ``kept_positions`` (``[H, n_keep]`` of
+        ``[0, n)``) of this layer: the host keeps only the other rows of ``[p, n)``,
+        those a verify cannot find on the device. Left as full rows when a kept position
+        lies before ``p`` (then the heads keep different numbers of rows of the span)."""
+        entry = self.entries.get(rid)
+        if entry is None or entry.req_pool_idx != req_pool_idx or layer_id not in entry.k:
+            return
+        rel = kept_positions.to("cpu", torch.int64) - entry.p
+        if bool((rel < 0).any()):
+            return
+        h = rel.shape[0]
+        mask = torch.ones(h, entry.num_tokens, dtype=torch.bool)
+        mask.scatter_(1, rel, False)
+        dropped = mask.nonzero()[:, 1].view(h, -1)
+        full_k, full_v = entry.k[layer_id], entry.v[layer_id]
+        idx = dropped.t().unsqueeze(-1).expand(-1, -1, full_k.shape[2])
+        entry.k[layer_id] = full_k.gather(0, idx).contiguous()
+        entry.v[layer_id] = full_v.gather(0, idx).contiguous()
+        entry.kept[layer_id], entry.dropped[layer_id] = rel, dropped
 
     def get(self, rid: str, req_pool_idx: int) -> Optional[HostEntry]:
         entry = self.entries.get(rid)
@@ -177,17 +254,13 @@ class LayerwiseReload:
         for layer_id in layer_ids:
             self._futures[layer_id] = executor.submit(self._stage_async, layer_id)
 
-    def _stage(self, layer_id: int) -> dict[int, tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def _stage(self, layer_id: int) -> dict[int, Span]:
         if self._doomed:
             raise RuntimeError(f"injected reload failure ({FAIL_WHOLE_RELOADS_ENV})")
         _faults.check()
-        out = {}
-        for i, e in self.entries.items():
-            k = e.k[layer_id].to(self.device, non_blocking=True, copy=True)
-            v = e.v[layer_id].to(self.device, non_blocking=True, copy=True)
-            out[i] = (e.p, e.n, k, v)
+        out = {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()}
         with self._lock:
-            self.staged_bytes += sum(t.numel() * t.element_size() for (_, _, k, v) in out.values() for t in (k, v))
+            self.staged_bytes += sum(span.nbytes() for span in out.values())
         return out
 
     def _stage_async(self, layer_id: int):
@@ -196,7 +269,7 @@ class LayerwiseReload:
             return None
         return self._stage(layer_id)
 
-    def layer(self, layer_id: int) -> dict[int, tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def layer(self, layer_id: int) -> dict[int, Span]:
         """The staged rows of ``layer_id``; frees a staging slot for a later layer. Empty
         once ``on_failure`` has taken the requests over (their KV is on the device)."""
         fut = self._futures.pop(layer_id)

@@ -119,6 +119,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self._runtime = get_runtime(self.model_runner)
             self._runtime.full_kv_sink = self.host.sink
             self._runtime.full_kv_admit = self._admit_host
+            self._runtime.full_kv_kept = self.host.kept
         return self._runtime
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
@@ -442,7 +443,8 @@ class VeriCacheWorker(BaseSpecWorker):
         (appendix B.1's ``B_g``). False when the pool has no room yet (it waits)."""
         entry = self.host.get(track.rid, track.row)
         if entry is not None and self.runtime.entry_for_row(track.row) is not None:
-            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, entry.k, entry.v):
+            k, v = self._full_rows(entry)
+            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, k, v):
                 return False
             self.host.drop(track.rid)
         self._staggered.fall_back(track)
@@ -524,7 +526,8 @@ class VeriCacheWorker(BaseSpecWorker):
         so it verifies -- from this layer on -- and decodes from its full device KV, like a
         request the host store never admitted. Its output stays the full-KV output."""
         for entry in entries.values():
-            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, entry.k, entry.v):
+            k, v = self._full_rows(entry)
+            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, k, v):
                 # both the host path and the pool failed: nothing correct is left to serve
                 raise RuntimeError(f"VERICACHE: the reload of request {entry.rid} failed and the "
                                    "KV pool has no free slots to restore its full KV")
@@ -532,6 +535,17 @@ class VeriCacheWorker(BaseSpecWorker):
             logger.warning("VERICACHE: reload of request %s failed every retry; it decodes from its "
                            "full KV, restored on the device", entry.rid)
             stats.add("vericache", reload_fallbacks=1, fallbacks=1)
+
+    def _full_rows(self, entry) -> tuple[dict, dict]:
+        """The full KV of the entry's span per layer: the host rows, merged with the kept
+        rows still in the pool where the host holds only the dropped ones."""
+        pool = self.runtime.kv_pool
+        slots = self.req_to_token_pool.req_to_token[entry.req_pool_idx, : entry.n].to(torch.int64)
+        k, v = {}, {}
+        for layer_id in entry.k:
+            k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+            k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, slots.to(k_buf.device))
+        return k, v
 
     def _targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
         """The verifier's token at each of the W positions ``[bs, W]``, chosen from the
