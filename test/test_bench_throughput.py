@@ -22,22 +22,22 @@ def test_each_vericache_config_runs_under_each_schedule():
     assert cfgs[2]["flags"][-2:] == ["--vc-schedule", "staggered"]
 
 
-def test_trace_summary_recovers_the_cost_of_each_token_kind():
-    """Iteration times built from known costs (10 ms base, 3 ms per draft, 5 ms per
-    verified token): the fit finds them."""
+def test_trace_summary_costs_per_drafting_request_and_per_verified_token():
+    """Forward times built from known costs (3 ms per drafting request, 5 ms per
+    verified token) come back out of the summary."""
     records = []
     for it in range(20):
-        drafting, verifies, drafts = 2 + it % 5, 1 + it % 3, 2 + it % 4
+        drafting, verifies, drafts = 2 + it % 5, it % 3, 2 + it % 4
         reqs = [{"role": "draft", "verified_drafts": None}] * drafting + \
                [{"role": "verify", "verified_drafts": drafts}] * verifies
-        seconds = 0.010 + 0.003 * drafting + 0.005 * verifies * (drafts + 1)
-        records.append({"iteration": it, "seconds": seconds, "requests": reqs})
+        phases = {"draft_s": 0.003 * drafting, "verify_s": 0.005 * verifies * (drafts + 1)}
+        records.append({"iteration": it, "seconds": 0.01 + sum(phases.values()), "phases": phases,
+                        "requests": reqs})
     out = tp.trace_summary(records)
-    fit = out["cost_fit"]
-    assert fit["base_s"] == pytest.approx(0.010, abs=1e-6)
-    assert fit["per_draft_s"] == pytest.approx(0.003, abs=1e-6)
-    assert fit["per_verify_token_s"] == pytest.approx(0.005, abs=1e-6)
-    assert out["max_verifies_per_iteration"] == 3 and len(out["verifies_per_iteration"]) == 20
+    assert out["cost"]["draft_s_per_request"] == pytest.approx(0.003)
+    assert out["cost"]["verify_s_per_token"] == pytest.approx(0.005)
+    assert out["max_verifies_per_iteration"] == 2 and len(out["verifies_per_iteration"]) == 20
+    assert out["mean_verifies_per_iteration"] == pytest.approx(sum(it % 3 for it in range(20)) / 20)
 
 
 def test_gpu_prediction_uses_the_measured_acceptance_length():

@@ -454,3 +454,28 @@ def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
     assert generate(server, ids, 16, **greedy_like)["output_ids"] == plain
     for _ in range(2):
         assert generate(vc4, ids, 16, **greedy_like)["output_ids"] == plain
+
+
+@pytest.mark.slow
+def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, tmp_path_factory):
+    """At a KV pool that holds two full 700-token requests, six concurrent VERICACHE
+    requests (SnapKV at 0.25) decode more than two at a time: SGLang's admission counts
+    a running request at the slots it holds, and compression gave the dropped ones back
+    (the trace shows the decode batch of each iteration). Output stays identical."""
+    folder = tmp_path_factory.mktemp("vericache_admission")
+    budget = 2 * (700 + 24) + 64
+    proc = ServerProcess(
+        ["--dtype", "float32", "--max-total-tokens", str(budget), "--speculative-algorithm", "VERICACHE",
+         "--speculative-num-draft-tokens", "4", "--vc-compressor", "snapkv", "--vc-compression-ratio",
+         str(RATIO), "--vc-schedule-trace", str(folder / "trace.jsonl")],
+        log_path=folder / "server.log",
+    )
+    try:
+        passages = real_text_passages(12, words=1200)
+        ids_list = [tokenizer(passages[i])["input_ids"][:700] for i in range(6)]
+        assert all(len(ids) == 700 for ids in ids_list)
+        _check_identical(server, proc, model_dir, ids_list, 24)
+        records = [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
+        assert max(len(rec["requests"]) for rec in records) >= 4, [len(r["requests"]) for r in records]
+    finally:
+        proc.stop()

@@ -12,9 +12,9 @@ for the measured parameters (acceptance length, memory bandwidth, weights and KV
 
 ``--schedule lockstep,staggered`` runs each VERICACHE configuration under each schedule;
 the staggered runs also report verifies per iteration over time (from the server's
-schedule trace) and the compute cost per drafted and per verified token, fitted on the
-trace's iteration times: on a CPU a verify token costs compute that a GPU's memory-bound
-iteration hides. ``--predict-gpu h100`` prints what appendix B.1 predicts on an H100 for
+schedule trace) and the time of each iteration's draft and verify forwards, per drafting
+request and per verified token: on a CPU a verify token costs compute that a GPU's
+memory-bound iteration hides. ``--predict-gpu h100`` prints what appendix B.1 predicts on an H100 for
 a 7-8B model at 32k context from the acceptance lengths measured here (a prediction,
 not a measurement); with ``--from-json`` it reads them from an earlier report.
 """
@@ -183,36 +183,42 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
 
 def trace_summary(records: list[dict]) -> dict:
     """Per iteration of a staggered run: verifying, drafting, waiting and full-KV
-    requests; and a least-squares fit ``seconds = base + per_draft * drafting requests +
-    per_verify_token * verified tokens (drafts + 1 per verify) + per_full * full-KV
-    requests`` over the iterations (the compute cost of each kind of token here)."""
-    import torch
-
+    requests; and what the two forwards of an iteration cost, timed by the worker
+    (``phases``): the draft forward per drafting request, the verify forward per
+    verified token (drafts + 1 per verify)."""
     rows = []
     for rec in records:
         roles = [r["role"] for r in rec["requests"]]
-        rows.append({"iteration": rec["iteration"], "seconds": rec["seconds"],
-                     "verifies": roles.count("verify"), "drafting": roles.count("draft"),
-                     "waiting": roles.count("wait"), "full": roles.count("full"),
+        phases = rec.get("phases", {})
+        rows.append({"seconds": rec["seconds"], "verifies": roles.count("verify"),
+                     "drafting": roles.count("draft"), "waiting": roles.count("wait"), "full": roles.count("full"),
                      "verify_tokens": sum((r["verified_drafts"] or 0) + 1 for r in rec["requests"]
-                                          if r["role"] == "verify")})
-    fit = None
-    if len(rows) >= 8:
-        a = torch.tensor([[1.0, r["drafting"], r["verify_tokens"], r["full"]] for r in rows], dtype=torch.float64)
-        b = torch.tensor([[r["seconds"]] for r in rows], dtype=torch.float64)
-        coef = torch.linalg.lstsq(a, b).solution.flatten().tolist()
-        fit = dict(zip(("base_s", "per_draft_s", "per_verify_token_s", "per_full_s"), coef))
+                                          if r["role"] == "verify"),
+                     "draft_s": phases.get("draft_s", 0.0), "verify_s": phases.get("verify_s", 0.0)})
     busy = [r for r in rows if r["verifies"] + r["drafting"] + r["full"] > 0]
+    with_draft = [r for r in rows if r["drafting"] + r["full"]]
+    with_verify = [r for r in rows if r["verifies"]]
+
+    def ratio(num, den):
+        return num / den if den else None
+
     return {
         "iterations": len(rows),
         "verifies_per_iteration": [r["verifies"] for r in rows],
         "drafting_per_iteration": [r["drafting"] for r in rows],
-        "mean_verifies_per_iteration": sum(r["verifies"] for r in busy) / max(1, len(busy)),
+        "mean_verifies_per_iteration": ratio(sum(r["verifies"] for r in busy), len(busy)) or 0.0,
         "max_verifies_per_iteration": max((r["verifies"] for r in rows), default=0),
         "wait_steps": sum(r["waiting"] for r in rows),
         "full_kv_steps": sum(r["full"] for r in rows),
-        "mean_iteration_s": sum(r["seconds"] for r in rows) / max(1, len(rows)),
-        "cost_fit": fit,
+        "mean_iteration_s": ratio(sum(r["seconds"] for r in rows), len(rows)) or 0.0,
+        "cost": {
+            "draft_forward_s": ratio(sum(r["draft_s"] for r in with_draft), len(with_draft)),
+            "verify_forward_s": ratio(sum(r["verify_s"] for r in with_verify), len(with_verify)),
+            "draft_s_per_request": ratio(sum(r["draft_s"] for r in with_draft),
+                                         sum(r["drafting"] + r["full"] for r in with_draft)),
+            "verify_s_per_token": ratio(sum(r["verify_s"] for r in with_verify),
+                                        sum(r["verify_tokens"] for r in with_verify)),
+        },
     }
 
 
@@ -504,11 +510,10 @@ def main(argv=None) -> int:
     for r in report["results"]:
         if r.get("trace"):
             t = r["trace"]
-            fit = t["cost_fit"] or {}
             log(f"{r['config']}: {t['mean_verifies_per_iteration']:.2f} verifies per iteration "
                 f"(max {t['max_verifies_per_iteration']}), {t['wait_steps']} waits, "
-                f"{t['full_kv_steps']} full-KV steps; cost fit: "
-                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in fit.items()))
+                f"{t['full_kv_steps']} full-KV steps; measured: "
+                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t["cost"].items() if v is not None))
     if report["gpu_prediction"]:
         print_gpu_prediction(report["gpu_prediction"])
     log(f"wrote {out} and {out.with_suffix('.png')}")

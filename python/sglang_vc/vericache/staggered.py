@@ -143,14 +143,14 @@ class StaggeredSchedule:
         return IterationPlan(self.now, slots, due)
 
     def finish(self, plan: IterationPlan, iter_seconds: float, outcome: dict[str, "Outcome"],
-               reloaded: dict[str, int]) -> None:
+               reloaded: dict[str, int], phases: Optional[dict[str, float]] = None) -> None:
         """Record the iteration, then slide the window: the verified requests are
         re-admitted at the start of the next iteration."""
         self.iter_time = iter_seconds if self.iter_time is None else (
             (1 - self._ema) * self.iter_time + self._ema * iter_seconds)
         self.sched.set_iter_time(max(self.iter_time, 1e-4))
         if self.trace_path:
-            self._trace(plan, iter_seconds, outcome, reloaded)
+            self._trace(plan, iter_seconds, outcome, reloaded, phases or {})
         for rid in self.sched.advance():
             track = self.tracks.get(rid)
             if track is not None:
@@ -182,7 +182,7 @@ class StaggeredSchedule:
 
     # ------------------------------------------------------------------ trace
 
-    def _trace(self, plan, iter_seconds, outcome, reloaded) -> None:
+    def _trace(self, plan, iter_seconds, outcome, reloaded, phases) -> None:
         """One JSON line per iteration: what each request did, next to what ADMIT had
         reserved for it (``--vc-schedule-trace``; the tests check one against the other)."""
         rows = []
@@ -203,6 +203,7 @@ class StaggeredSchedule:
                 "reload_bytes": reloaded.get(s.track.rid, 0),
             })
         record = {"iteration": plan.iteration, "seconds": round(iter_seconds, 6),
+                  "phases": {k: round(v, 6) for k, v in phases.items()},
                   "iter_time_ema": self.sched.bw_ring.iter_time, "requests": rows}
         with open(self.trace_path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -342,6 +342,7 @@ class VeriCacheWorker(BaseSpecWorker):
         drafters = plan.of(Role.DRAFT)
         verifiers = plan.of(Role.VERIFY)
 
+        phases = {"plan_s": time.perf_counter() - started}
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)
         accept_lens = torch.zeros(bs, dtype=torch.int64)
         outcome: dict[str, Outcome] = {}
@@ -350,6 +351,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # 1. one decode forward: a draft token for the speculating requests, the next
         # (exact) token for those decoding from their full device KV
         one = drafters + full
+        mark = time.perf_counter()
         if one:
             idx = [s.index for s in one]
             tokens = torch.tensor([s.track.drafts[-1] if s.track.drafts else t0[s.index] for s in one])
@@ -369,6 +371,9 @@ class VeriCacheWorker(BaseSpecWorker):
                     accept_lens[s.index] = 1
                     sched.verified(s.track, 1)
                     outcome[s.track.rid] = Outcome(drafts=0, tokens=1)
+
+        phases["draft_s"] = time.perf_counter() - mark
+        mark = time.perf_counter()
 
         # 2. one verify forward (TARGET_VERIFY over the full KV) for the requests whose
         # reserved verify is this iteration; shorter draft runs are padded (causal mask)
@@ -419,9 +424,10 @@ class VeriCacheWorker(BaseSpecWorker):
                       committed=n_acc + len(idx), bytes_reloaded=sum(reloaded.values()))
             if failures:
                 stats.add("vericache", reload_failures=failures)
+        phases["verify_s"] = time.perf_counter() - mark
         stats.add("vericache", iterations=1, draft_steps=len(drafters), waits=len(plan.of(Role.WAIT)) +
                   len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
-        sched.finish(plan, time.perf_counter() - started, outcome, reloaded)
+        sched.finish(plan, time.perf_counter() - started, outcome, reloaded, phases)
 
         new_seq_lens = (committed + accept_lens).to(device=dev, dtype=batch.seq_lens.dtype)
         accept_tokens_dev = accept_tokens.to(device=dev, dtype=torch.int32).flatten()
