@@ -471,9 +471,9 @@ def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, t
         log_path=folder / "server.log",
     )
     try:
-        passages = real_text_passages(12, words=1200)
-        ids_list = [tokenizer(passages[i])["input_ids"][:700] for i in range(6)]
-        assert all(len(ids) == 700 for ids in ids_list)
+        stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+        ids_list = [stream[i * 700 : (i + 1) * 700] for i in range(6)]
+        assert all(len(ids) == 700 for ids in ids_list), len(stream)
         _check_identical(server, proc, model_dir, ids_list, 24)
         records = [json.loads(line) for line in (folder / "trace.jsonl").read_text().splitlines()]
         assert max(len(rec["requests"]) for rec in records) >= 4, [len(r["requests"]) for r in records]

@@ -109,6 +109,22 @@ def _correct_drafts_histogram(original, req, num_correct_drafts: int):
     return original(req, num_correct_drafts)
 
 
+def _readmit_after_compression(*args, **kwargs):
+    """SGLang stops trying to admit waiting requests once one did not fit
+    (``running_batch.batch_is_full``), and clears the flag only when a running request
+    leaves. Compression gives slots back without any request leaving: at the end of a
+    prefill forward, the dropped (or quantized) prompt rows return to the pool, and the
+    waiting requests may fit now. Without this, admission would keep counting running
+    compressed requests at their full prompt size until one finishes."""
+    from sglang_vc.kvruntime import current_runtime
+
+    runtime = current_runtime()
+    scheduler = args[0]
+    if runtime is not None and runtime.take_returned_slots() and getattr(scheduler, "running_batch", None):
+        scheduler.running_batch.batch_is_full = False
+    return None
+
+
 def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
@@ -173,6 +189,11 @@ def install() -> None:
         "sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram",
         _correct_drafts_histogram,
         HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        _readmit_after_compression,
+        HookType.BEFORE,
     )
     if _on_cpu_platform():
         _install_cpu_shims()

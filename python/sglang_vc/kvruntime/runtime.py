@@ -141,6 +141,9 @@ class KVRuntime:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
         self.full_kv_kept = None
+        # slots given back to the allocator by compression, not yet reported to the
+        # scheduler's admission (take_returned_slots)
+        self._returned_slots = 0
         logger.info(
             "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
@@ -352,8 +355,15 @@ class KVRuntime:
         live = slots[slots != NULL_SLOT]
         if live.numel():
             self.allocator.free(live.clone())
+            self._returned_slots += int(live.numel())
         row[start:end] = NULL_SLOT
         return int(live.numel())
+
+    def take_returned_slots(self) -> int:
+        """Slots compression gave back to the allocator since the last call: room that
+        appeared without any request leaving the batch."""
+        n, self._returned_slots = self._returned_slots, 0
+        return n
 
     def _finish_quantized(self, pend: _Pending) -> CompressedKVIndex:
         spec = pend.plan.spec
@@ -440,6 +450,7 @@ class KVRuntime:
         spare, spare_pos = onl.slots[kept:], onl.positions[kept:]
         if spare.numel():
             self.allocator.free(spare.clone())
+            self._returned_slots += int(spare.numel())
             self.req_to_token[entry.req_pool_idx, spare_pos] = NULL_SLOT
             entry.slots_freed += int(spare.numel())
             entry.online_evicted += int(spare.numel())

@@ -42,8 +42,10 @@ not compressed and decodes from its full device KV; a failed staged copy is retr
 synchronously, and a copy that fails every retry restores the request's full KV on the
 device from the host store (``reload_fallbacks``), from which it verifies and decodes.
 
+A token-dropping drafter's verify reloads only the dropped rows (:class:`.reload.Span`).
+
 Not built: logprobs of speculative tokens, penalties and grammar-constrained requests
-(refused); admission at the compressed size; reloading only the dropped rows.
+(refused); one fused forward per staggered iteration (drafts and verifies run as two).
 """
 
 from __future__ import annotations
