@@ -280,16 +280,29 @@ class VeriCacheWorker(BaseSpecWorker):
     def _schedule(self) -> StaggeredSchedule:
         if self._staggered is None:
             bandwidth = measure_bandwidth(self.device)
+            staging = self._staging_budget()
             sched = ReloadScheduler(window=self.window, iter_time=0.05, bandwidth=bandwidth,
-                                    hbm_bytes=self._pool_bytes(), fallback_after=self.window)
+                                    hbm_bytes=staging, fallback_after=self.window)
             self._staggered = StaggeredSchedule(sched, self.num_drafts, trace_path=self.trace_path)
             logger.info("VERICACHE staggered schedule: window %d iterations, anchor X=%d, link %.2f GB/s "
-                        "(measured), device KV budget %.1f MB", self.window, self.num_drafts,
-                        bandwidth / 1e9, self._pool_bytes() / 1e6)
+                        "(measured), staging budget %.1f MB", self.window, self.num_drafts,
+                        bandwidth / 1e9, staging / 1e6)
         return self._staggered
 
-    def _pool_bytes(self) -> int:
-        return int(self.token_to_kv_pool_allocator.size * self.runtime.bytes_per_slot)
+    def _staging_budget(self) -> int:
+        """The HBM ring's capacity: staged reloads are tensors outside SGLang's KV pool
+        (which already holds its share of the device), so they may use half of the
+        device memory free when the schedule starts -- after the weights and the pool
+        took theirs; the other half is left to activations."""
+        dev = torch.device(self.device)
+        mem_get_info = getattr(getattr(torch, dev.type, None), "mem_get_info", None)
+        if dev.type != "cpu" and mem_get_info is not None:
+            free = mem_get_info(dev)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return int(free // 2)
 
     def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
         """Bytes a verify of this request reloads; None if its KV is not compressed (it
@@ -329,8 +342,6 @@ class VeriCacheWorker(BaseSpecWorker):
             entry = self.runtime.entry_for_row(row)
             if entry is not None:
                 entry.keep_full_rows = True  # see _decode_round
-        used = self.token_to_kv_pool_allocator.size - self.token_to_kv_pool_allocator.available_size()
-        sched.sched.set_resident_bytes(used * self.runtime.bytes_per_slot)
 
         plan = sched.plan([r.rid for r in batch.reqs], rows.tolist(), committed.tolist(),
                           lambda i: self._reload_bytes(batch.reqs[i].rid, int(rows[i])))
