@@ -399,7 +399,7 @@ def main(argv=None) -> int:
                         help="VERICACHE schedules to run each vericache config under (comma-separated)")
     parser.add_argument("--quick", action="store_true",
                         help="8 requests of 2048 tokens, 32 new tokens: full, lossy and VERICACHE snapkv@0.25 "
-                        "under both schedules (about 15 minutes on 2 CPU cores)")
+                        "under both schedules (9 minutes measured on 2 CPU cores)")
     parser.add_argument("--predict-gpu", choices=sorted(GPUS), default=None,
                         help="also print appendix B.1's prediction on this GPU from the measured A(x)")
     parser.add_argument("--from-json", default=None,
