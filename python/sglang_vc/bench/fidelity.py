@@ -277,7 +277,8 @@ def _kl(lp_full, lp_lossy) -> float:
 
 def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec], n_new: int,
                draft_lengths: Sequence[int], *, snapkv_window: int = 32, kvzip_prompt: str = KVZIP_PROMPT,
-               req_id: Any = 0, first_chunk: int = FIRST_CHUNK,
+               req_id: Any = 0, first_chunk: int = FIRST_CHUNK, specache: Sequence[Any] = (),
+               needle_item: dict | None = None,
                log: Callable[[str], None] = _log) -> tuple[dict, list[dict]]:
     """One prompt: the full-KV trajectory, then every compressor. Returns
     ``(prompt_info, [per-compressor result])``.
@@ -469,6 +470,25 @@ def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec],
             + " ".join(f"x={x}:{al[str(x)]:.2f}" for x in sorted(acc))
             + f"  ({compress_s + tf_s + rounds_s:.1f}s, {work['forwards']} draft forwards)")
         del lossy, snapshots, comp
+
+    # ---- SpeCache configurations (bench.specache_hf), after the compressors
+    if needle_item is not None and tokenizer is not None:
+        from .workloads import needle_found
+
+        info["needle_found"] = needle_found(tokenizer.decode(y[:n_new]), needle_item)
+    if specache:
+        from .specache_hf import evaluate
+
+        sess.activate(None)
+        for cfg in specache:
+            r = evaluate(sess, tokenizer, cfg, prompt_base, T, y, lp_step, n_new, xs, near_ties,
+                         needle_item=needle_item)
+            results.append(r)
+            al = r["acceptance_length"]
+            log(f"  {cfg.label:<20} device KV {r['device_kv_fraction']:.3f}  cumKL {r['cumulative_kl'][-1]:.3f}"
+                f"  first div {r['first_divergence']}  hit {r['prefetch_hit'] if r['prefetch_hit'] is None else round(r['prefetch_hit'], 3)}"
+                + (f"  needle {r['needle_found']}" if "needle_found" in r else "")
+                + "  acc " + " ".join(f"x={x}:{al[str(x)]:.2f}" for x in sorted(xs)) + f"  ({r['seconds']:.1f}s)")
     return info, results
 
 
@@ -512,15 +532,57 @@ def aggregate(spec: CompressorSpec, per_prompt: list[dict], n_new: int) -> dict:
         "rounds": rounds,
         "kept_fraction": sum(pp["kept_fraction"] for pp in per_prompt) / n,
         "stored_bits_per_element": sum(pp["stored_bits_per_element"] for pp in per_prompt) / n,
+        **_means(per_prompt, ("device_kv_fraction", "prefetch_hit")),
+        **_needle(per_prompt),
         "per_prompt": per_prompt,
     }
 
 
+def _means(per_prompt: list[dict], keys: Sequence[str]) -> dict:
+    """Means of the per-prompt fields some methods report (SpeCache's), where present."""
+    out = {}
+    for k in keys:
+        vals = [pp[k] for pp in per_prompt if pp.get(k) is not None]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+def _needle(per_prompt: list[dict]) -> dict:
+    found = [pp["needle_found"] for pp in per_prompt if "needle_found" in pp]
+    return {"needle_accuracy": sum(found) / len(found), "needle_prompts": len(found)} if found else {}
+
+
+@dataclass(frozen=True)
+class SpeCacheSpec:
+    """A SpeCache configuration as a row of the lab's results (``compressor`` names the
+    variant, e.g. ``specache@1b``; ``kivi1@1b/r128`` is plain KIVI under the same
+    simulation)."""
+
+    config: Any  # sglang_vc.specache.config.SpeCacheConfig
+    scenario: str = "quantization"
+    mode: str = "specache"
+
+    @property
+    def name(self) -> str:
+        return self.config.label
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    def key(self) -> dict:
+        return self.config.describe()
+
+
 def run_fidelity(sess, tokenizer, prompts: Sequence[dict], specs: Sequence[CompressorSpec], n_new: int,
                  draft_lengths: Sequence[int], *, chat_template: bool = True, snapkv_window: int = 32,
-                 kvzip_prompt: str = KVZIP_PROMPT, log: Callable[[str], None] = _log) -> dict:
+                 kvzip_prompt: str = KVZIP_PROMPT, specache: Sequence[Any] = (),
+                 log: Callable[[str], None] = _log) -> dict:
     """Run the lab over ``prompts`` (dicts with ``prompt``, optional ``id``/``workload``);
-    returns ``{"prompts": [...], "results": [...]}`` (aggregated per compressor)."""
+    returns ``{"prompts": [...], "results": [...]}`` (aggregated per compressor, then per
+    SpeCache configuration)."""
+    specs = list(specs) + [SpeCacheSpec(c) for c in specache]
     per_spec: list[list[dict]] = [[] for _ in specs]
     infos = []
     t_all = time.perf_counter()
@@ -528,14 +590,18 @@ def run_fidelity(sess, tokenizer, prompts: Sequence[dict], specs: Sequence[Compr
         ids = encode(tokenizer, item["prompt"], chat_template)
         pid = str(item.get("id", f"prompt-{i}"))
         log(f"[{i + 1}/{len(prompts)}] {pid} ({item.get('workload', '-')}, {len(ids)} tokens)")
-        info, res = run_prompt(sess, tokenizer, ids, specs, n_new, draft_lengths, snapkv_window=snapkv_window,
-                               kvzip_prompt=kvzip_prompt, req_id=i, log=log)
+        info, res = run_prompt(sess, tokenizer, ids, [s for s in specs if not isinstance(s, SpeCacheSpec)],
+                               n_new, draft_lengths, snapkv_window=snapkv_window, kvzip_prompt=kvzip_prompt,
+                               req_id=i, specache=list(specache),
+                               needle_item=item if "needle" in item else None, log=log)
         meta = {"id": pid, "workload": item.get("workload")}
         infos.append({**meta, **info})
         for j, r in enumerate(res):
             per_spec[j].append({**meta, **r})
     log(f"done: {len(prompts)} prompts x {len(specs)} compressors in {time.perf_counter() - t_all:.0f}s")
     results = [aggregate(s, pp, n_new) for s, pp in zip(specs, per_spec)]
+    needles = [info["needle_found"] for info in infos if "needle_found" in info]
+    full_kv = {"needle_accuracy": sum(needles) / len(needles), "needle_prompts": len(needles)} if needles else {}
     by_workload = {}
     for w in sorted({str(it.get("workload")) for it in prompts}):
         by_workload[w] = {}
@@ -543,8 +609,9 @@ def run_fidelity(sess, tokenizer, prompts: Sequence[dict], specs: Sequence[Compr
             sub = [p for p in pp if str(p["workload"]) == w]
             a = aggregate(s, sub, n_new)
             by_workload[w][s.label] = {k: a[k] for k in ("prompts", "final_cumulative_kl", "first_divergence",
-                                                         "diverged_prompts", "acceptance_length")}
-    return {"prompts": infos, "results": results, "by_workload": by_workload}
+                                                         "diverged_prompts", "acceptance_length",
+                                                         "needle_accuracy", "device_kv_fraction") if k in a}
+    return {"prompts": infos, "results": results, "by_workload": by_workload, "full_kv": full_kv}
 
 
 # ============================================================================ output
@@ -611,6 +678,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compressors", default="all",
                     help="comma-separated compressor names, NAME:VALUE for a per-method ratio/bits, 'all' "
                          "for every registered method not listed (default %(default)s)")
+    ap.add_argument("--specache", default="", metavar="VARIANTS",
+                    help="SpeCache configurations, comma-separated BITSb[/kK][/rR][/gG][/nonspec]: e.g. "
+                         "'1b,2b,1b/nonspec,1b/k16,1b/k256,1b/k0/r128' (k0 = plain KIVI under the same "
+                         "simulation; defaults k64, r64, g32). Use --compressors none to run only these")
     ap.add_argument("--compression-ratio", type=float, default=None,
                     help=f"fraction of the KV kept by token-dropping methods, in (0, 1] (default {DEFAULT_RATIO})")
     ap.add_argument("--kv-bits", type=float, default=None,
@@ -637,6 +708,19 @@ def _validate(ap: argparse.ArgumentParser, args) -> list[CompressorSpec]:
         if not float(bits).is_integer():
             ap.error(f"--kv-bits must be an integer bit width, got {bits:g}")
         bits = int(bits)
+    from sglang_vc.specache.config import parse_variant
+
+    try:
+        args.specache_configs = [parse_variant(v) for v in args.specache.split(",") if v.strip()]
+    except ValueError as e:
+        ap.error(f"--specache: {e}")
+    labels = [c.label for c in args.specache_configs]
+    if len(set(labels)) != len(labels):
+        ap.error(f"--specache lists a configuration twice: {', '.join(labels)}")
+    if args.compressors.strip().lower() == "none":
+        if not args.specache_configs:
+            ap.error("--compressors none needs --specache")
+        return []
     try:
         specs = parse_compressors(args.compressors, args.compression_ratio, bits)
     except ValueError as e:
@@ -716,7 +800,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
     t0 = time.perf_counter()
     out = run_fidelity(sess, tokenizer, prompts, specs, args.max_new_tokens, args.draft_lengths,
-                       chat_template=chat, snapkv_window=args.snapkv_window, kvzip_prompt=args.kvzip_prompt)
+                       chat_template=chat, snapkv_window=args.snapkv_window, kvzip_prompt=args.kvzip_prompt,
+                       specache=args.specache_configs)
     elapsed = time.perf_counter() - t0
     cfg = model.config
     doc = {
@@ -728,6 +813,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "input": args.input, "workload": args.workload, "n": args.n, "max_tokens": args.max_tokens,
             "workload_params": args.sets, "seed": args.seed,
             "compressors": [s.label for s in specs],
+            "specache": [c.label for c in args.specache_configs],
             "compression_ratio": args.compression_ratio if args.compression_ratio is not None else DEFAULT_RATIO,
             "kv_bits": {s.label: s.value for s in specs if s.scenario == "quantization"},
             "max_new_tokens": args.max_new_tokens, "draft_lengths": sorted(set(args.draft_lengths)),
@@ -754,6 +840,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "on top of the prompt's full KV; recon_keys passed",
                 "quantization": "prompt K/V replaced by dequantized values (residual window exact); "
                                 "generated tokens full precision",
+                "specache": "bench.specache_hf: the prompt and then the decode tail quantized by KIVI as the "
+                            "server does; each step forwards the output and the speculative token, the output "
+                            "attends with the previous step's top-k rows in full precision (eq. 1); kl/first "
+                            "divergence teacher-forced against the token-by-token full-KV log-probs; "
+                            "acceptance_length: SpeCache as VeriCache's drafter, resuming in the state the "
+                            "teacher-forced pass reached; prefetch_hit: attention mass of the output token's "
+                            "own top-k on the prefetched rows; needle_accuracy: free-running answer contains "
+                            "the needle",
             },
         },
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -775,11 +869,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def summary_table(doc: dict) -> str:
     res = doc["results"]
     xs = sorted({int(x) for r in res for x in r["acceptance_length"]})
-    head = f"{'compressor':<20} {'cumKL':>8} {'1st div':>8} " + " ".join(f"{'x=' + str(x):>7}" for x in xs)
+    head = (f"{'compressor':<20} {'cumKL':>8} {'1st div':>8} {'dev KV':>7} {'needle':>7} "
+            + " ".join(f"{'x=' + str(x):>7}" for x in xs))
     lines = [head]
+    full = doc.get("full_kv") or {}
+    if "needle_accuracy" in full:
+        lines.append(f"{'full KV':<20} {0.0:>8.3f} {'-':>8} {1.0:>7.3f} {full['needle_accuracy']:>7.2f}")
     for r in res:
         fd = "-" if r["first_divergence"] is None else f"{r['first_divergence']:.1f}"
-        lines.append(f"{r['label']:<20} {r['final_cumulative_kl']:>8.3f} {fd:>8} "
+        dev = f"{r['device_kv_fraction']:.3f}" if "device_kv_fraction" in r else "-"
+        needle = f"{r['needle_accuracy']:.2f}" if "needle_accuracy" in r else "-"
+        lines.append(f"{r['label']:<20} {r['final_cumulative_kl']:>8.3f} {fd:>8} {dev:>7} {needle:>7} "
                      + " ".join(f"{r['acceptance_length'][str(x)]:>7.2f}" for x in xs))
     return "\n".join(lines)
 
