@@ -105,11 +105,14 @@ def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None
     from sglang_vc.evicpress import flags as evicpress_flags
     from sglang_vc.kvruntime import ATTENTION_BACKEND
     from sglang_vc.kvruntime.select import lossy_choice
+    from sglang_vc.specache import flags as specache_flags
     from sglang_vc.vericache import flags as vericache_flags
 
+    specache_flags.check_usage(vc_config.group(specache_flags.GROUP), argv)
     choices = [c for c in (
         lossy_choice(vc_config, argv),
         vericache_flags.backend_choice(argv),
+        specache_flags.backend_choice(argv),
         evicpress_flags.backend_choice(evicpress_flags.settings_of(vc_config), argv),
     ) if c is not None]
     if len(choices) > 1:
@@ -117,7 +120,7 @@ def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None
     if choices:
         return choices[0]
     given = flag_value(argv, "--attention-backend")[1]
-    if given in (ATTENTION_BACKEND, vericache_flags.ATTENTION_BACKEND):
+    if given in (ATTENTION_BACKEND, vericache_flags.ATTENTION_BACKEND, specache_flags.ATTENTION_BACKEND):
         return BackendChoice(given, None, f"--attention-backend {given}")
     return None
 

@@ -141,6 +141,14 @@ class KVRuntime:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
         self.full_kv_kept = None
+        # ... and, when decode quantizes a tail group, gets that group's full KV before
+        # its slots are freed: ``streamed(rid, req_pool_idx, layer_id, start, k, v)``
+        # (SpeCache's host copy grows with the quantized part).
+        self.full_kv_streamed = None
+        # When the payload store is full, a quantized request's dequantized values are
+        # written over its own rows (lossy, nothing saved). A user that must know which
+        # rows are quantized (SpeCache) sets False: such a request then keeps its full KV.
+        self.in_place_fallback = True
         # slots given back to the allocator by compression, not yet reported to the
         # scheduler's admission (take_returned_slots)
         self._returned_slots = 0
@@ -156,6 +164,11 @@ class KVRuntime:
         if name not in self._compressors:
             self._compressors[name] = get_compressor(name)
         return self._compressors[name]
+
+    def use_compressor(self, compressor: Compressor) -> None:
+        """Serve every request whose spec names ``compressor.name`` with this instance
+        (e.g. KIVI at another residual length or group size than its defaults)."""
+        self._compressors[compressor.name] = compressor
 
     def plan(self, rid: str, custom_params: Any, prefill_len: int) -> RequestPlan:
         """Plan (or re-plan, e.g. after a retraction) request ``rid``."""
@@ -372,12 +385,15 @@ class KVRuntime:
         if not pend.n_quant:  # 16 bits, or too short to quantize: nothing changes
             return entry
         nbytes = sum(c.nbytes() for c in pend.layers.values())
-        entry.quantized_tokens = pend.n_quant
         if self.payload_bytes + nbytes <= self.payload_budget:
             self.payload_bytes += nbytes
+            entry.quantized_tokens = pend.n_quant
             entry.payload = QuantPayload(pend.layers, pend.n_quant, nbytes)
             entry.row_start = entry.attend_from = pend.n_quant
             return entry
+        stats.add("compression", payload_store_full=1)
+        if not self.in_place_fallback:
+            return entry  # the request keeps its full KV on the device
         # The store is full: write the dequantized values over the request's own rows
         # (same output as with the payload, no memory saved). Rows [0, p) belong to the
         # radix tree and keep their full-precision values.
@@ -389,7 +405,6 @@ class KVRuntime:
             kernels.write_rows(self.kv_pool.get_value_buffer(layer_id), own, v[pend.p :])
         entry.in_place = True
         entry.quantized_tokens = max(0, pend.n_quant - pend.p)
-        stats.add("compression", payload_store_full=1)
         return entry
 
     # ------------------------------------------------------------------ attention
@@ -412,6 +427,15 @@ class KVRuntime:
             pk, pv = KIVI.dequantize(entry.payload.layers[layer_id])
         k, v = kernels.gather_kv(k_buf, v_buf, slots, pk, pv)
         return k, v, entry.num_payload_rows, positions
+
+    def payload_kv(self, entry: CompressedKVIndex, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized payload of ``layer_id`` (row positions ``[0, num_payload_rows)``),
+        ``[n, H, D]`` K and V; empty when the request has no payload."""
+        if entry.payload is None:
+            k0 = self.kv_pool.get_key_buffer(layer_id)
+            v0 = self.kv_pool.get_value_buffer(layer_id)
+            return k0[:0], v0[:0]
+        return KIVI.dequantize(entry.payload.layers[layer_id])
 
     # ------------------------------------------------------------------ online
 
@@ -464,6 +488,14 @@ class KVRuntime:
 
     # ------------------------------------------------------------------ KIVI streaming
 
+    def stream_tail(self, req_pool_idx: int, seq_len: int) -> None:
+        """KIVI's decode-time quantization for the request in row ``req_pool_idx`` whose
+        KV is final up to ``seq_len`` (a worker that forwards decode tokens outside plain
+        ``DECODE`` forwards calls this after committing them)."""
+        entry = self.index.get(req_pool_idx)
+        if entry is not None and entry.spec.scenario == "quantization":
+            self._quantize_tail(entry, seq_len)
+
     def _quantize_tail(self, entry: CompressedKVIndex, seq_len: int) -> None:
         """KIVI during decode: once the full-precision tail reaches ``residual_length +
         group_size`` tokens, quantize its oldest ``group_size`` tokens (one more key group),
@@ -496,6 +528,11 @@ class KVRuntime:
         added = nbytes - (entry.payload.nbytes if entry.payload is not None else 0)
         if self.payload_bytes + added > self.payload_budget:
             return  # the store is full: the tail stays in full precision
+        if self.full_kv_streamed is not None:
+            for layer_id in range(self.start_layer, self.last_layer + 1):
+                self.full_kv_streamed(entry.rid, entry.req_pool_idx, layer_id, start,
+                                      self.kv_pool.get_key_buffer(layer_id)[rows],
+                                      self.kv_pool.get_value_buffer(layer_id)[rows])
         self.payload_bytes += added
         entry.payload = QuantPayload(layers, start + g, nbytes)
         entry.row_start = entry.attend_from = start + g
@@ -510,9 +547,11 @@ class KVRuntime:
             meta.update(entry.summary())
 
     def compressor_with(self, name: str, **config) -> Compressor:
-        key = (name, tuple(sorted(config.items())))
+        """The instance serving ``name`` with some of its settings changed."""
+        base = self.compressor(name)
+        key = (name, id(base), tuple(sorted(config.items())))
         if key not in self._compressors:
-            self._compressors[key] = get_compressor(name, **config)
+            self._compressors[key] = dataclasses.replace(base, **config)
         return self._compressors[key]
 
     # ------------------------------------------------------------------ release

@@ -4,4 +4,3 @@ ALGORITHM = "VERICACHE"
 ATTENTION_BACKEND = "vc_verify"  # vc_torch plus TARGET_VERIFY over the full KV
 DEFAULT_DRAFT_TOKENS = 4
 META_INFO_KEY = "sglang_vc_vericache"
-WORKER_PATH = "sglang_vc.vericache.worker:VeriCacheWorker"

@@ -73,22 +73,27 @@ def unsupported_request(req: Any) -> list[str]:
     return [name for name, is_set in _REQUEST if is_set(getattr(req, name, None))]
 
 
-def _serving_vericache() -> bool:
+def _serving() -> Optional[str]:
+    """The project's speculative algorithm this server runs (VERICACHE, or SPECACHE,
+    whose worker picks each token with the same function), None for any other."""
     from sglang.srt.runtime_context import get_server_args
+
+    from sglang_vc.speculative import supported_algorithms
 
     try:
         server_args = get_server_args()
     except ValueError:  # "Global server args is not set yet!": not in a server
-        return False
+        return None
     algo: Optional[str] = getattr(server_args, "speculative_algorithm", None)
-    return bool(algo) and str(algo).upper() == ALGORITHM
+    algo = str(algo).upper() if algo else None
+    return algo if algo in supported_algorithms() else None
 
 
-def _refuse(names: list[str]) -> None:
+def _refuse(names: list[str], algorithm: str = ALGORITHM) -> None:
     if names:
         raise ValueError(
             f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with "
-            f"--speculative-algorithm {ALGORITHM}: its verifier cannot apply "
+            f"--speculative-algorithm {algorithm}: its worker cannot apply "
             f"{'it' if len(names) == 1 else 'them'} exactly as full-KV decoding does "
             "(supported: temperature, top_k, top_p, min_p, logit_bias, sampling_seed)")
 
@@ -96,12 +101,14 @@ def _refuse(names: list[str]) -> None:
 def check_sampling_params(sampling_params: Any) -> None:
     """``ValueError`` (HTTP 400) naming each sampling parameter a VERICACHE server
     cannot honour; nothing on any other server."""
-    if _serving_vericache():
-        _refuse(unsupported_sampling(sampling_params))
+    algorithm = _serving()
+    if algorithm:
+        _refuse(unsupported_sampling(sampling_params), algorithm)
 
 
 def check_request(req: Any) -> None:
     """``ValueError`` (HTTP 400) naming each request option a VERICACHE server cannot
     honour; nothing on any other server."""
-    if _serving_vericache():
-        _refuse(unsupported_request(req))
+    algorithm = _serving()
+    if algorithm:
+        _refuse(unsupported_request(req), algorithm)

@@ -50,7 +50,6 @@ Not built: logprobs of speculative tokens, penalties and grammar-constrained req
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,11 +57,11 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import get_runtime
+from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
 from .names import META_INFO_KEY
@@ -77,43 +76,29 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- worker
 
 
-class VeriCacheWorker(BaseSpecWorker):
+class VeriCacheWorker(ChainSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
-        super().__init__()
         from sglang.srt.runtime_context import get_device, get_spec
 
-        self.server_args = server_args
-        self._target_worker = target_worker
-        self.model_runner = target_worker.model_runner
-        self.num_drafts: int = int(get_spec().speculative_num_draft_tokens)
-        self.width = self.num_drafts + 1  # verify tokens per request: t0 + X drafts
-        self.device = get_device().device
-        from sglang_vc.config import get_vc_config
-
-        settings = get_vc_config(server_args).group(flags.GROUP)
-        self.host = HostKVStore(flags.host_kv_bytes(settings))
-        self.schedule = flags.schedule(settings)
+        num_drafts = int(get_spec().speculative_num_draft_tokens)
+        settings = _settings(server_args)
+        schedule = flags.schedule(settings)
         # staggered: a request drafts up to 2X - 1 tokens between verifies (ADMIT searches
         # X-1, X+1, ...), all inside the 2X slots SGLang reserves past its committed length
-        self.window = 2 * self.num_drafts
-        self.stride = self.width if self.schedule is flags.Schedule.LOCKSTEP else self.window
+        window = 2 * num_drafts
+        super().__init__(target_worker, stride=num_drafts + 1 if schedule is flags.Schedule.LOCKSTEP else window)
+        self.server_args = server_args
+        self.num_drafts: int = num_drafts
+        self.width = self.num_drafts + 1  # verify tokens per request: t0 + X drafts
+        self.device = get_device().device
+        self.host = HostKVStore(flags.host_kv_bytes(settings))
+        self.schedule = schedule
+        self.window = window
         self.trace_path = flags.trace_path(settings)
         self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
         self.per_request: dict[str, dict] = {}
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
-
-    # ------------------------------------------------------------------ SGLang plumbing
-
-    @property
-    def draft_worker(self):
-        return None  # the drafter is the target model on the compressed KV
-
-    def alloc_memory_pool(self, **kwargs):
-        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
-
-    def clear_cache_pool(self):
-        pass
 
     @property
     def runtime(self):
@@ -133,8 +118,6 @@ class VeriCacheWorker(BaseSpecWorker):
     # ------------------------------------------------------------------ entry point
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
-        from sglang.srt.managers.utils import GenerationBatchResult
-
         runtime = self.runtime  # installs the host sink before the first prefill
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
             if self.schedule is flags.Schedule.STAGGERED:
@@ -142,36 +125,12 @@ class VeriCacheWorker(BaseSpecWorker):
             else:
                 result = self._decode_round(batch)
         else:
-            res = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
-            predict = res.next_token_ids
-            bs = len(batch.reqs)
-            accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int32, device=predict.device)
-            if bs:
-                accept_tokens[:, 0] = predict
-            accept_lens = torch.ones(bs, dtype=torch.int32, device=predict.device)
-            result = GenerationBatchResult(
-                logits_output=res.logits_output,
-                next_token_ids=predict,
-                can_run_cuda_graph=res.can_run_cuda_graph,
-                accept_lens=accept_lens,
-                new_seq_lens=batch.seq_lens,
-                next_draft_input=self._draft_input(batch.seq_lens.clone(), accept_tokens.flatten(), accept_lens),
-                speculative_num_draft_tokens=self.stride,
-                speculative_output_stride=self.stride,
-            )
+            result = self.prefill_result(batch, pp_proxy_tensors)
         self.host.retain(runtime.compressed_rids())
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
         return result
-
-    def _draft_input(self, new_seq_lens, accept_tokens, accept_lens):
-        from sglang.srt.speculative.ngram_info import NgramVerifyInput
-
-        # SGLang's chain/tree verify input carries the per-request accept state between
-        # rounds (filter/merge on batch changes); VeriCache keeps nothing else there.
-        return NgramVerifyInput(draft_token_num=self.stride, new_seq_lens=new_seq_lens,
-                                accept_tokens=accept_tokens, accept_lens=accept_lens)
 
     # ------------------------------------------------------------------ one round
 
@@ -211,7 +170,7 @@ class VeriCacheWorker(BaseSpecWorker):
             cur = t0
             for j in range(x):
                 lens = committed + j + 1
-                self._set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
+                self.set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
                 res = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 draft_logits = res.logits_output.next_token_logits
                 if bias is not None:
@@ -221,8 +180,8 @@ class VeriCacheWorker(BaseSpecWorker):
 
             # 3. verify t0 + drafts in one forward over the full KV
             verify_ids = torch.cat([t0[:, None], drafts], dim=1)  # [bs, W]
-            spec_info = self._verify_input(verify_ids, positions, committed, dev)
-            self._set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
+            spec_info = self.verify_input(verify_ids, positions, committed, dev)
+            self.set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
                             slots.flatten(), spec_info, seq_dtype, dev)
             attn.reload = reload
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
@@ -236,7 +195,7 @@ class VeriCacheWorker(BaseSpecWorker):
         logits = res.logits_output.next_token_logits.view(bs, w, -1)
 
         # 4. accept
-        targets = self._targets(logits, batch, positions).to("cpu", torch.int64)
+        targets = self.targets(logits, batch, positions).to("cpu", torch.int64)
         verdict = greedy_verify_ids(drafts, targets, pad_id=0)
         accepted = verdict.num_accepted  # [bs]
         accept_lens = verdict.num_tokens.to(torch.int32)
@@ -257,7 +216,7 @@ class VeriCacheWorker(BaseSpecWorker):
             can_run_cuda_graph=False,
             accept_lens=accept_lens_dev,
             new_seq_lens=new_seq_lens,
-            next_draft_input=self._draft_input(new_seq_lens, accept_tokens_dev, accept_lens_dev),
+            next_draft_input=self.draft_input(new_seq_lens, accept_tokens_dev, accept_lens_dev),
             speculative_num_draft_tokens=w,
             speculative_output_stride=w,
         )
@@ -328,9 +287,6 @@ class VeriCacheWorker(BaseSpecWorker):
 
     @torch.inference_mode()
     def _staggered_round(self, batch):
-        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-        from sglang.srt.managers.utils import GenerationBatchResult
-
         started = time.perf_counter()
         sched = self._schedule()
         bs, dev = len(batch.reqs), batch.seq_lens.device
@@ -370,12 +326,12 @@ class VeriCacheWorker(BaseSpecWorker):
             tokens = torch.tensor([s.track.drafts[-1] if s.track.drafts else t0[s.index] for s in one])
             pos = torch.tensor([s.track.committed + len(s.track.drafts) for s in one])
             slots = req_to_token[rows[idx].to(req_to_token.device), pos.to(req_to_token.device)]
-            sub = self._sub_batch(batch, idx)
-            logits = self._forward(sub, ForwardMode.DECODE, tokens, pos + 1, slots, None)
+            sub = self.sub_batch(batch, idx)
+            logits = self.forward_sub(sub, ForwardMode.DECODE, tokens, pos + 1, slots, None)
             bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
             biased = logits.float() if bias is None else logits.float() + bias[:, : logits.shape[-1]].to(logits.device)
             draft_ids = biased.argmax(-1).to("cpu", torch.int64)
-            exact = self._targets(logits[:, None, :], sub, pos[:, None]).to("cpu", torch.int64)[:, 0] if full else None
+            exact = self.targets(logits[:, None, :], sub, pos[:, None]).to("cpu", torch.int64)[:, 0] if full else None
             for k, s in enumerate(one):
                 if s.role is Role.DRAFT:
                     s.track.drafts.append(int(draft_ids[k]))
@@ -409,17 +365,17 @@ class VeriCacheWorker(BaseSpecWorker):
                 if s.track.reload is not None:
                     reloads[k] = s.track.reload
             staging = _Staging(reloads) if reloads else None
-            sub = self._sub_batch(batch, idx)
+            sub = self.sub_batch(batch, idx)
             attn = self.model_runner.attn_backend
             try:
                 attn.reload = staging
-                logits = self._forward(sub, ForwardMode.TARGET_VERIFY, ids.flatten(), base,
-                                       slots.flatten(), self._verify_input(ids, positions, base, dev))
+                logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids.flatten(), base,
+                                       slots.flatten(), self.verify_input(ids, positions, base, dev))
             finally:
                 attn.reload = None
                 for r in reloads.values():
                     r.close()
-            targets = self._targets(logits.view(len(idx), w, -1), sub, positions).to("cpu", torch.int64)
+            targets = self.targets(logits.view(len(idx), w, -1), sub, positions).to("cpu", torch.int64)
             verdict = greedy_verify_ids(drafts, targets, draft_lens=lens, pad_id=0)
             failures = 0
             for k, s in enumerate(verifiers):
@@ -442,19 +398,7 @@ class VeriCacheWorker(BaseSpecWorker):
                   len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
         sched.finish(plan, time.perf_counter() - started, outcome, reloaded, phases)
 
-        new_seq_lens = (committed + accept_lens).to(device=dev, dtype=batch.seq_lens.dtype)
-        accept_tokens_dev = accept_tokens.to(device=dev, dtype=torch.int32).flatten()
-        accept_lens_dev = accept_lens.to(device=dev, dtype=torch.int32)
-        return GenerationBatchResult(
-            logits_output=LogitsProcessorOutput(next_token_logits=None),
-            next_token_ids=accept_tokens_dev,
-            can_run_cuda_graph=False,
-            accept_lens=accept_lens_dev,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=self._draft_input(new_seq_lens, accept_tokens_dev, accept_lens_dev),
-            speculative_num_draft_tokens=self.stride,
-            speculative_output_stride=self.stride,
-        )
+        return self.result(batch, accept_tokens, accept_lens)
 
     def _fall_back(self, track) -> bool:
         """ADMIT gave up on this request (deferred too often, or its reload can never
@@ -469,59 +413,6 @@ class VeriCacheWorker(BaseSpecWorker):
         self._staggered.fall_back(track)
         stats.add("vericache", fallbacks=1, admit_fallbacks=1)
         return True
-
-    def _sub_batch(self, batch, indices: list[int]):
-        """The requests ``indices`` of the batch, as a batch of their own (SGLang's
-        ``filter_batch`` on a shallow copy; the sampling info is copied, not shared)."""
-        sub = copy.copy(batch)
-        sub.sampling_info = copy.copy(batch.sampling_info)
-        if sub.sampling_info is not None and sub.sampling_info.penalizer_orchestrator is None:
-            # the forward's copy of the batch carries no penalizers (VERICACHE refuses
-            # penalties at the API), so there is nothing to filter there
-            sub.sampling_info.penalizer_orchestrator = _NoPenalties()
-        sub.spec_info = None
-        sub.filter_batch(keep_indices=list(indices))
-        return sub
-
-    def _forward(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info) -> torch.Tensor:
-        self._set_batch(sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info,
-                        sub.seq_lens.dtype, sub.seq_lens.device)
-        res = self.target_worker.forward_batch_generation(sub, is_verify=True)
-        return res.logits_output.next_token_logits
-
-    def _set_batch(self, batch, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, seq_dtype, dev):
-        """Point the (isolated) schedule batch at one forward of the round."""
-        batch.forward_mode = mode
-        batch.input_ids = input_ids.to(device=dev, dtype=torch.int64)
-        batch.seq_lens = seq_lens_cpu.to(device=dev, dtype=seq_dtype)
-        batch.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
-        batch.seq_lens_sum = int(seq_lens_cpu.sum())
-        if getattr(batch, "orig_seq_lens", None) is not None:
-            batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
-        batch.out_cache_loc = out_cache_loc.to(device=dev, dtype=torch.int64)
-        batch.spec_info = spec_info
-
-    def _verify_input(self, verify_ids, positions, committed, dev):
-        from sglang.srt.speculative.ngram_info import NgramVerifyInput
-
-        bs, w = verify_ids.shape
-        # A causal chain (NGRAM's tree with topk=1): query k sees the committed prefix and
-        # verify tokens 0..k. Flattened per request as [W, L + W], as SGLang's verify
-        # attention backends read it (the vc_verify backend builds the same mask itself).
-        chain = torch.tril(torch.ones(w, w, dtype=torch.bool))
-        mask = torch.cat([torch.cat([torch.ones(w, int(l), dtype=torch.bool), chain], 1).flatten()
-                          for l in committed.tolist()]).to(dev)
-        spec_info = NgramVerifyInput(
-            draft_token=verify_ids.flatten().to(dev),
-            custom_mask=mask,
-            positions=positions.flatten().to(dev),
-            retrieve_index=torch.arange(bs * w, device=dev).view(bs, w),
-            retrieve_next_token=None,
-            retrieve_next_sibling=None,
-            draft_token_num=w,
-        )
-        spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
-        return spec_info
 
     def _start_reload(self, batch, rows):
         """Kick off the staged reload of every request of the batch that is compressed
@@ -566,47 +457,10 @@ class VeriCacheWorker(BaseSpecWorker):
             k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, slots.to(k_buf.device))
         return k, v
 
-    def _targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
-        """The verifier's token at each of the W positions ``[bs, W]``, chosen from the
-        full-KV logits as SGLang's sampler chooses in full-KV decoding: ``logit_bias``
-        added; argmax for greedy requests; otherwise softmax at the request's temperature,
-        then SGLang's own top-k / top-p / min-p sampling, seeded per request and position
-        under deterministic inference. Penalties and grammars are refused at the API
-        (:mod:`.requests`)."""
-        from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+def _settings(server_args) -> dict:
+    from sglang_vc.config import get_vc_config
 
-        bs, w, vocab = logits.shape
-        info = batch.sampling_info
-        logits = logits.float()
-        if info is not None and info.logit_bias is not None:
-            logits = logits + info.logit_bias[:, None, : vocab].to(logits.device)
-        if info is None or info.is_all_greedy:
-            return logits.argmax(-1)
-
-        def per_position(t):  # [bs] -> [bs * W]
-            return t.view(-1).repeat_interleave(w)
-
-        flat = logits.view(bs * w, vocab)
-        probs = torch.softmax(flat / per_position(info.temperatures.float())[:, None], dim=-1)
-        seed = info.sampling_seed
-        ids = top_k_top_p_min_p_sampling_from_probs_torch(
-            probs,
-            per_position(info.top_ks),
-            per_position(info.top_ps.float()),
-            per_position(info.min_ps.float()),
-            bool(info.need_min_p_sampling),
-            None if seed is None else per_position(seed),
-            positions.reshape(-1).to(probs.device),
-        )
-        targets = ids.view(bs, w).to(torch.int64)
-        # greedy requests of a mixed batch (SGLang gives them top_k = 1): exact argmax
-        greedy = (info.top_ks.view(-1) <= 1).to(targets.device)
-        return torch.where(greedy[:, None], logits.argmax(-1), targets)
-
-
-class _NoPenalties:
-    def filter(self, keep_indices) -> None:
-        pass
+    return get_vc_config(server_args).group(flags.GROUP)
 
 
 class _Staging:

@@ -19,7 +19,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 from . import flags
-from .names import ALGORITHM, ATTENTION_BACKEND, DEFAULT_DRAFT_TOKENS, WORKER_PATH
+from .names import ALGORITHM, ATTENTION_BACKEND, DEFAULT_DRAFT_TOKENS
 # Online compressors evict rows of the request's own row during decode (they compact
 # into the slots of committed tokens), which would overwrite the full KV the verifier
 # reads; VeriCache needs the committed tokens' KV untouched.
@@ -34,72 +34,16 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang.srt.speculative.spec_registry import get_spec
+    from sglang_vc.speculative import register_algorithm
 
-    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
-        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
-    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([ATTENTION_BACKEND])
-    if get_spec(ALGORITHM) is None:
-        SpeculativeAlgorithm.register(
-            ALGORITHM,
-            supports_overlap=False,
-            validate_server_args=validate_server_args,
-            spec_class=_spec_class(),
-        )(worker_factory)
-
-
-def worker_factory(server_args):
-    """The worker class (SGLang's ``create_worker`` on CUDA; the CPU platform asks
-    ``sglang_vc.speculative.worker_cls_for`` instead)."""
-    import pkgutil
-
-    return pkgutil.resolve_name(WORKER_PATH)
+    register_algorithm(ALGORITHM, ATTENTION_BACKEND, _create_attention_backend, validate_server_args,
+                       handle_server_args)
 
 
 def _create_attention_backend(model_runner):
     from .attention import VeriCacheAttnBackend
 
     return VeriCacheAttnBackend(model_runner)
-
-
-def _spec_class():
-    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
-
-    class VeriCacheSpecAlgo(CustomSpecAlgo):
-        def handle_server_args(self, server_args) -> None:
-            handle_server_args(server_args)
-
-        # Methods of SGLang's SpeculativeAlgorithm enum that CustomSpecAlgo lacks in
-        # 0.5.23 but the scheduler calls on any algorithm.
-        def carries_draft_hidden_states(self) -> bool:
-            return False
-
-        def need_topk(self) -> bool:
-            return False
-
-        def get_platform_worker_cls(self):
-            from sglang.srt.platforms import current_platform
-
-            if not current_platform.is_out_of_tree():
-                return None
-            return current_platform.get_speculative_worker_cls(algorithm=self.name)
-
-        def create_worker(self, server_args):
-            return self.get_platform_worker_cls() or super().create_worker(server_args)
-
-        def create_future_map(self, device, req_to_token_pool, needs_cpu_seq_lens: bool = True,
-                              needs_confidence_relay: bool = False):
-            from sglang.srt.managers.overlap_utils import FutureMap
-
-            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens,
-                             needs_confidence_relay)
-
-    VeriCacheSpecAlgo.__name__ = VeriCacheSpecAlgo.__qualname__ = "VeriCacheSpecAlgo"
-    return VeriCacheSpecAlgo
 
 
 def _config_error(message: str):

@@ -1,0 +1,186 @@
+"""The base of sglang-vc's speculative workers (VERICACHE, SPECACHE): SGLang's spec-V2
+worker schema, run synchronously on the target model alone.
+
+Both algorithms forward the target model over a batch of SGLang's own requests several
+tokens at a time (``TARGET_VERIFY`` forwards with a causal chain mask, or ``DECODE``
+forwards of a sub-batch) and commit what they choose; this class holds the SGLang
+plumbing they share: pointing a schedule batch at one forward, the chain verify input,
+the sampler's choice of a token from logits, sub-batches, and the prefill result.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+
+
+class ChainSpecWorker(BaseSpecWorker):
+    """``stride``: the tokens per request SGLang's output path reserves per iteration."""
+
+    def __init__(self, target_worker, stride: int):
+        super().__init__()
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.stride = stride
+
+    @property
+    def draft_worker(self):
+        return None  # the drafter (if any) is the target model itself
+
+    def alloc_memory_pool(self, **kwargs):
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    def clear_cache_pool(self):
+        pass
+
+    def prefill_result(self, batch, pp_proxy_tensors=None):
+        """A prefill (extend) forward: the target model's own, one token committed per
+        request, reported in the spec-V2 schema."""
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        res = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+        predict = res.next_token_ids
+        bs = len(batch.reqs)
+        accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int32, device=predict.device)
+        if bs:
+            accept_tokens[:, 0] = predict
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=predict.device)
+        return GenerationBatchResult(
+            logits_output=res.logits_output,
+            next_token_ids=predict,
+            can_run_cuda_graph=res.can_run_cuda_graph,
+            accept_lens=accept_lens,
+            new_seq_lens=batch.seq_lens,
+            next_draft_input=self.draft_input(batch.seq_lens.clone(), accept_tokens.flatten(), accept_lens),
+            speculative_num_draft_tokens=self.stride,
+            speculative_output_stride=self.stride,
+        )
+
+    def result(self, batch, accept_tokens: torch.Tensor, accept_lens: torch.Tensor, logits_output=None):
+        """The spec-V2 result of a decode iteration: ``accept_tokens [bs, stride]`` and
+        ``accept_lens [bs]`` (CPU int64) committed after each request's ``seq_lens``."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        dev = batch.seq_lens.device
+        committed = batch.seq_lens.to("cpu", torch.int64)
+        new_seq_lens = (committed + accept_lens).to(device=dev, dtype=batch.seq_lens.dtype)
+        tokens = accept_tokens.to(device=dev, dtype=torch.int32).flatten()
+        lens = accept_lens.to(device=dev, dtype=torch.int32)
+        return GenerationBatchResult(
+            logits_output=logits_output or LogitsProcessorOutput(next_token_logits=None),
+            next_token_ids=tokens,
+            can_run_cuda_graph=False,
+            accept_lens=lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=self.draft_input(new_seq_lens, tokens, lens),
+            speculative_num_draft_tokens=self.stride,
+            speculative_output_stride=self.stride,
+        )
+
+    def draft_input(self, new_seq_lens, accept_tokens, accept_lens):
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        # SGLang's chain/tree verify input carries the per-request accept state between
+        # rounds (filter/merge on batch changes); the workers keep nothing else there.
+        return NgramVerifyInput(draft_token_num=self.stride, new_seq_lens=new_seq_lens,
+                                accept_tokens=accept_tokens, accept_lens=accept_lens)
+
+    def sub_batch(self, batch, indices: list[int]):
+        """The requests ``indices`` of the batch, as a batch of their own (SGLang's
+        ``filter_batch`` on a shallow copy; the sampling info is copied, not shared)."""
+        sub = copy.copy(batch)
+        sub.sampling_info = copy.copy(batch.sampling_info)
+        if sub.sampling_info is not None and sub.sampling_info.penalizer_orchestrator is None:
+            # the forward's copy of the batch carries no penalizers (the algorithms
+            # refuse penalties at the API), so there is nothing to filter there
+            sub.sampling_info.penalizer_orchestrator = _NoPenalties()
+        sub.spec_info = None
+        sub.filter_batch(keep_indices=list(indices))
+        return sub
+
+    def forward_sub(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info) -> torch.Tensor:
+        self.set_batch(sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info,
+                        sub.seq_lens.dtype, sub.seq_lens.device)
+        res = self.target_worker.forward_batch_generation(sub, is_verify=True)
+        return res.logits_output.next_token_logits
+
+    def set_batch(self, batch, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, seq_dtype, dev):
+        """Point the (isolated) schedule batch at one forward of the round."""
+        batch.forward_mode = mode
+        batch.input_ids = input_ids.to(device=dev, dtype=torch.int64)
+        batch.seq_lens = seq_lens_cpu.to(device=dev, dtype=seq_dtype)
+        batch.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+        batch.seq_lens_sum = int(seq_lens_cpu.sum())
+        if getattr(batch, "orig_seq_lens", None) is not None:
+            batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
+        batch.out_cache_loc = out_cache_loc.to(device=dev, dtype=torch.int64)
+        batch.spec_info = spec_info
+
+    def verify_input(self, verify_ids, positions, committed, dev):
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        bs, w = verify_ids.shape
+        # A causal chain (NGRAM's tree with topk=1): query k sees the committed prefix and
+        # verify tokens 0..k. Flattened per request as [W, L + W], as SGLang's verify
+        # attention backends read it (the vc_verify backend builds the same mask itself).
+        chain = torch.tril(torch.ones(w, w, dtype=torch.bool))
+        mask = torch.cat([torch.cat([torch.ones(w, int(l), dtype=torch.bool), chain], 1).flatten()
+                          for l in committed.tolist()]).to(dev)
+        spec_info = NgramVerifyInput(
+            draft_token=verify_ids.flatten().to(dev),
+            custom_mask=mask,
+            positions=positions.flatten().to(dev),
+            retrieve_index=torch.arange(bs * w, device=dev).view(bs, w),
+            retrieve_next_token=None,
+            retrieve_next_sibling=None,
+            draft_token_num=w,
+        )
+        spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
+        return spec_info
+
+    def targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
+        """The verifier's token at each of the W positions ``[bs, W]``, chosen from the
+        full-KV logits as SGLang's sampler chooses in full-KV decoding: ``logit_bias``
+        added; argmax for greedy requests; otherwise softmax at the request's temperature,
+        then SGLang's own top-k / top-p / min-p sampling, seeded per request and position
+        under deterministic inference. Penalties and grammars are refused at the API
+        (:mod:`.requests`)."""
+        from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+        bs, w, vocab = logits.shape
+        info = batch.sampling_info
+        logits = logits.float()
+        if info is not None and info.logit_bias is not None:
+            logits = logits + info.logit_bias[:, None, : vocab].to(logits.device)
+        if info is None or info.is_all_greedy:
+            return logits.argmax(-1)
+
+        def per_position(t):  # [bs] -> [bs * W]
+            return t.view(-1).repeat_interleave(w)
+
+        flat = logits.view(bs * w, vocab)
+        probs = torch.softmax(flat / per_position(info.temperatures.float())[:, None], dim=-1)
+        seed = info.sampling_seed
+        ids = top_k_top_p_min_p_sampling_from_probs_torch(
+            probs,
+            per_position(info.top_ks),
+            per_position(info.top_ps.float()),
+            per_position(info.min_ps.float()),
+            bool(info.need_min_p_sampling),
+            None if seed is None else per_position(seed),
+            positions.reshape(-1).to(probs.device),
+        )
+        targets = ids.view(bs, w).to(torch.int64)
+        # greedy requests of a mixed batch (SGLang gives them top_k = 1): exact argmax
+        greedy = (info.top_ks.view(-1) <= 1).to(targets.device)
+        return torch.where(greedy[:, None], logits.argmax(-1), targets)
+
+
+class _NoPenalties:
+    def filter(self, keep_indices) -> None:
+        pass

@@ -1,0 +1,95 @@
+"""SpeCache's flags (``--specache-*``), registered as a flag group. The algorithm is
+chosen the SGLang way, ``--speculative-algorithm SPECACHE``: each decode step forwards
+two tokens per request (the output token and the speculative one), which is SGLang's
+speculative-decoding shape (slots reserved past each request's committed length, a
+chain-masked verify forward, a variable number of tokens committed per step)."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from typing import Optional
+
+from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
+
+from .config import DEFAULT_RESIDUAL, DEFAULT_TOPK, SUPPORTED_BITS, SpeCacheConfig
+from .names import ALGORITHM, ATTENTION_BACKEND
+
+GROUP = "specache"
+DEFAULT_BITS = 2
+
+
+class Fetch(str, enum.Enum):
+    SPECULATIVE = "speculative"  # the paper: rows picked by the speculative token, prefetched
+    NONSPECULATIVE = "nonspeculative"  # table 4: the output token's own rows, fetched, recomputed
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("SpeCache (--speculative-algorithm SPECACHE)")
+    g.add_argument("--specache-kv-bits", type=int, choices=SUPPORTED_BITS, default=None,
+                   help=f"SPECACHE: bits of the device KV copy, 2 (KIVI) or 1 (KIVI with SpeCache's "
+                        f"eq. 3 zero-point and scale); default {DEFAULT_BITS}")
+    g.add_argument("--specache-topk", type=int, default=None,
+                   help=f"SPECACHE: full-precision rows prefetched per layer and KV head each step "
+                        f"(default {DEFAULT_TOPK})")
+    g.add_argument("--specache-residual", type=int, default=None,
+                   help=f"SPECACHE: most recent tokens kept in full precision on the device "
+                        f"(default {DEFAULT_RESIDUAL})")
+    g.add_argument("--specache-fetch", choices=[f.value for f in Fetch], default=None,
+                   help="SPECACHE: 'speculative' (default) prefetches the rows the speculative token "
+                        "attends to, overlapping the step; 'nonspeculative' (the comparison mode) "
+                        "fetches the output token's own rows after its attention and recomputes it")
+    g.add_argument("--specache-host-kv-gb", type=float, default=None,
+                   help="SPECACHE: host memory for the full-precision KV (GiB; default unbounded). A "
+                        "request that does not fit keeps its full KV on the device.")
+
+
+def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
+    given = {"bits": args.specache_kv_bits, "topk": args.specache_topk, "residual": args.specache_residual,
+             "fetch": args.specache_fetch, "host_kv_gb": args.specache_host_kv_gb}
+    if all(v is None for v in given.values()):
+        return None
+    if args.specache_host_kv_gb is not None and not args.specache_host_kv_gb >= 0:
+        raise ConfigError(f"--specache-host-kv-gb must be >= 0, got {args.specache_host_kv_gb}")
+    settings = {k: v for k, v in given.items() if v is not None}
+    try:
+        config_of(settings)
+    except ValueError as exc:
+        raise ConfigError(f"--{str(exc).replace('specache: ', 'specache-')}") from None
+    return settings
+
+
+def config_of(settings: Optional[dict]) -> SpeCacheConfig:
+    s = settings or {}
+    return SpeCacheConfig(bits=s.get("bits", DEFAULT_BITS), topk=s.get("topk", DEFAULT_TOPK),
+                          residual=s.get("residual", DEFAULT_RESIDUAL),
+                          speculative=Fetch(s.get("fetch", Fetch.SPECULATIVE.value)) is Fetch.SPECULATIVE)
+
+
+def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:
+    gb = (settings or {}).get("host_kv_gb")
+    return None if gb is None else int(gb * 2**30)
+
+
+def check_usage(settings: Optional[dict], argv: list[str]) -> None:
+    """``--specache-*`` flags mean nothing without the algorithm: refused, not ignored."""
+    from sglang_vc.kvruntime.select import flag_value
+
+    algorithm = flag_value(argv, "--speculative-algorithm")[1]
+    if settings and (algorithm is None or algorithm.upper() != ALGORITHM):
+        raise ConfigError(f"--specache-* flags need --speculative-algorithm {ALGORITHM}")
+
+
+def backend_choice(argv: list[str]):
+    """SPECACHE forwards with the ``specache`` attention backend over the ``vc`` radix
+    cache (a :class:`~sglang_vc.kvruntime.select.BackendChoice`)."""
+    from sglang_vc.kvruntime import RADIX_CACHE_BACKEND
+    from sglang_vc.kvruntime.select import BackendChoice, flag_value
+
+    algorithm = flag_value(argv, "--speculative-algorithm")[1]
+    if algorithm is None or algorithm.upper() != ALGORITHM:
+        return None
+    return BackendChoice(ATTENTION_BACKEND, RADIX_CACHE_BACKEND, f"--speculative-algorithm {ALGORITHM}")
+
+
+register_flag_group(FlagGroup(GROUP, add_cli_args, from_cli_args))

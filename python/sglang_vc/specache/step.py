@@ -1,0 +1,51 @@
+"""What one SpeCache decode step asks of the attention backend, per request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .config import SpeCacheConfig
+from .host import HostKVStore, Prefetcher
+
+
+class Phase(enum.Enum):
+    PREDECODE = "predecode"  # algorithm 2: first step after the prefill, commits nothing
+    DECODE = "decode"  # algorithm 3: output token + speculative token
+    FULL = "full"  # not compressed (short prompt, host store full, opted out): plain attention
+
+
+@dataclass
+class ReqStep:
+    rid: str
+    phase: Phase
+
+    @property
+    def select_row(self) -> Optional[int]:
+        """The query row whose attention picks the next step's rows: the speculative
+        token's (row 1), or at pre-decode the first output token's (row 0)."""
+        return {Phase.PREDECODE: 0, Phase.DECODE: 1}.get(self.phase)
+
+
+@dataclass
+class StepCounters:
+    rows_prefetched: int = 0  # rows (per KV head) substituted in full precision
+    bytes_prefetched: int = 0
+    covered: float = 0.0  # attention mass of the output token's top-k on prefetched rows
+    top_mass: float = 0.0  # attention mass of the output token's top-k
+
+    def as_stats(self) -> dict:
+        return {"rows_prefetched": self.rows_prefetched, "bytes_prefetched": self.bytes_prefetched,
+                "prefetch_hit_mass": self.covered, "prefetch_topk_mass": self.top_mass}
+
+
+@dataclass
+class StepPlan:
+    """Set on the attention backend by the worker for one forward."""
+
+    config: SpeCacheConfig
+    host: HostKVStore
+    prefetcher: Prefetcher
+    requests: list  # per batch index: ReqStep
+    counters: StepCounters = field(default_factory=StepCounters)
