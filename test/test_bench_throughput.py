@@ -73,3 +73,13 @@ def test_predict_gpu_from_an_earlier_report(tmp_path):
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert out["gpu_prediction"]["configs"]["v"]["accept_len"] == 2.5
     assert "PREDICTION" in proc.stderr
+
+
+def test_specache_config_flags():
+    cfg = tp.parse_config("specache:1bit:k16")
+    assert cfg["kind"] == "specache" and cfg["compressor"] == "kivi1"
+    assert cfg["flags"] == ["--speculative-algorithm", "SPECACHE", "--specache-kv-bits", "1", "--specache-topk", "16"]
+    assert tp.parse_config("specache")["flags"][-1] == "2"
+    for bad in ("specache:3", "specache:1bit:16"):
+        with pytest.raises(ValueError, match="specache"):
+            tp.parse_config(bad)

@@ -165,3 +165,11 @@ def test_late_prefetch_is_waited_for_and_counted(monkeypatch):
     threading.Timer(0.2, gate.set).start()
     rows = pre.take("r", 5)
     assert torch.equal(rows.v[0, 2], v[9, 2]) and {"prefetch_stalls": 1} in seen
+
+
+def test_per_request_compression_other_than_opting_out_is_refused(sc, model_dir, tokenizer):
+    r = _generate(sc, [1, 2, 3], 4, custom_params={"vc_compressor": "snapkv", "vc_compression_ratio": 0.5})
+    assert r.status_code == 400 and "opt out" in r.text
+    ids = tokenizer(" ".join(real_text_passages(6, words=120)))["input_ids"][:300]
+    out = _generate(sc, ids, 6, custom_params={"vc_compressor": "none"})
+    assert out.status_code == 200 and out.json()["output_ids"] == _lab(model_dir, ids, 6, None)

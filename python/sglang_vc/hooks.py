@@ -65,13 +65,16 @@ def _check_sampling_params(result, *args, **kwargs):
     there is the client's HTTP 400) but has no seam for a plugin's own ``custom_params``
     keys, nor for a speculative algorithm to refuse what it cannot apply. Without this
     check an invalid per-request compression, one asked of a server that does not apply
-    it, or a penalty or grammar under VERICACHE would reach the scheduler, which cannot
+    it, a penalty or grammar under VERICACHE or SPECACHE, or a compression SPECACHE does
+    not read, would reach the scheduler, which cannot
     reject a request, and be served with something else than asked."""
     from sglang_vc.kvruntime.admission import check_sampling_params
+    from sglang_vc.specache.requests import check_sampling_params as check_specache
     from sglang_vc.vericache.requests import check_sampling_params as check_vericache
 
     check_sampling_params(args[0])
     check_vericache(args[0])
+    check_specache(args[0])
     return result
 
 

@@ -45,10 +45,20 @@ def log(msg: str) -> None:
 
 def parse_config(spec: str) -> dict:
     """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache:NAME@AMOUNT[:X]`` (AMOUNT is the kept
-    ratio of a token-dropping method, or ``Nbit`` for a quantizer)."""
+    ratio of a token-dropping method, or ``Nbit`` for a quantizer) | ``specache[:Nbit[:kK]]``
+    (SpeCache, default 2 bits and top-64)."""
     kind, _, rest = spec.partition(":")
     if kind == "full" and not rest:
         return {"name": "full", "kind": "full", "flags": []}
+    if kind == "specache":
+        bits, _, k = (rest or "2bit").partition(":")
+        if not bits.endswith("bit") or not bits[:-3].isdigit() or (k and not (k[:1] == "k" and k[1:].isdigit())):
+            raise ValueError(f"bad config {spec!r}: want specache[:Nbit[:kK]], e.g. specache:1bit:k64")
+        flags = ["--speculative-algorithm", "SPECACHE", "--specache-kv-bits", bits[:-3]]
+        if k:
+            flags += ["--specache-topk", k[1:]]
+        return {"name": spec, "kind": "specache", "compressor": "kivi1" if bits == "1bit" else "kivi",
+                "kept": int(bits[:-3]) / 16, "flags": flags}
     if kind not in ("lossy", "vericache") or "@" not in rest:
         raise ValueError(f"bad config {spec!r}: want full, lossy:NAME@AMOUNT or vericache:NAME@AMOUNT[:X]")
     method, _, amount = rest.partition("@")
@@ -394,7 +404,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
                         "vericache:streamingllm@0.25:4",
-                        help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X]")
+                        help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X] | "
+                        "specache[:Nbit[:kK]] (e.g. full,lossy:kivi@2bit,specache:2bit)")
     parser.add_argument("--schedule", default="lockstep,staggered",
                         help="VERICACHE schedules to run each vericache config under (comma-separated)")
     parser.add_argument("--quick", action="store_true",
