@@ -3,7 +3,7 @@ with SGLang's registry, and their workers on the CPU platform."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 _WORKERS: dict[str, str] = {
     "VERICACHE": "sglang_vc.vericache.worker:VeriCacheWorker",
@@ -43,6 +43,35 @@ def register_algorithm(name: str, attention_backend: str, create_backend: Callab
             validate_server_args=validate_server_args,
             spec_class=_spec_class(name, handle_server_args),
         )(lambda server_args: worker_cls_for(name))
+
+
+def check_raw_flags(server_args, attention_backend: str) -> Optional[str]:
+    """What the user's own flags contradict in what a project algorithm needs (its
+    attention backend, the ``vc`` radix cache, page size 1, one chain); None if nothing."""
+    raw = getattr(server_args, "_raw_input", None) or {}
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        value = raw.get(field)
+        if value not in (None, attention_backend):
+            return f"forwards with the {attention_backend} attention backend; got {field}={value}"
+    if raw.get("radix_cache_backend") not in (None, "vc"):
+        return "needs --radix-cache-backend vc"
+    if raw.get("page_size") not in (None, 1):
+        return "needs --page-size 1"
+    if (raw.get("speculative_eagle_topk") or 1) != 1:
+        return "forwards a single chain: --speculative-eagle-topk must be 1"
+    return None
+
+
+def resolve_flags(server_args, attention_backend: str) -> None:
+    """The SGLang flags every project algorithm runs with: a synchronous worker (no
+    overlap schedule, no mixed chunks), one chain, its attention backend over the ``vc``
+    radix cache, page size 1 (compressed rows are token slots)."""
+    server_args.speculative_eagle_topk = 1
+    server_args.disable_overlap_schedule = True
+    server_args.enable_mixed_chunk = False
+    server_args.attention_backend = attention_backend
+    server_args.radix_cache_backend = "vc"
+    server_args.page_size = 1
 
 
 def _spec_class(name: str, handle: Callable):

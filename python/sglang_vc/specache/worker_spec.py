@@ -52,15 +52,12 @@ def validate_server_args(server_args) -> None:
     if config is not None and config.vc_compressor and config.vc_compressor not in ("kivi", "kivi1"):
         raise _config_error(f"the device copy is KIVI (--specache-kv-bits); --vc-compressor "
                             f"{config.vc_compressor} cannot be combined with it")
+    from sglang_vc.speculative import check_raw_flags
+
+    problem = check_raw_flags(server_args, ATTENTION_BACKEND)
+    if problem:
+        raise _config_error(problem)
     raw = getattr(server_args, "_raw_input", None) or {}
-    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
-        value = raw.get(field)
-        if value not in (None, ATTENTION_BACKEND):
-            raise _config_error(f"attends with the {ATTENTION_BACKEND} attention backend; got {field}={value}")
-    if raw.get("radix_cache_backend") not in (None, "vc"):
-        raise _config_error("needs --radix-cache-backend vc")
-    if raw.get("page_size") not in (None, 1):
-        raise _config_error("needs --page-size 1")
     x = raw.get("speculative_num_draft_tokens")
     if x not in (None, 2):
         raise _config_error(f"forwards 2 tokens per request per step; --speculative-num-draft-tokens {x} "
@@ -70,12 +67,9 @@ def validate_server_args(server_args) -> None:
 def handle_server_args(server_args) -> None:
     server_args.speculative_num_draft_tokens = 2
     server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = 1
-    server_args.disable_overlap_schedule = True
-    server_args.enable_mixed_chunk = False
-    server_args.attention_backend = ATTENTION_BACKEND
-    server_args.radix_cache_backend = "vc"
-    server_args.page_size = 1
+    from sglang_vc.speculative import resolve_flags
+
+    resolve_flags(server_args, ATTENTION_BACKEND)
     from sglang_vc.config import parsed_config
 
     config = parsed_config()

@@ -73,18 +73,11 @@ def validate_server_args(server_args) -> None:
     x = getattr(server_args, "speculative_num_draft_tokens", None)
     if x is not None and int(x) < 1:
         raise _config_error(f"--speculative-num-draft-tokens must be >= 1, got {x}")
-    raw = getattr(server_args, "_raw_input", None) or {}
-    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
-        value = raw.get(field)
-        if value not in (None, ATTENTION_BACKEND):
-            raise _config_error(f"drafts and verifies with the {ATTENTION_BACKEND} attention backend; "
-                                f"got {field}={value}")
-    if raw.get("radix_cache_backend") not in (None, "vc"):
-        raise _config_error("needs --radix-cache-backend vc")
-    if raw.get("page_size") not in (None, 1):
-        raise _config_error("needs --page-size 1")
-    if (raw.get("speculative_eagle_topk") or 1) != 1:
-        raise _config_error("drafts a single chain: --speculative-eagle-topk must be 1")
+    from sglang_vc.speculative import check_raw_flags
+
+    problem = check_raw_flags(server_args, ATTENTION_BACKEND)
+    if problem:
+        raise _config_error(problem)
 
 
 def handle_server_args(server_args) -> None:
@@ -96,12 +89,9 @@ def handle_server_args(server_args) -> None:
     # Draft steps = X, one chain. SGLang reserves 2 * max(steps, X) slots past each
     # request's committed length per decode round, which holds the X + 1 verify slots.
     server_args.speculative_num_steps = x
-    server_args.speculative_eagle_topk = 1
-    server_args.disable_overlap_schedule = True
-    server_args.enable_mixed_chunk = False
-    server_args.attention_backend = ATTENTION_BACKEND
-    server_args.radix_cache_backend = "vc"
-    server_args.page_size = 1
+    from sglang_vc.speculative import resolve_flags
+
+    resolve_flags(server_args, ATTENTION_BACKEND)
     from sglang_vc.config import parsed_config
 
     config = parsed_config()
