@@ -41,11 +41,16 @@ def _generate(proc, ids, n, **sampling):
     return r
 
 
+_sessions: dict = {}
+
+
 def _lab(model_dir, ids, n, config):
     from sglang_vc.bench.lossy_hf import Session, cache_kv, load_model
     from sglang_vc.bench.specache_hf import SpeCacheSim, decode
 
-    sess = Session(load_model(model_dir, "float32"))
+    if model_dir not in _sessions:
+        _sessions[model_dir] = Session(load_model(model_dir, "float32"))
+    sess = _sessions[model_dir]
     cache, logits, _, _ = sess.prefill(ids)
     y0 = int(logits.argmax())
     if config is None:  # full KV greedy

@@ -172,6 +172,7 @@ def _trace(server) -> list[dict]:
     return [json.loads(line) for line in server.trace_path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # the default run's VERICACHE identity test already runs staggered
 def test_staggered_schedule_follows_admit(server, model_dir, tokenizer, vc4):
     """Six concurrent requests under the staggered schedule: their tokens equal the
     full-KV server's, and the per-iteration trace shows (1) iterations in which some
@@ -354,6 +355,7 @@ def _identical_to_full(server, model_dir, ids, out, n):
         assert cmp.identical, (cmp, out["output_ids"], ref)
 
 
+@pytest.mark.slow  # a server of its own
 def test_failed_reload_and_full_host_store_keep_output_identical(server, model_dir, tokenizer, vc_constrained):
     """1. A compressed 150-token prompt whose first reload fails every retry: its full KV
     is restored on the device from the host store and it decodes from it (counted as a
