@@ -172,9 +172,21 @@ def test_late_prefetch_is_waited_for_and_counted(monkeypatch):
     assert torch.equal(rows.v[0, 2], v[9, 2]) and {"prefetch_stalls": 1} in seen
 
 
-def test_per_request_compression_other_than_opting_out_is_refused(sc, model_dir, tokenizer):
-    r = _generate(sc, [1, 2, 3], 4, custom_params={"vc_compressor": "snapkv", "vc_compression_ratio": 0.5})
-    assert r.status_code == 400 and "opt out" in r.text
+def test_per_request_settings(sc, model_dir, tokenizer):
+    """A request may take the other bit width and its own top-k (served as the lab
+    simulates that configuration), or opt out (full-KV tokens); any other compression,
+    or a bad top-k, is refused with HTTP 400."""
+    from sglang_vc.specache.config import SpeCacheConfig
+
     ids = tokenizer(" ".join(real_text_passages(6, words=120)))["input_ids"][:300]
+    mine = {"vc_compressor": "kivi", "vc_kv_bits": 2, "specache_topk": 16}
+    out = _generate(sc, ids, 8, custom_params=mine).json()
+    assert out["output_ids"] == _lab(model_dir, ids, 8, SpeCacheConfig(bits=2, topk=16))
+    info = out["meta_info"]["sglang_vc_specache"][0]
+    assert info["topk"] == 16 and info["kv_bits"] == 2
     out = _generate(sc, ids, 6, custom_params={"vc_compressor": "none"})
     assert out.status_code == 200 and out.json()["output_ids"] == _lab(model_dir, ids, 6, None)
+    for bad in ({"vc_compressor": "snapkv", "vc_compression_ratio": 0.5}, {"vc_compressor": "kivi"},
+                {"vc_compressor": "kivi", "vc_kv_bits": 4}, {"specache_topk": -2}):
+        r = _generate(sc, [1, 2, 3], 4, custom_params=bad)
+        assert r.status_code == 400, bad

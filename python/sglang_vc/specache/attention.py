@@ -13,6 +13,7 @@ alone, which attends, fetches its own top-k rows and attends again.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -24,6 +25,7 @@ from sglang_vc.kvruntime import kernels, make_spec
 from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
 from . import core, flags
+from .config import SUPPORTED_BITS
 from .step import Phase, StepPlan
 
 
@@ -35,7 +37,8 @@ class SpeCacheAttnBackend(VCTorchAttnBackend):
         self.config = flags.config_of(get_vc_config(model_runner.server_args).group(flags.GROUP))
         # the payload is KIVI at SpeCache's residual; a request the payload store cannot
         # take keeps its full KV (never lossy rows SpeCache does not know are lossy)
-        self.runtime.use_compressor(self.config.quantizer())
+        for bits in SUPPORTED_BITS:  # a request may choose the other width (requests.py)
+            self.runtime.use_compressor(dataclasses.replace(self.config, bits=bits).quantizer())
         self.runtime.in_place_fallback = False
         self.runtime.default_spec = make_spec(self.config.compressor_name, bits=self.config.bits)
 
@@ -77,22 +80,22 @@ class SpeCacheAttnBackend(VCTorchAttnBackend):
             tail = slots[n_q:]
             k_tail, v_tail = k_buf[tail], v_buf[tail]
             heads = layer.tp_k_head_num
-            if not cfg.speculative:
+            if not cfg.speculative and req.topk > 0:
                 res, rows = core.attend_fetching(
-                    q_i, kq, vq, k_tail, v_tail, q_start=committed[i], scale=layer.scaling, topk=cfg.topk,
+                    q_i, kq, vq, k_tail, v_tail, q_start=committed[i], scale=layer.scaling, topk=req.topk,
                     fetch=lambda pos: step.host.gather(req.rid, lid, pos, k_buf.device))
             else:
                 rows = step.prefetcher.take(req.rid, lid)
                 res = core.attend(q_i, kq, vq, k_tail, v_tail, q_start=committed[i], scale=layer.scaling,
                                   rows=rows)
                 sel = req.select_row
-                if sel is not None and cfg.topk > 0 and n_q > 0:
-                    step.prefetcher.start(req.rid, lid, core.select_topk(res.probs[sel], heads, cfg.topk))
+                if cfg.speculative and sel is not None and req.topk > 0 and n_q > 0:
+                    step.prefetcher.start(req.rid, lid, core.select_topk(res.probs[sel], heads, req.topk))
             if rows is not None:
                 c = step.counters
                 c.rows_prefetched += rows.num_rows * heads
                 c.bytes_prefetched += rows.nbytes()
-                covered, total = core.coverage(res.probs[0], rows.positions, heads, cfg.topk)
+                covered, total = core.coverage(res.probs[0], rows.positions, heads, req.topk)
                 c.covered += covered
                 c.top_mass += total
             o_[i * width : (i + 1) * width] = res.out

@@ -20,6 +20,7 @@ class Phase(enum.Enum):
 class ReqStep:
     rid: str
     phase: Phase
+    topk: int = 0  # rows prefetched per layer and KV head (the request's, or the server's)
 
     @property
     def select_row(self) -> Optional[int]:

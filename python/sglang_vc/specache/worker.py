@@ -40,6 +40,7 @@ from sglang_vc.spec_worker import ChainSpecWorker
 from . import flags
 from .host import HostKVStore, Prefetcher
 from .names import META_INFO_KEY, STATS
+from .requests import request_topk
 from .step import Phase, ReqStep, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -115,16 +116,18 @@ class SpeCacheWorker(ChainSpecWorker):
         rows = batch.req_pool_indices.to("cpu", torch.int64)
         req_to_token = self.req_to_token_pool.req_to_token
         t0 = torch.tensor([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs])
-        plan = []
+        plan, entry_bits = [], []
         for i, req in enumerate(batch.reqs):
             entry = self.runtime.entry_for_row(int(rows[i]))
+            entry_bits.append(entry.spec.bits if entry is not None else None)
             if entry is None or entry.payload is None or self.host.get(req.rid) is None:
                 plan.append(ReqStep(req.rid, Phase.FULL))
                 continue
             state = self.states.setdefault(req.rid, _ReqState())
-            speculating = self.config.speculative and self.config.topk > 0
+            topk = request_topk(getattr(req.sampling_params, "custom_params", None), self.config.topk)
+            speculating = self.config.speculative and topk > 0
             phase = Phase.PREDECODE if speculating and state.spec_token is None else Phase.DECODE
-            plan.append(ReqStep(req.rid, phase))
+            plan.append(ReqStep(req.rid, phase, topk))
         step = StepPlan(self.config, self.host, self.prefetcher, plan)
         attn = self.model_runner.attn_backend
         # every request forwards two rows: [output token, speculative token]; a request
@@ -167,13 +170,14 @@ class SpeCacheWorker(ChainSpecWorker):
             if self.config.speculative:
                 state.spec_token = int(guesses[i, 1])
             self.runtime.stream_tail(int(rows[i]), int(committed[i]) + 1)
-            self._record(batch.reqs[i], state)
+            self._record(batch.reqs[i], state, p.topk, entry_bits[i])
         stats.add(STATS, iterations=1, steps=n_dec, predecode_steps=n_pre, full_kv_steps=n_full,
                   **step.counters.as_stats())
         return self.result(batch, accept_tokens, accept_lens)
 
-    def _record(self, req, state: _ReqState) -> None:
-        """Per-request counters, returned in the request's ``meta_info``."""
+    def _record(self, req, state: _ReqState, topk: int, bits: Optional[int]) -> None:
+        """Per-request counters and settings, returned in the request's ``meta_info``."""
         if req.customized_info is None:
             req.customized_info = {}
-        req.customized_info[META_INFO_KEY] = [{"steps": state.steps, **self.config.describe()}]
+        req.customized_info[META_INFO_KEY] = [{**self.config.describe(), "steps": state.steps, "topk": topk,
+                                               "kv_bits": bits}]
