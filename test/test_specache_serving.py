@@ -190,3 +190,14 @@ def test_per_request_settings(sc, model_dir, tokenizer):
                 {"vc_compressor": "kivi", "vc_kv_bits": 4}, {"specache_topk": -2}):
         r = _generate(sc, [1, 2, 3], 4, custom_params=bad)
         assert r.status_code == 400, bad
+
+
+def test_host_store_reserves_prompts_at_admission():
+    host = HostKVStore(capacity=1000, pin=False)
+    assert host.admit("a", 600) and not host.admit("b", 600), "b does not fit beside a's reservation"
+    k = torch.zeros(10, 1, 5)  # 400 bytes with v
+    assert host.append("a", 0, 0, k, k) and host.used == 600, "within a's reservation"
+    assert host.append("a", 0, 10, torch.zeros(20, 1, 5), torch.zeros(20, 1, 5))  # decode tail: not refused
+    assert host.used == 400 + 800 and not host.append("c", 0, 0, k, k)
+    host.drop("a")
+    assert host.used == 0 and host.admit("b", 600)

@@ -30,7 +30,8 @@ class HostEntry:
     rid: str
     k: dict = field(default_factory=dict)  # layer_id -> [n, H, D] (CPU)
     v: dict = field(default_factory=dict)
-    nbytes: int = 0
+    nbytes: int = 0  # stored
+    reserved: int = 0  # reserved at admission
 
     def num_rows(self, layer_id: int) -> int:
         return self.k[layer_id].shape[0] if layer_id in self.k else 0
@@ -38,8 +39,8 @@ class HostEntry:
 
 class HostKVStore:
     """Per request, per layer: full-precision rows of positions ``[0, n)``, appended in
-    order. ``capacity`` bytes in all (None: unbounded); a request that does not fit is
-    refused at admission and keeps its full KV on the device."""
+    order. ``capacity`` bytes in all (None: unbounded) bounds what prompts reserve at
+    admission; a request that does not fit is refused and keeps its full KV on the device."""
 
     def __init__(self, capacity: Optional[int], pin: bool):
         self.capacity = capacity
@@ -49,29 +50,29 @@ class HostKVStore:
         self._lock = threading.Lock()
 
     def admit(self, rid: str, nbytes: int) -> bool:
-        """Reserve room for ``nbytes`` of ``rid``'s prompt rows; False when it does not fit."""
+        """Reserve ``nbytes`` for ``rid``'s prompt rows; False when they do not fit. Rows
+        the decode tail adds later are not refused (at most ``max_new_tokens`` of them)."""
         with self._lock:
             if self.capacity is not None and self.used + nbytes > self.capacity:
                 return False
-            self.entries.setdefault(rid, HostEntry(rid))
+            entry = self.entries.setdefault(rid, HostEntry(rid))
+            entry.reserved += nbytes
+            self.used += nbytes
             return True
 
     def append(self, rid: str, layer_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Rows ``[start, start + len(k))`` of one layer; False (nothing stored) when the
-        store is full or the rows do not continue the request's copy."""
+        request was not admitted or the rows do not continue its copy."""
         nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
-        with self._lock:
-            entry = self.entries.get(rid)
-            if entry is None or entry.num_rows(layer_id) != start:
-                return False
-            if self.capacity is not None and self.used + nbytes > self.capacity:
-                return False
-            self.used += nbytes
-            entry.nbytes += nbytes
         k_h, v_h = k.to("cpu", copy=True), v.to("cpu", copy=True)
         if self.pin:
             k_h, v_h = k_h.pin_memory(), v_h.pin_memory()
         with self._lock:
+            entry = self.entries.get(rid)
+            if entry is None or entry.num_rows(layer_id) != start:
+                return False
+            self.used += max(0, entry.nbytes + nbytes - max(entry.reserved, entry.nbytes))
+            entry.nbytes += nbytes
             if layer_id in entry.k:
                 entry.k[layer_id] = torch.cat([entry.k[layer_id], k_h])
                 entry.v[layer_id] = torch.cat([entry.v[layer_id], v_h])
@@ -98,7 +99,7 @@ class HostKVStore:
         with self._lock:
             entry = self.entries.pop(rid, None)
             if entry is not None:
-                self.used -= entry.nbytes
+                self.used -= max(entry.nbytes, entry.reserved)
 
     def retain(self, rids: set[str]) -> None:
         """Forget every request not in ``rids`` (finished, aborted, retracted)."""
