@@ -31,19 +31,12 @@ from torch import Tensor
 
 from sglang_vc.specache import core
 from sglang_vc.specache.config import SpeCacheConfig
+from sglang_vc.specache.step import StepCounters
 
 
 @dataclass
-class Counters:
+class Counters(StepCounters):
     steps: int = 0
-    rows_prefetched: int = 0
-    bytes_prefetched: int = 0
-    covered: float = 0.0  # attention mass of the output token's top-k on prefetched rows
-    top_mass: float = 0.0  # attention mass of the output token's top-k
-
-    @property
-    def hit_rate(self) -> Optional[float]:
-        return self.covered / self.top_mass if self.top_mass > 0 else None
 
 
 @dataclass
@@ -131,12 +124,7 @@ class SpeCacheSim:
         return res.out.unsqueeze(0)
 
     def _count(self, rows: core.Rows, out_probs: Tensor) -> None:
-        c = self.counters
-        c.rows_prefetched += rows.num_rows * self.num_kv_heads
-        c.bytes_prefetched += rows.nbytes()
-        covered, total = core.coverage(out_probs, rows.positions, self.num_kv_heads, self.config.topk)
-        c.covered += covered
-        c.top_mass += total
+        self.counters.add(rows, out_probs, self.num_kv_heads, self.config.topk)
 
 
 def crop(cache, length: int) -> None:

@@ -92,12 +92,7 @@ class SpeCacheAttnBackend(VCTorchAttnBackend):
                 if cfg.speculative and sel is not None and req.topk > 0 and n_q > 0:
                     step.prefetcher.start(req.rid, lid, core.select_topk(res.probs[sel], heads, req.topk))
             if rows is not None:
-                c = step.counters
-                c.rows_prefetched += rows.num_rows * heads
-                c.bytes_prefetched += rows.nbytes()
-                covered, total = core.coverage(res.probs[0], rows.positions, heads, req.topk)
-                c.covered += covered
-                c.top_mass += total
+                step.counters.add(rows, res.probs[0], heads, req.topk)
             o_[i * width : (i + 1) * width] = res.out
         if self.runtime.batch is not None:
             self._after_layer(layer)

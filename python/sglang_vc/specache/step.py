@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import SpeCacheConfig
+from .core import coverage
 from .host import HostKVStore, Prefetcher
 
 
@@ -35,6 +36,19 @@ class StepCounters:
     bytes_prefetched: int = 0
     covered: float = 0.0  # attention mass of the output token's top-k on prefetched rows
     top_mass: float = 0.0  # attention mass of the output token's top-k
+
+    def add(self, rows, out_probs, num_kv_heads: int, topk: int) -> None:
+        """One layer's prefetched ``rows`` (a :class:`.core.Rows`) and the output token's
+        attention over the payload ``[Hq, n_q]``."""
+        self.rows_prefetched += rows.num_rows * num_kv_heads
+        self.bytes_prefetched += rows.nbytes()
+        covered, total = coverage(out_probs, rows.positions, num_kv_heads, topk)
+        self.covered += covered
+        self.top_mass += total
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        return self.covered / self.top_mass if self.top_mass > 0 else None
 
     def as_stats(self) -> dict:
         return {"rows_prefetched": self.rows_prefetched, "bytes_prefetched": self.bytes_prefetched,
