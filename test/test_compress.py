@@ -53,7 +53,7 @@ def one_hot(d, i, scale=1.0):
 
 
 def test_registry_lists_all_methods_with_their_kind():
-    assert list_compressors() == sorted(DROPPERS + QUANTIZERS)
+    assert list_compressors() == sorted(DROPPERS + QUANTIZERS + ["specache"])  # SpeCache's copy: below
     for name in DROPPERS:
         assert get_compressor(name).scenario == "token_dropping"
     for name in QUANTIZERS:
@@ -499,3 +499,23 @@ def test_h2o_update_needs_a_compressed_request():
     comp.compress(0, k, v, 0.5, queries=rand_q(10), req_id="a")
     with pytest.raises(ValueError, match="pass req_ids"):
         comp.update(0, rand_q(2), [k, k], [v, v], None, [0, 1, 2])
+
+
+def test_specache_copy_is_kivi_at_two_bits_and_eq3_at_one_bit():
+    """SpeCache's device copy (``specache``) stores exactly KIVI's payload at 2 bits and
+    kivi1's (eq. 3) at 1 bit, at SpeCache's residual of 64; it is not a stand-alone
+    method (it is read with host rows), so the lab, EvicPress and lossy serving skip it."""
+    from sglang_vc.compress import KIVI, KIVI1, standalone_compressors
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(200, 2, 64, generator=g), torch.randn(200, 2, 64, generator=g)
+    copy = get_compressor("specache")
+    assert copy.residual_length == 64 and copy.needs_full_rows
+    for bits, ref in ((2, KIVI(residual_length=64)), (1, KIVI1(residual_length=64))):
+        a, b = copy.compress(0, k, v, bits), ref.compress(0, k, v, bits)
+        assert a.num_quantized == b.num_quantized == 128
+        for field in ("k_payload", "v_payload", "k_scales", "k_zeros", "v_scales", "v_zeros"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (bits, field)
+    with pytest.raises(ValueError, match="specache"):
+        copy.compress(0, k, v, 4)
+    assert "specache" not in standalone_compressors() and "kivi1" in standalone_compressors()

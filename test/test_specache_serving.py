@@ -97,13 +97,26 @@ def test_unsupported_sampling_is_refused(sc):
     assert r.status_code == 400 and "SPECACHE" in r.text and "frequency_penalty" in r.text
 
 
-def test_flags_are_refused_without_the_algorithm_or_with_other_widths():
-    cmd = [sys.executable, "-m", "sglang_vc.launch_server"]
-    p = subprocess.run(cmd + ["--specache-topk", "16"], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "need --speculative-algorithm SPECACHE" in p.stderr
-    p = subprocess.run(cmd + ["--speculative-algorithm", "SPECACHE", "--specache-residual", "-1"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "residual must be an integer >= 0" in p.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["--specache-topk", "16"], "need --speculative-algorithm SPECACHE"),
+    (["--speculative-algorithm", "SPECACHE", "--specache-residual", "-1"], "residual must be an integer >= 0"),
+    (["--vc-compressor", "specache", "--vc-kv-bits", "1"], "needs --speculative-algorithm VERICACHE"),
+    (["--speculative-algorithm", "VERICACHE", "--vc-compressor", "specache", "--vc-kv-bits", "4"],
+     "--vc-kv-bits"),
+    (["--speculative-algorithm", "VERICACHE", "--vc-compressor", "specache", "--vc-kv-bits", "1",
+      "--specache-fetch", "speculative"], "--specache-fetch: not used by VERICACHE's SpeCache drafter"),
+    (["--speculative-algorithm", "VERICACHE", "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.5",
+      "--specache-topk", "8"], "with --vc-compressor specache"),
+], ids=["no-algorithm", "bad-residual", "drafter-without-vericache", "drafter-bits", "drafter-fetch",
+        "topk-without-drafter"])
+def test_flags_are_refused_without_the_algorithm_or_with_other_widths(argv, message, capsys):
+    """The launcher's parsing, in process (``main`` runs it first; exit 2, a usage line)."""
+    from sglang_vc.launch_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- host + prefetch

@@ -137,20 +137,37 @@ def _check_identical(server, vc, model_dir, ids_list, max_new, custom=None):
 
 # A token-dropping drafter and KIVI 2-bit, in the default run: prompts of 300 and 400
 # tokens (KIVI quantizes 160 and 256 of them: residual 128, groups of 32).
-DEFAULT_DRAFTERS = {"snapkv": (None, 0.75), "kivi2": (DRAFTERS["kivi2"], 0.6)}
+# SpeCache's 1-bit copy as the drafter (residual 64: 224 and 320 rows quantized), with 4
+# rows per layer and KV head fetched from the host copy each draft step.
+SPECACHE_DRAFTER = {"vc_compressor": "specache", "vc_kv_bits": 1, "specache_topk": 4}
+DEFAULT_DRAFTERS = {"snapkv": (None, 0.75), "kivi2": (DRAFTERS["kivi2"], 0.6),
+                    "specache1": (SPECACHE_DRAFTER, 0.75)}
 
 
-@pytest.mark.parametrize("drafter", list(DEFAULT_DRAFTERS))
+@pytest.mark.parametrize("drafter", [
+    "snapkv", pytest.param("kivi2", marks=pytest.mark.slow),  # a quantized copy: specache1
+    "specache1"])
 def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4, drafter):
     """VERICACHE at X = 4 gives the plain (full-KV) server's tokens, and the drafter was
     really lossy: some drafts were rejected, and while a request decodes the device pool
     holds its compressed footprint, not its full KV. A drafter that read the full KV
-    would accept every draft (same argmax as the verifier) and keep every slot."""
+    would accept every draft (same argmax as the verifier) and keep every slot. The
+    SpeCache drafter also fetched its rows: 4 per KV head, layer and draft token."""
     custom, min_saving = DEFAULT_DRAFTERS[drafter]
     passages = real_text_passages(12, words=400)
     ids_list = [tokenizer(passages[5])["input_ids"][:300], tokenizer(passages[6])["input_ids"][:400]]
     assert [len(i) for i in ids_list] == [300, 400]
+    before = vc_counters(vc4)["counters"].get("vericache", {})
     outs = _check_identical(server, vc4, model_dir, ids_list, 24, custom)
+    after = vc_counters(vc4)["counters"].get("vericache", {})
+    fetched = after.get("specache_rows_fetched", 0) - before.get("specache_rows_fetched", 0)
+    if drafter == "specache1":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        per_draft = 4 * cfg["num_key_value_heads"] * cfg["num_hidden_layers"]
+        assert fetched > 0 and fetched % per_draft == 0, (fetched, per_draft)
+        assert after.get("specache_fetch_misses", 0) == before.get("specache_fetch_misses", 0)
+    else:
+        assert fetched == 0
     infos = [out["meta_info"][META][-1] for out in outs]
     drafted, accepted = sum(i["drafted"] for i in infos), sum(i["accepted"] for i in infos)
     rounds = sum(i["verify_rounds"] for i in infos)

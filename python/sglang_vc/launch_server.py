@@ -108,7 +108,7 @@ def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None
     from sglang_vc.specache import flags as specache_flags
     from sglang_vc.vericache import flags as vericache_flags
 
-    specache_flags.check_usage(vc_config.group(specache_flags.GROUP), argv)
+    specache_flags.check_usage(vc_config.group(specache_flags.GROUP), argv, vc_config.vc_compressor)
     choices = [c for c in (
         lossy_choice(vc_config, argv),
         vericache_flags.backend_choice(argv),

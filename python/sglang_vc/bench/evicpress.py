@@ -275,11 +275,11 @@ def main(argv=None) -> int:
     host_ctx = args.host_contexts or 5.0
     disk_ctx = args.disk_contexts or 10.0
     device_tokens = args.device_tokens or (8 * length if len(lengths) == 1 else 4 * length)
-    from sglang_vc.compress.registry import get_compressor, list_compressors
+    from sglang_vc.compress.registry import get_compressor, standalone_compressors
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
-        if m not in list_compressors():
+        if m not in standalone_compressors():
             ap.error(f"--methods: unknown method {m!r}")
         drops_tokens |= get_compressor(m).scenario == "token_dropping"
     max_new = args.max_new_tokens or (12 if q else 24)

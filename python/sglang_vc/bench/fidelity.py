@@ -109,9 +109,10 @@ def parse_compressors(text: str, ratio: float | None, bits: int | None) -> list[
     supported width). ``ValueError`` on an unknown name, a bad value, bits given where only
     token-dropping methods are listed, or a ratio given where only quantization methods are.
     """
-    from sglang_vc.compress import check_bits, check_ratio, get_compressor, list_compressors
+    from sglang_vc.compress import check_bits, check_ratio, get_compressor, standalone_compressors
 
-    classes = {n: type(get_compressor(n)) for n in list_compressors()}
+    # SpeCache's device copy is read with its host rows: the lab runs it as --specache
+    classes = {n: type(get_compressor(n)) for n in standalone_compressors()}
 
     entries: list[tuple[str, str | None]] = []
     want_all = False
@@ -122,11 +123,12 @@ def parse_compressors(text: str, ratio: float | None, bits: int | None) -> list[
         name, _, val = raw.partition(":")
         name = name.strip().lower()
         if name not in classes:
-            raise ValueError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}, all")
+            raise ValueError(f"unknown compressor {name!r}; known: {', '.join(classes)}, all "
+                             "(SpeCache: --specache VARIANTS)")
         entries.append((name, val.strip() or None))
     if want_all:
         explicit = {n for n, _ in entries}
-        entries += [(n, None) for n in list_compressors() if n not in explicit]
+        entries += [(n, None) for n in classes if n not in explicit]
     if not entries:
         raise ValueError("no compressor given")
     scenarios = {n: classes[n].scenario for n, _ in entries}

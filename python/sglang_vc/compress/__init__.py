@@ -26,15 +26,17 @@ from .kivi import KIVI, kivi_split
 from .kivi1 import KIVI1
 from .knorm import KNorm
 from .kvzip import KVzip
-from .registry import get_compressor, list_compressors, register_compressor
+from .registry import get_compressor, list_compressors, register_compressor, standalone_compressors
 from .scorer import ScorerCompressor, grouped_attention
 from .snapkv import SnapKV
+from .specache_copy import SpeCacheCopy
 from .streamingllm import StreamingLLM
 
 __all__ = [
     "CompressedKV", "Compressor", "DroppedKV", "QuantizedKV", "ScorerCompressor",
     "StreamingLLM", "KNorm", "SnapKV", "KeyDiff", "H2O", "KVzip", "KIVI", "KIVI1",
-    "get_compressor", "list_compressors", "register_compressor",
+    "SpeCacheCopy",
+    "get_compressor", "list_compressors", "register_compressor", "standalone_compressors",
     "num_kept", "check_ratio", "check_bits", "kivi_split", "grouped_attention",
     "pack_bits", "unpack_bits", "packed_size",
 ]

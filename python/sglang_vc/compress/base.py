@@ -252,6 +252,9 @@ class Compressor(ABC):
       queries, or the last T of them) or ``"reconstruction"`` (queries of a KVzip
       context-reconstruction pass).
       ``extra_inputs``: names of method-specific keyword inputs ``compress`` accepts.
+      ``needs_full_rows``: attention reads the payload together with full-precision rows
+      fetched from a host copy of the KV (SpeCache's device copy): only a server that
+      keeps such a copy may serve it.
 
     Queries are ``[num_q, num_q_heads, head_dim]`` with the same RoPE as the keys;
     ``num_q_heads`` must be a multiple of ``num_kv_heads`` (GQA groups consecutive q heads).
@@ -262,6 +265,7 @@ class Compressor(ABC):
     mode: ClassVar[Mode] = "offline"
     needs_queries: ClassVar[str | None] = None
     extra_inputs: ClassVar[tuple[str, ...]] = ()
+    needs_full_rows: ClassVar[bool] = False
 
     @abstractmethod
     def compress(

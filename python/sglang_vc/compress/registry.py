@@ -13,6 +13,7 @@ from .kivi1 import KIVI1
 from .knorm import KNorm
 from .kvzip import KVzip
 from .snapkv import SnapKV
+from .specache_copy import SpeCacheCopy
 from .streamingllm import StreamingLLM
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -27,13 +28,19 @@ def register_compressor(cls: type[Compressor]) -> type[Compressor]:
     return cls
 
 
-for _cls in (StreamingLLM, KNorm, SnapKV, KeyDiff, H2O, KVzip, KIVI, KIVI1):
+for _cls in (StreamingLLM, KNorm, SnapKV, KeyDiff, H2O, KVzip, KIVI, KIVI1, SpeCacheCopy):
     register_compressor(_cls)
 
 
 def list_compressors() -> list[str]:
     """Registered names, sorted."""
     return sorted(_REGISTRY)
+
+
+def standalone_compressors() -> list[str]:
+    """Registered names whose payload is read alone (not ``needs_full_rows``): those a
+    lossy server, EvicPress or the fidelity lab can serve by themselves."""
+    return [n for n in list_compressors() if not _REGISTRY[n].needs_full_rows]
 
 
 def get_compressor(name: str, **config: Any) -> Compressor:

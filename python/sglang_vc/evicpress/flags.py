@@ -197,12 +197,12 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
     methods = tuple(m.strip().lower() for m in out["methods"].split(",") if m.strip())
     if not methods:
         raise ValueError("--evicpress-methods is empty")
-    from sglang_vc.compress.registry import get_compressor, list_compressors
+    from sglang_vc.compress.registry import get_compressor, standalone_compressors
 
     candidates = []
     for m in methods:
-        if m not in list_compressors():
-            raise ValueError(f"--evicpress-methods: unknown method {m!r}; known: {', '.join(list_compressors())}")
+        if m not in standalone_compressors():
+            raise ValueError(f"--evicpress-methods: unknown method {m!r}; known: {', '.join(standalone_compressors())}")
         comp = get_compressor(m)
         if comp.scenario == "quantization":
             for b in (bits if m == "kivi" else (1,)):
@@ -231,11 +231,11 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
 
 def validate_fixed(label: str) -> CompressionConfig:
     """A fixed-policy config (``kivi@4b``, ``knorm@0.5``...), ``ValueError`` if unusable."""
-    from sglang_vc.compress.registry import get_compressor, list_compressors
+    from sglang_vc.compress.registry import get_compressor, standalone_compressors
 
     cfg = CompressionConfig.parse(label)
     if cfg.method is not None:
-        if cfg.method not in list_compressors():
+        if cfg.method not in standalone_compressors():
             raise ValueError(f"unknown method {cfg.method!r}")
         if cfg.is_quantized and cfg.bits not in get_compressor(cfg.method).supported_bits:
             raise ValueError(f"{cfg.method} supports bits {get_compressor(cfg.method).supported_bits}")

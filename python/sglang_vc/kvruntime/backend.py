@@ -97,6 +97,10 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
                 slots = req_to_token[pool_idx[i], :seq_len].to(torch.int64)
                 k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
                 num_prefix, positions = 0, torch.arange(seq_len, device=slots.device)
+            elif not extend and onl is None and (out := self._attend_compressed(q_r, entry, layer, seq_len)) is not None:
+                o_[start : start + t] = out
+                start += t
+                continue
             else:
                 k_r, v_r, num_prefix, positions = self.runtime.request_kv(entry, layer.layer_id, seq_len, onl)
             o_[start : start + t] = kernels.attend(
@@ -107,3 +111,8 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
                 self.runtime.online_update(layer.layer_id, onl, q_r, k_r, v_r)
             start += t
         return o
+
+    def _attend_compressed(self, q, entry, layer, seq_len: int):
+        """A subclass's own decode attention of one compressed request (``q [1, Hq, D]``
+        at position ``seq_len - 1``), or None for the runtime's (its compressed rows)."""
+        return None

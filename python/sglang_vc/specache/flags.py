@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import enum
+from dataclasses import dataclass
 from typing import Optional
 
 from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
+from sglang_vc.vericache.names import ALGORITHM as VERICACHE
 
-from .config import DEFAULT_RESIDUAL, DEFAULT_TOPK, SUPPORTED_BITS, SpeCacheConfig
+from .config import DEFAULT_GROUP, DEFAULT_RESIDUAL, DEFAULT_TOPK, SUPPORTED_BITS, SpeCacheConfig
 from .names import ALGORITHM, ATTENTION_BACKEND
 
 GROUP = "specache"
@@ -71,13 +73,51 @@ def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:
     return None if gb is None else int(gb * 2**30)
 
 
-def check_usage(settings: Optional[dict], argv: list[str]) -> None:
-    """``--specache-*`` flags mean nothing without the algorithm: refused, not ignored."""
+@dataclass(frozen=True)
+class DrafterSettings:
+    """VERICACHE's SpeCache drafter (``--vc-compressor specache --vc-kv-bits B``, the bits
+    being each request's compression spec): ``--specache-topk`` and
+    ``--specache-residual``. Its fetch is the non-speculative one: a draft forward
+    carries one token per request, so each draft token attends, fetches its own top-k
+    rows and attends again."""
+
+    topk: int = DEFAULT_TOPK
+    residual: int = DEFAULT_RESIDUAL
+    group_size: int = DEFAULT_GROUP
+
+
+def drafter_settings(settings: Optional[dict]) -> DrafterSettings:
+    s = settings or {}
+    return DrafterSettings(topk=s.get("topk", DEFAULT_TOPK), residual=s.get("residual", DEFAULT_RESIDUAL))
+
+
+DRAFTER_FLAGS = ("topk", "residual")  # the --specache-* flags VERICACHE's drafter reads
+
+
+def check_usage(settings: Optional[dict], argv: list[str], vc_compressor: Optional[str] = None) -> None:
+    """``--specache-*`` flags mean nothing without SpeCache: refused, not ignored. With
+    ``--speculative-algorithm VERICACHE --vc-compressor specache`` (SpeCache as the
+    drafter) the drafter's ``--specache-topk`` and ``--specache-residual`` apply; its
+    bits are ``--vc-kv-bits`` and its host copy VERICACHE's (``--vc-host-kv-gb``)."""
+    from sglang_vc.compress.specache_copy import SpeCacheCopy
     from sglang_vc.kvruntime.select import flag_value
 
-    algorithm = flag_value(argv, "--speculative-algorithm")[1]
-    if settings and (algorithm is None or algorithm.upper() != ALGORITHM):
-        raise ConfigError(f"--specache-* flags need --speculative-algorithm {ALGORITHM}")
+    algorithm = (flag_value(argv, "--speculative-algorithm")[1] or "").upper()
+    drafter = (vc_compressor or "").lower() == SpeCacheCopy.name
+    if drafter and algorithm != VERICACHE:
+        raise ConfigError(f"--vc-compressor {SpeCacheCopy.name} is SpeCache as VERICACHE's drafter: it needs "
+                          f"--speculative-algorithm {VERICACHE} (SpeCache decoding alone is "
+                          f"--speculative-algorithm {ALGORITHM})")
+    if not settings or algorithm == ALGORITHM:
+        return
+    if not drafter:
+        raise ConfigError(f"--specache-* flags need --speculative-algorithm {ALGORITHM} (or "
+                          f"{VERICACHE} with --vc-compressor {SpeCacheCopy.name})")
+    other = sorted(k for k in settings if k not in DRAFTER_FLAGS)
+    if other:
+        flags_ = ", ".join("--specache-" + ("kv-bits" if k == "bits" else k.replace("_", "-")) for k in other)
+        raise ConfigError(f"{flags_}: not used by VERICACHE's SpeCache drafter (its bits are --vc-kv-bits, "
+                          "its host copy --vc-host-kv-gb, and it fetches each draft token's own rows)")
 
 
 def backend_choice(argv: list[str]):

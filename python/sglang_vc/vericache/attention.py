@@ -16,6 +16,7 @@ from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
 if TYPE_CHECKING:
     from .reload import LayerwiseReload
+    from .specache_drafter import SpeCacheDrafter
 
 
 class VeriCacheAttnBackend(VCTorchAttnBackend):
@@ -23,9 +24,20 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
     TARGET_VERIFY forward: each request's ``W`` verify queries at positions
     ``L .. L+W-1`` attend causally to its row ``[0, L+W)`` over the full KV: positions
     ``[p, n)`` of a compressed request come from ``self.reload`` (staged by the worker),
-    the others from the pool."""
+    the others from the pool.
+
+    Draft (decode) forwards of a request compressed with ``specache`` use SpeCache's
+    attention over its low-bit copy with its own top-k rows fetched from the host copy
+    (:mod:`.specache_drafter`)."""
 
     reload: "Optional[LayerwiseReload]" = None
+    drafter: "Optional[SpeCacheDrafter]" = None  # set by the worker
+
+    def _attend_compressed(self, q, entry, layer, seq_len: int):
+        # a request compressed with SpeCache's device copy drafts with its attention
+        if self.drafter is not None and self.runtime.compressor(entry.spec.compressor).needs_full_rows:
+            return self.drafter.attend(q, entry, layer, seq_len)
+        return None
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not forward_batch.forward_mode.is_target_verify():

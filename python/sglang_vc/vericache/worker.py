@@ -107,7 +107,24 @@ class VeriCacheWorker(ChainSpecWorker):
             self._runtime.full_kv_sink = self.host.sink
             self._runtime.full_kv_admit = self._admit_host
             self._runtime.full_kv_kept = self.host.kept
+            self._install_specache_drafter(self._runtime)
         return self._runtime
+
+    def _install_specache_drafter(self, runtime) -> None:
+        """Requests compressed with ``specache`` (the server's ``--vc-compressor`` or a
+        request's own) draft with SpeCache's attention (:mod:`.specache_drafter`) at the
+        server's ``--specache-topk`` and ``--specache-residual``."""
+        from sglang_vc.compress import SpeCacheCopy
+        from sglang_vc.config import get_vc_config
+        from sglang_vc.specache import flags as specache_flags
+
+        from .specache_drafter import SpeCacheDrafter
+
+        vc = get_vc_config(self.server_args)
+        cfg = specache_flags.drafter_settings(vc.group(specache_flags.GROUP))
+        runtime.use_compressor(SpeCacheCopy(group_size=cfg.group_size, residual_length=cfg.residual))
+        self.drafter = SpeCacheDrafter(self.host, runtime, cfg.topk)
+        self.model_runner.attn_backend.drafter = self.drafter
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
         ok = self.host.admit(rid, req_pool_idx, p, n, (n - p) * self.runtime.bytes_per_slot)
@@ -119,6 +136,8 @@ class VeriCacheWorker(ChainSpecWorker):
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
         runtime = self.runtime  # installs the host sink before the first prefill
+        for req in batch.reqs:
+            self.drafter.set_request(req.rid, getattr(req.sampling_params, "custom_params", None))
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
             if self.schedule is flags.Schedule.STAGGERED:
                 result = self._staggered_round(batch)
@@ -130,6 +149,7 @@ class VeriCacheWorker(ChainSpecWorker):
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
+        self.drafter.forget(live)
         return result
 
     # ------------------------------------------------------------------ one round
