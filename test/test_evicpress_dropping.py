@@ -135,6 +135,7 @@ def test_ratio_one_answer_equals_full_kv_answer(drop_server, tokenizer):
     assert outs["other"]["output_ids"] == alone["output_ids"]
 
 
+@pytest.mark.slow
 def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
     """The profiler's request for a token-dropping candidate (namespace
     ``evicpress:cfg:knorm@...``) is served from the kept rows of the context's full KV,

@@ -675,7 +675,7 @@ def test_server_kv_bytes_survive_device_host_disk_device(ep_server, tokenizer):
     assert info["device_config"] == "kivi@4b"
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", [pytest.param("flip", marks=pytest.mark.slow), "truncate"])
 def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     from conftest import real_text_passages
 

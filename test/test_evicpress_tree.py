@@ -119,6 +119,7 @@ def drop_tier_server(tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow  # a second tree server; dropped contexts across tiers: test_evicpress_dropping
 def test_token_dropped_device_copy_holds_only_its_kept_rows(drop_tier_server, tokenizer):
     """A context stored as knorm@0.5 on the device tier is its private node of kept rows,
     pinned: after the tree is evicted the pool holds exactly n_keep of its slots, and a

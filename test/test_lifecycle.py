@@ -11,7 +11,8 @@ import pytest
 from sglang_vc.testing.server import ServerProcess
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])  # the launcher handles both the same way
 def test_signal_stops_server_and_children(sig, model_dir, tmp_path):
     server = ServerProcess(["--model-path", model_dir, "--max-total-tokens", "4096"],
                            log_path=tmp_path / "server.log")

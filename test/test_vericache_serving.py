@@ -109,6 +109,7 @@ def test_vericache_without_compressor_is_a_usage_error():
     assert "VERICACHE" in proc.stderr and "--vc-compressor" in proc.stderr
 
 
+@pytest.mark.slow  # a launcher process; the in-process checks are in test_cli / test_specache_serving
 def test_vericache_rejects_online_compressor():
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_vc.launch_server", "--dtype", "float32",

@@ -27,7 +27,8 @@ class Fetch(str, enum.Enum):
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("SpeCache (--speculative-algorithm SPECACHE)")
+    g = parser.add_argument_group("SpeCache (--speculative-algorithm SPECACHE; --specache-topk and "
+                                  "--specache-residual also set VERICACHE's --vc-compressor specache drafter)")
     g.add_argument("--specache-kv-bits", type=int, choices=SUPPORTED_BITS, default=None,
                    help=f"SPECACHE: bits of the device KV copy, 2 (KIVI) or 1 (KIVI with SpeCache's "
                         f"eq. 3 zero-point and scale); default {DEFAULT_BITS}")

@@ -34,7 +34,7 @@ class ServerProcess:
         args: list[str],
         launcher: str = "sglang-vc",
         log_path: Optional[Path] = None,
-        timeout: float = 240.0,
+        timeout: float = 180.0,  # a start takes about 30 s on 2 cores
         env: Optional[dict] = None,
     ):
         self.port = free_port()
@@ -68,7 +68,8 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def generate(self, text=None, input_ids=None, timeout: float = 300, **sampling) -> dict:
