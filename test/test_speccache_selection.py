@@ -1,0 +1,95 @@
+"""SpecCache's selection math on crafted scores, and the cross-tokenizer alignment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_vc.speccache import align as al
+from sglang_vc.speccache import spans as sp
+
+
+def test_importance_is_the_mean_deep_layer_norm():
+    hs = [torch.full((3, 4), float(i)) for i in range(9)]  # layer i: every norm is 2i
+    hs[8][1] = 0.0
+    imp = sp.importance(hs)  # deep layers: the last third, 6, 7, 8
+    assert list(sp.deep_layers(9)) == [6, 7, 8]
+    assert torch.allclose(imp, torch.tensor([14.0, 26 / 3, 14.0]))
+
+
+def test_top_ratio_counts_exactly_and_breaks_ties_by_position():
+    assert sp.count(0.15, 100) == 15 and sp.count(0.2, 7) == 2 and sp.count(1.0, 7) == 7
+    mask = sp.top_ratio(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2)
+    assert mask.tolist() == [False, True, True, False, False]
+
+
+def test_segment_splits_at_relative_jumps_and_caps_span_length():
+    scores = torch.tensor([0.0, 10, 10.5, 11, 5, 5.2, 100, 100, 100])
+    # normalized: 0, .1, .105, .11, .05, .052, 1, 1, 1
+    assert sp.segment(scores) == [(0, 0), (1, 3), (4, 5), (6, 8)]
+    flat = torch.ones(40)
+    assert sp.segment(flat) == [(0, 15), (16, 31), (32, 39)]
+    assert sp.segment(torch.tensor([0.0, 0.0, 1.0])) == [(0, 1), (2, 2)]  # zero: equal joins
+
+
+def test_complete_fills_spans_covered_at_tau():
+    mask = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0, 0, 1], dtype=torch.bool)
+    spans = [(0, 3), (4, 6), (7, 9)]  # covered 3/4, 1/3, 1/3
+    out = sp.complete(mask, spans, tau_cover=0.7)
+    assert out.tolist() == [True] * 4 + [True, False, False, False, False, True]
+
+
+def test_budget_is_exact_and_keeps_the_completion_it_can_afford():
+    scores = torch.tensor([9.0, 8, 1, 7, 6, 5, 4, 3])
+    spans = [(0, 2), (3, 7)]
+
+    def expand(m):
+        return sp.complete(m, spans, tau_cover=0.6)
+
+    def size(m):
+        return int(m.sum())
+
+    # top-2 = {0, 1} covers 2/3 of span (0, 2): completed to {0, 1, 2} (size 3)
+    got = sp.fit_budget(scores, 3, expand, size)
+    assert got.tolist() == [True, True, True] + [False] * 5
+    # budget 4: top-3 -> {0, 1, 2, 3}; top-4 would complete nothing more but be 5 > 4
+    got = sp.fit_budget(scores, 4, expand, size)
+    assert size(got) == 4 and got[:4].all()
+    # with alignment: each speculative token is two target tokens
+    alignment = al.Alignment(torch.arange(8) * 2, torch.arange(8) * 2 + 2, 16)
+    got = sp.fit_budget(scores, 5, expand, alignment.target_count)
+    assert alignment.target_count(got) == 4 and got.tolist()[:2] == [True, True]
+    assert not got[2:].any()  # completing {0, 1} would need 6 target tokens
+
+
+def test_alignment_maps_overlapping_spans():
+    # speculative: "ab|cde|f" ; target: "a|bc|d|ef"
+    a = al.align([(0, 2), (2, 5), (5, 6), (6, 6)], [(0, 1), (1, 3), (3, 4), (4, 6)])
+    assert a.start.tolist() == [0, 1, 3, 4] and a.end.tolist() == [2, 4, 4, 4]  # (6, 6): empty
+    assert a.to_target(torch.tensor([False, False, True, True])).tolist() == [False, False, False, True]
+    assert a.to_target(torch.tensor([True, False, False, False])).tolist() == [True, True, False, False]
+    ident = al.identity(3)
+    assert ident.to_target(torch.tensor([True, False, True])).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="text order"):
+        al.align([(0, 1)], [(2, 3), (0, 1)])
+
+
+@pytest.mark.parametrize("text", [
+    "naïve café — 文字化け and emoji 🙂🙂 done",
+    "a  b   c\t\td\n\n\n  e",
+    "def f(x):\n    return x ** 2  # square\n\nclass A:\n\tpass\n",
+])
+def test_alignment_covers_the_same_characters(text, tokenizer):
+    """Two real tokenizations of one string (the model's tokenizer, and the same text
+    cut into single characters as a second 'tokenizer'): every selected token's target
+    tokens cover its characters, and nothing outside the tokens touching them."""
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    spec = [tuple(o) for o in enc["offset_mapping"]]
+    chars = [(i, i + 1) for i in range(len(text))]
+    a = al.align(spec, chars)
+    for i, (s, e) in enumerate(spec):
+        assert (int(a.start[i]), int(a.end[i])) == ((s, e) if e > s else (int(a.start[i]),) * 2)
+    back = al.align(chars, spec)  # each character maps to the tokens containing it
+    for c in range(len(text)):
+        covering = [j for j, (s, e) in enumerate(spec) if s <= c < e]
+        assert list(range(int(back.start[c]), int(back.end[c]))) == covering, (c, text[c])
