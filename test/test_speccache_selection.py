@@ -93,3 +93,55 @@ def test_alignment_covers_the_same_characters(text, tokenizer):
     for c in range(len(text)):
         covering = [j for j, (s, e) in enumerate(spec) if s <= c < e]
         assert list(range(int(back.start[c]), int(back.end[c]))) == covering, (c, text[c])
+
+
+# ----------------------------------------------------------------------------- selectors
+
+from sglang_vc.speccache.selectors import SELECTORS, Chunks, SelectionInput, get_selector  # noqa: E402
+
+
+def _input(chunks, spec=None, deviation=None):
+    return SelectionInput(chunks, spec_scores=spec, first_layer_deviation=deviation, seed=3)
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 0.2, 1.0])
+def test_every_selector_honours_the_budget_on_chunk_tokens_only(name, ratio):
+    chunks = Chunks(starts=(2, 30), ends=(30, 71), num_tokens=80)  # prefix 2, query 9
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(80, generator=g)
+    inp = _input(chunks, spec=lambda: (scores, al.identity(80)), deviation=torch.rand(80, generator=g))
+    mask = get_selector(name).select(inp, ratio)
+    assert mask.dtype == torch.bool and mask.shape == (80,)
+    assert not (mask & ~chunks.mask()).any(), "only chunk tokens are recomputed by choice"
+    want = {"full-reuse": 0, "full-recompute": 69}.get(name, chunks.budget(ratio))
+    assert int(mask.sum()) == want
+    if ratio == 1.0:
+        assert torch.equal(mask, chunks.mask()) or name == "full-reuse"
+    if ratio == 0.0:
+        assert not mask.any() or name == "full-recompute"
+
+
+def test_epic_takes_each_chunks_first_tokens_in_proportion():
+    chunks = Chunks(starts=(0, 10), ends=(10, 40), num_tokens=45)
+    mask = get_selector("epic").select(_input(chunks), 0.2)  # budget 8: 2 + 6
+    assert mask.nonzero().flatten().tolist() == [0, 1, 10, 11, 12, 13, 14, 15]
+
+
+def test_cacheblend_takes_the_largest_deviations():
+    chunks = Chunks(starts=(0,), ends=(10,), num_tokens=12)
+    dev = torch.tensor([0, 5, 1, 9, 0, 0, 7, 0, 0, 0, 100, 100], dtype=torch.float)  # query: not candidates
+    mask = get_selector("cacheblend").select(_input(chunks, deviation=dev), 0.3)
+    assert mask.nonzero().flatten().tolist() == [1, 3, 6]
+
+
+def test_speccache_completes_spans_and_maps_through_the_alignment():
+    # 12 speculative tokens, each two target tokens; chunk = target tokens [0, 20), query [20, 24)
+    scores = torch.tensor([1.0, 1, 1, 1, 9, 9.5, 9.2, 5, 1, 1, 20, 20])
+    alignment = al.Alignment(torch.arange(12) * 2, torch.arange(12) * 2 + 2, 24)
+    chunks = Chunks(starts=(0,), ends=(20,), num_tokens=24)
+    inp = _input(chunks, spec=lambda: (scores, alignment))
+    mask = get_selector("speccache").select(inp, 0.3)  # budget 6 target tokens = 3 spec tokens
+    # spans: [0-3] [4-6] [7] [8-9] [10-11]; top-3 candidates (10, 11 are the query): 5, 6, 4
+    assert mask.nonzero().flatten().tolist() == [8, 9, 10, 11, 12, 13]
+    assert inp.notes["spec_tokens_selected"] == 3

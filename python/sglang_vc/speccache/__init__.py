@@ -1,6 +1,8 @@
 """SpecCache: RAG chunk KV reused at any position, with the tokens to recompute chosen
 by a small speculative model ("SpecCache: Speculative KV Cache Reuse for Efficient RAG
-Serving"). Built so far: the selection math (:mod:`.spans`) and the cross-tokenizer
-alignment (:mod:`.align`). Not built yet: the chunk KV store, positional recovery, the
-selective-recompute prefill in the server, the selectors' interface and baselines, the
-speculative model in the server, the RAG workload and benchmark."""
+Serving"). Built so far: the selection math (:mod:`.spans`), the cross-tokenizer
+alignment (:mod:`.align`) and the token selectors behind one interface
+(:mod:`.selectors`: ``speccache``, ``cacheblend``, ``epic``, ``random``, ``full-reuse``,
+``full-recompute``). Not built yet: the chunk KV store in the tree's tiers, positional
+recovery, the selective-recompute prefill in the server, the speculative model in the
+server, the request API, the RAG workload and its benchmark."""
