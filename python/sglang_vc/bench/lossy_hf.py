@@ -73,6 +73,8 @@ def lossy_attention_forward(
     ctl: Controller | None = getattr(module, "_vc_controller", None)
     if ctl is not None and ctl.specache is not None:  # SpeCache's attention (bench.specache_hf)
         return ctl.specache.attend(module.layer_idx, query, key, value, scaling), None
+    if ctl is not None and ctl.fuse is not None:  # SpecCache's fused prefill (bench.speccache_hf)
+        return ctl.fuse.attend(module.layer_idx, query, key, value, scaling, module.num_key_value_groups), None
     groups = module.num_key_value_groups
     if ctl is not None and ctl.capturing:
         ctl._capture(module.layer_idx, query, key)
@@ -198,13 +200,15 @@ class Controller:
     """Attached to every attention module of a model (``module._vc_controller``).
 
     ``lossy``: the active :class:`LossyKV` (``None``: plain attention); ``specache``: a
-SpeCache simulation that replaces the attention while it decodes.
+SpeCache simulation that replaces the attention while it decodes; ``fuse``: SpecCache's
+    selective-recompute prefill, likewise.
     ``capturing``: while True, each layer's queries and new keys are recorded.
     """
 
     def __init__(self, model):
         self.lossy: LossyKV | None = None
         self.specache = None  # a bench.specache_hf.SpeCacheSim while one decodes
+        self.fuse = None  # a bench.speccache_hf.FusedPrefill while one prefills
         self.capturing = False
         self._q: list[list[Tensor]] = []
         self._k: list[list[Tensor]] = []
