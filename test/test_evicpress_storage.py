@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -422,14 +421,15 @@ def _weed_binary():
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free ports outside the ephemeral range (see ``testing.server``)."""
+    from sglang_vc.testing.server import free_port
+
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def _wait_for_s3(endpoint: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:

@@ -19,10 +19,35 @@ LAUNCHERS = {
 }
 
 
+# Ports are drawn below Linux's ephemeral range (32768-60999 by default): a port the
+# kernel hands out for port 0 can be given again, during the ~20 s a server takes to
+# start, to any outgoing connection (HTTP clients, torch.distributed's store), and then
+# uvicorn cannot bind it. SGLang also takes port + 100..1000 for its NCCL/gloo store.
+PORT_RANGE = (10000, 31000)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and outside the ephemeral range (see ``PORT_RANGE``)."""
+    import random
+
+    hi = min(PORT_RANGE[1], _ephemeral_low() - 1001)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(PORT_RANGE[0], hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{PORT_RANGE[0]}, {hi})")
 
 
 class ServerProcess:
@@ -58,6 +83,12 @@ class ServerProcess:
                 raise RuntimeError(
                     f"server exited with {self.proc.returncode} before serving:\n{self.log_tail()}"
                 )
+            if "error while attempting to bind" in self.log_tail(20):
+                # uvicorn could not bind and SGLang's launcher then waits forever
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                self._log.close()
+                raise RuntimeError(f"server could not bind port {self.port}:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     return
