@@ -145,3 +145,28 @@ def test_speccache_completes_spans_and_maps_through_the_alignment():
     # spans: [0-3] [4-6] [7] [8-9] [10-11]; top-3 candidates (10, 11 are the query): 5, 6, 4
     assert mask.nonzero().flatten().tolist() == [8, 9, 10, 11, 12, 13]
     assert inp.notes["spec_tokens_selected"] == 3
+
+
+@pytest.mark.slow  # prepares qwen2.5-coder-0.5b (a 491 MB download) on a fresh machine
+@pytest.mark.parametrize("text", [
+    "naïve café — 文字化け and emoji 🙂🙂 done",
+    "a  b   c\t\td\n\n\n  e",
+    "def f(x):\n    return x ** 2  # square\n\nclass A:\n\tpass\n",
+])
+def test_alignment_between_smollm2_and_qwen_tokenizers(text, tokenizer):
+    """SmolLM2 (speculative) onto Qwen2.5 (target): each SmolLM2 token maps exactly to
+    the Qwen tokens whose characters overlap its own, and every Qwen token with
+    characters is reached from some SmolLM2 token."""
+    from transformers import AutoTokenizer
+
+    from sglang_vc import models
+
+    qwen = AutoTokenizer.from_pretrained(models.resolve("qwen2.5-coder-0.5b"))
+    spec = [tuple(o) for o in tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]]
+    tgt = [tuple(o) for o in qwen(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]]
+    a = al.align(spec, tgt)
+    for i, (s, e) in enumerate(spec):
+        want = [j for j, (c, d) in enumerate(tgt) if c < e and d > s] if e > s else []
+        assert list(range(int(a.start[i]), int(a.end[i]))) == want, (i, text[s:e])
+    reached = a.to_target(torch.ones(len(spec), dtype=torch.bool))
+    assert all(bool(reached[j]) for j, (c, d) in enumerate(tgt) if d > c)
