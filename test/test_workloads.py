@@ -28,8 +28,9 @@ PARAMS = {
     "reading": dict(lengths=[512, 1024, 2048]),
     "needle": dict(lengths=[256, 512, 1024, 2048], depths=[0.0, 0.1, 0.5, 0.9, 1.0]),
     "json_calls": dict(tool_counts=[2, 8, 30]),
+    "rag": dict(chunks=3, chunk_tokens=128),
 }
-N = {"code": 12, "reading": 12, "needle": 20, "json_calls": 30}
+N = {"code": 12, "reading": 12, "needle": 20, "json_calls": 30, "rag": 4}
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,10 @@ def built():
 
 
 def test_list_and_unknown():
-    assert set(W.list_workloads()) == {"code", "reading", "needle", "json_calls"}
+    assert set(W.list_workloads()) == {"code", "reading", "needle", "json_calls", "rag"}
     with pytest.raises(ValueError, match="unknown workload"):
         W.load_workload("no_such_workload")
-    with pytest.raises(ValueError, match="code, reading, needle, json_calls"):
+    with pytest.raises(ValueError, match="code, reading, needle, json_calls, rag"):
         W.load_workload("Needle")
     with pytest.raises(TypeError):
         W.load_workload("needle", n=1, no_such_param=3)
@@ -51,7 +52,7 @@ def test_list_and_unknown():
         W.load_workload("needle", n=1, max_tokens=10)
 
 
-@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls"])
+@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag"])
 def test_deterministic(name, built):
     again = W.load_workload(name, n=N[name], seed=1, **PARAMS[name])
     assert [it["prompt"] for it in again] == [it["prompt"] for it in built[name]]
@@ -77,7 +78,7 @@ def test_deterministic_across_processes(built):
     assert got == {n: built[n].provenance["items_sha256"] for n in W.list_workloads()}
 
 
-@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls"])
+@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag"])
 def test_items_well_formed(name, built):
     wl = built[name]
     assert len(wl) == N[name]
@@ -105,7 +106,7 @@ def test_max_tokens_clamps_and_bounds():
         wl = W.load_workload(name, n=4, max_tokens=600)
         assert all(it["n_tokens"] <= 600 for it in wl), name
         if name != "json_calls":
-            assert all(it["target_tokens"] <= 600 for it in wl)
+            assert all(it["target_tokens"] is None or it["target_tokens"] <= 600 for it in wl)
     wl = W.load_workload("needle", n=5)  # defaults: 8192 is clamped to the default budget
     assert max(it["target_tokens"] for it in wl) == W.DEFAULT_MAX_TOKENS < W.MODEL_CONTEXT
 
@@ -215,7 +216,7 @@ def test_json_call_score_leniency():
     )
 
 
-@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls"])
+@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag"])
 def test_provenance(name, built):
     wl = built[name]
     p = wl.provenance
@@ -307,3 +308,16 @@ def test_build_cli(tmp_path):
     assert "## needle" in md and "## json_calls" in md and "sha256" in md
     with pytest.raises(SystemExit):
         build.main(["--out", str(tmp_path), "--workloads", "bogus"])
+
+
+def test_rag_facts_sit_in_their_chunks(built):
+    """The prompt is the intro, the chunks and the question; the code is only in the
+    fact's chunk (two-hop: the link and the code in two different chunks)."""
+    for it in built["rag"]:
+        assert it["prompt"] == it["chunk_prefix"] + "".join(it["chunks"]) + it["question"]
+        holders = [k for k, c in enumerate(it["chunks"]) if it["answer"] in c]
+        assert holders == [it["answer_chunks"][-1]], it["id"]
+        name = re.search(r"project (\S+?)\?", it["question"]).group(1)
+        assert [k for k, c in enumerate(it["chunks"]) if name in c] == [it["answer_chunks"][0]]
+        assert len(it["answer_chunks"]) == (2 if it["task"] == "rag_two_hop" else 1)
+    assert W.token_f1("B1234 is it", "B1234") == 0.5 and W.token_f1("", "B1234") == 0.0

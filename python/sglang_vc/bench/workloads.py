@@ -1990,8 +1990,9 @@ def _build_rag(counter: TokenCounter, max_tokens: int, n: int | None, seed: int,
             raise ValueError(f"unknown rag task {t!r}; known: {list(_RAG_TASKS)}")
     if chunks < 2 or chunk_tokens < 32:
         raise ValueError(f"rag: need chunks >= 2 and chunk_tokens >= 32, got {chunks}, {chunk_tokens}")
-    if chunks * chunk_tokens + 64 > max_tokens:
-        raise ValueError(f"rag: {chunks} chunks of {chunk_tokens} tokens do not fit max_tokens {max_tokens}")
+    chunk_tokens = min(chunk_tokens, (max_tokens - 64) // chunks)  # clamped to the prompt budget
+    if chunk_tokens < 32:
+        raise ValueError(f"rag: {chunks} chunks do not fit max_tokens {max_tokens}")
     docs = [d for d in _doc_pool(tuple(kinds)) if d.prose >= min_prose]
     if not docs:
         raise RuntimeError(f"rag workload: no documents of kinds {list(kinds)} on this machine")
@@ -2044,8 +2045,8 @@ def _rag_item(i: int, seed: int, task: str, n_chunks: int, chunk_tokens: int, do
         hops = where
     chunk_texts = [f"\nPassage {k + 1}: {p}\n" for k, p in enumerate(passages)]
     prompt = _RAG_INTRO + "".join(chunk_texts) + question
-    return _finish_item("rag", i, task, prompt, question, code, counter.count(prompt), n_chunks * chunk_tokens,
-                        8, {"documents": sources}, chunks=chunk_texts, chunk_prefix=_RAG_INTRO, answer_chunks=hops)
+    # not a length-targeted workload: chunk_tokens bounds each passage
+    return _finish_item("rag", i, task, prompt, question, code, counter.count(prompt), None, 8, {"documents": sources}, chunks=chunk_texts, chunk_prefix=_RAG_INTRO, answer_chunks=hops)
 
 
 def token_f1(output: str, answer: str) -> float:
