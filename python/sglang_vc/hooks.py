@@ -88,6 +88,24 @@ def _check_request(result, *args, **kwargs):
     return result
 
 
+async def _speccache_prompt(original, tokenizer_manager, obj):
+    """SGLang tokenizes a prompt in one piece and has no seam for a plugin to rewrite a
+    request before it does. SpecCache must see the text first: its chunks are tokenized
+    piece by piece (so that a chunk's token ids, its KV's key in the tree, are the same in
+    every prompt), registered, and the recomputed tokens selected; the request then goes
+    on as token ids with its plan (:mod:`sglang_vc.speccache.frontend`). Servers without
+    ``--speccache-*`` flags and requests without chunks pass through unchanged."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from sglang_vc.speccache.frontend import frontend_for
+
+    if isinstance(obj, GenerateReqInput):
+        frontend = frontend_for(tokenizer_manager)
+        if frontend is not None:
+            await frontend.prepare(obj)
+    return await original(tokenizer_manager, obj)
+
+
 def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
     """VERICACHE's staggered schedule commits nothing for a request in the iterations
     in which it only drafts (its tokens are committed at its verify). SGLang's spec-v2
@@ -182,6 +200,11 @@ def install() -> None:
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         _check_request,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
+        _speccache_prompt,
+        HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.Req.update_finish_state",

@@ -105,6 +105,7 @@ def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None
     from sglang_vc.evicpress import flags as evicpress_flags
     from sglang_vc.kvruntime import ATTENTION_BACKEND
     from sglang_vc.kvruntime.select import lossy_choice
+    from sglang_vc.speccache import flags as speccache_flags
     from sglang_vc.specache import flags as specache_flags
     from sglang_vc.vericache import flags as vericache_flags
 
@@ -114,13 +115,15 @@ def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None
         vericache_flags.backend_choice(argv),
         specache_flags.backend_choice(argv),
         evicpress_flags.backend_choice(evicpress_flags.settings_of(vc_config), argv),
+        speccache_flags.backend_choice(vc_config.group(speccache_flags.GROUP)),
     ) if c is not None]
     if len(choices) > 1:
         raise ConfigError(f"{choices[0].reason} and {choices[1].reason} cannot be combined")
     if choices:
         return choices[0]
     given = flag_value(argv, "--attention-backend")[1]
-    if given in (ATTENTION_BACKEND, vericache_flags.ATTENTION_BACKEND, specache_flags.ATTENTION_BACKEND):
+    if given in (ATTENTION_BACKEND, vericache_flags.ATTENTION_BACKEND, specache_flags.ATTENTION_BACKEND,
+                 speccache_flags.ATTENTION_BACKEND):
         return BackendChoice(given, None, f"--attention-backend {given}")
     return None
 
@@ -145,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_vc.evicpress.service import install as install_evicpress
 
     install_evicpress(vc_config, server_args)  # /evicpress/* routes and the profiler
+    from sglang_vc.speccache.service import install as install_speccache
+
+    install_speccache(vc_config)  # POST /speccache/chunks
     try:
         run_server(server_args)
     except ConfigError as exc:  # a project check run while SGLang resolves its args

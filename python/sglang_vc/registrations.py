@@ -9,6 +9,7 @@ def register_flag_groups() -> None:
     """Each mechanism's ``flags`` module registers its flag family when imported."""
     from sglang_vc.evicpress import flags as _evicpress_flags  # noqa: F401
     from sglang_vc.specache import flags as _specache_flags  # noqa: F401
+    from sglang_vc.speccache import flags as _speccache_flags  # noqa: F401
     from sglang_vc.vericache import flags as _vericache_flags  # noqa: F401
 
 
@@ -29,6 +30,10 @@ def register_all() -> None:
     from sglang_vc.specache import worker_spec as specache_spec
 
     specache_spec.register()  # speculative algorithm "SPECACHE", attention backend "specache"
+
+    from sglang_vc import speccache
+
+    speccache.register()  # attention backend "vc_speccache", radix cache "speccache"
 
     from sglang.srt.mem_cache.registry import register_radix_cache_backend
 

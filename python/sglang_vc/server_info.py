@@ -51,7 +51,8 @@ def _with_vc_section(original, section: dict[str, Any]):
         per_scheduler = [
             state.get("sglang_vc", {}) for state in info.get("internal_states", [])
         ]
-        info["sglang_vc"] = {**section, "counters": stats.merge(per_scheduler)}
+        # the front end (this process) counts too: SpecCache's scoring and registrations
+        info["sglang_vc"] = {**section, "counters": stats.merge(per_scheduler + [stats.snapshot()])}
         return info
 
     return endpoint

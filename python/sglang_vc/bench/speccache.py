@@ -42,9 +42,10 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_vc.speccache import align as al
+from sglang_vc.speccache import layout
 from sglang_vc.speccache import rope
 from sglang_vc.speccache import spans as sp
-from sglang_vc.speccache.selectors import SELECTORS, Chunks, Need, SelectionInput, get_selector
+from sglang_vc.speccache.selectors import SELECTORS, Need, SelectionInput, get_selector
 
 from . import speccache_hf as sc
 from .lossy_hf import Session, load_model
@@ -73,33 +74,6 @@ def _load(name: str) -> Model:
     return Model(name, Session(load_model(path)), AutoTokenizer.from_pretrained(path))
 
 
-@dataclass
-class Prompt:
-    ids: list[int]
-    offsets: list[tuple[int, int]]  # character span of each token in ``text``
-    text: str
-    chunks: Chunks
-    chunk_ids: list[list[int]]
-
-
-def tokenize_pieces(tok, prefix: str, chunks: Sequence[str], question: str) -> Prompt:
-    """The prompt's tokens, piece by piece (special tokens only before the intro)."""
-    ids, offsets, starts, ends, chunk_ids = [], [], [], [], []
-    text = ""
-    for k, piece in enumerate([prefix, *chunks, question]):
-        enc = tok(piece, add_special_tokens=(k == 0), return_offsets_mapping=True)
-        base = len(text)
-        if 1 <= k <= len(chunks):
-            starts.append(len(ids))
-            chunk_ids.append(list(enc["input_ids"]))
-        ids += enc["input_ids"]
-        offsets += [(a + base, b + base) if b > a else (base + a, base + a) for a, b in enc["offset_mapping"]]
-        if 1 <= k <= len(chunks):
-            ends.append(len(ids))
-        text += piece
-    return Prompt(ids, offsets, text, Chunks(tuple(starts), tuple(ends), len(ids)), chunk_ids)
-
-
 def _decode(target: Model, logits, cache, max_new: int) -> list[int]:
     eos = {t for t in (target.tokenizer.eos_token_id,) if t is not None}
     return sc.greedy(target.sess, logits, cache, max_new, eos)
@@ -122,7 +96,7 @@ def run_item(item: dict, target: Model, spec: Optional[Model], selectors: Sequen
              kv_cache: dict) -> list[dict]:
     from .workloads import score, token_f1
 
-    prompt = tokenize_pieces(target.tokenizer, item["chunk_prefix"], item["chunks"], item["question"])
+    prompt = layout.tokenize(target.tokenizer, item["chunk_prefix"], item["chunks"], item["question"])
     cos_sin = rope.hf_cos_sin(target.sess.model)
     kvs = []
     for ids in prompt.chunk_ids:  # precomputed once per chunk: not part of any TTFT

@@ -42,7 +42,8 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         batch = self.runtime.batch
-        if batch is None or not batch.any_compressed or layer.is_cross_attention:
+        per_request = batch is not None and (batch.any_compressed or self.extend_per_request())
+        if not per_request or layer.is_cross_attention:
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         else:
             o = self._forward_per_request(q, k, v, layer, forward_batch, save_kv_cache, extend=True)
@@ -106,11 +107,22 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
             o_[start : start + t] = kernels.attend(
                 q_r, k_r, v_r, num_prefix=num_prefix, key_positions=positions,
                 q_start=seq_len - t, scale=layer.scaling, enable_gqa=gqa,
+                q_positions=self.query_positions(i) if extend else None,
             )
             if onl is not None:
                 self.runtime.online_update(layer.layer_id, onl, q_r, k_r, v_r)
             start += t
         return o
+
+    def extend_per_request(self) -> bool:
+        """Whether this extend forward must run the per-request loop although no request
+        in it is compressed (a subclass whose queries are not the row's last tokens)."""
+        return False
+
+    def query_positions(self, i: int):
+        """Positions of request ``i``'s extend queries when they are not its row's last
+        ``t`` tokens (None: they are)."""
+        return None
 
     def _attend_compressed(self, q, entry, layer, seq_len: int):
         """A subclass's own decode attention of one compressed request (``q [1, Hq, D]``

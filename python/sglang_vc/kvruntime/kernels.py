@@ -54,10 +54,13 @@ def attend(
     q_start: int,
     scale: Optional[float],
     enable_gqa: bool,
+    q_positions: Optional[Tensor] = None,
 ) -> Tensor:
     """Softmax attention of one request: ``q [T, Hq, D]`` at positions ``q_start ..``
     over ``k/v [N, Hkv, D]`` whose first ``num_prefix`` rows are visible to every query
-    and whose other rows sit at row positions ``key_positions`` (causal). Returns
+    and whose other rows sit at row positions ``key_positions`` (causal); ``q_positions``
+    gives the queries' positions where they are not consecutive (SpecCache's selective
+    prefill). Returns
     ``[T, Hq, Dv]``. With one query that sees every row (decode) no mask is built, so the
     call is the same as SGLang's torch-native decode on the same rows."""
     t = q.shape[0]
@@ -65,7 +68,11 @@ def attend(
         k, v = k.to(q.dtype), v.to(q.dtype)
     mask = None
     last = int(key_positions[-1]) if key_positions.numel() else -1
-    if t > 1 or last > q_start:
+    if q_positions is not None:
+        q_pos = q_positions.to(q.device)
+        visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)
+        mask = torch.cat([visible.new_ones(t, num_prefix), visible], dim=1)
+    elif t > 1 or last > q_start:
         q_pos = torch.arange(q_start, q_start + t, device=q.device)
         visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)
         mask = torch.cat([visible.new_ones(t, num_prefix), visible], dim=1)

@@ -26,11 +26,16 @@ from .runtime import get_runtime
 logger = logging.getLogger(__name__)
 
 
-def create_lossy_radix_cache(ctx) -> "LossyRadixCache":
+def check_plain_tree(ctx, name: str) -> None:
+    """``ValueError`` unless the tree is a plain full-attention one with page size 1."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
-        raise ValueError("--radix-cache-backend vc supports plain full-attention models without HiCache")
+        raise ValueError(f"--radix-cache-backend {name} supports plain full-attention models without HiCache")
     if ctx.params.page_size != 1:
-        raise ValueError("--radix-cache-backend vc needs --page-size 1")
+        raise ValueError(f"--radix-cache-backend {name} needs --page-size 1")
+
+
+def create_lossy_radix_cache(ctx) -> "LossyRadixCache":
+    check_plain_tree(ctx, "vc")
     runtime = get_runtime(ctx.tp_worker.model_runner)
     return LossyRadixCache(ctx.params, runtime)
 

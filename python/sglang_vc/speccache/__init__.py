@@ -1,8 +1,52 @@
 """SpecCache: RAG chunk KV reused at any position, with the tokens to recompute chosen
 by a small speculative model ("SpecCache: Speculative KV Cache Reuse for Efficient RAG
-Serving"). Built so far: the selection math (:mod:`.spans`), the cross-tokenizer
-alignment (:mod:`.align`) and the token selectors behind one interface
-(:mod:`.selectors`: ``speccache``, ``cacheblend``, ``epic``, ``random``, ``full-reuse``,
-``full-recompute``) and positional recovery (:mod:`.rope`). Not built yet: the chunk KV
-store in the tree's tiers, the selective-recompute prefill in the server, the speculative model in the
-server, the request API, the RAG workload and its benchmark."""
+Serving").
+
+The selection math (:mod:`.spans`), the cross-tokenizer alignment (:mod:`.align`), the
+token selectors behind one interface (:mod:`.selectors`: ``speccache``, ``cacheblend``,
+``epic``, ``random``, ``full-reuse``, ``full-recompute``) and positional recovery
+(:mod:`.rope`) are shared by the lab (``python -m sglang_vc.bench.speccache``, HF
+transformers) and the server.
+
+The server path (any ``--speccache-*`` flag):
+
+* :mod:`.frontend` (tokenizer manager): a prompt marked with the separator is split and
+  tokenized piece by piece (:mod:`.layout`), its chunks registered (prefilled alone,
+  their KV cached in the radix tree under their token ids), its recomputed tokens
+  selected (:mod:`.spec_model` for ``speccache``);
+* :mod:`.radix` (radix cache ``speccache``): finds and locks each chunk's KV in the tree;
+* :mod:`.attention` (attention backend ``vc_speccache``) and :mod:`.store`: fill the
+  reused rows (re-rotated to their positions), compute only the recomputed tokens.
+
+Not built: chunk KV on the host and storage tiers (HiCache; the tree here is the device
+one), the ``cacheblend`` selector in the server (it needs a two-pass prefill), and
+overlapping the speculative model's scoring with chunk loading.
+"""
+
+from .names import ATTENTION_BACKEND, RADIX_CACHE_BACKEND
+
+
+def register() -> None:
+    """Register the ``vc_speccache`` attention backend and the ``speccache`` radix cache."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
+    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTENTION_BACKEND])
+    if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, _create_radix_cache)
+
+
+def _create_attention_backend(model_runner):
+    from .attention import SpecCacheAttnBackend
+
+    return SpecCacheAttnBackend(model_runner)
+
+
+def _create_radix_cache(ctx):
+    from .radix import create_chunk_radix_cache
+
+    return create_chunk_radix_cache(ctx)

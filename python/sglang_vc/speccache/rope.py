@@ -33,13 +33,13 @@ def rotate(k: Tensor, cos: Tensor, sin: Tensor, neox: bool = True) -> Tensor:
     return torch.cat([out.to(k.dtype), k[..., rot:]], dim=-1)
 
 
-def shift(k: Tensor, offset: int, cos_sin_at) -> Tensor:
+def shift(k: Tensor, offset: int, cos_sin_at, neox: bool = True) -> Tensor:
     """Keys computed at positions ``0 ..`` moved to ``offset ..``; ``cos_sin_at(offset)``
     gives the model's ``(cos, sin)`` there. Offset 0 returns ``k`` itself (bytes equal)."""
     if offset == 0:
         return k
     cos, sin = cos_sin_at(offset)
-    return rotate(k, cos, sin)
+    return rotate(k, cos, sin, neox)
 
 
 def hf_cos_sin(model):
@@ -56,3 +56,26 @@ def hf_cos_sin(model):
         return cos[0, 0, :half], sin[0, 0, :half]
 
     return at
+
+
+def sglang_cos_sin(model) -> tuple:
+    """``(cos_sin_at, neox)`` for an SGLang model: its rotary embedding's ``cos_sin_cache``
+    (row ``p`` is ``cos ++ sin`` of position ``p``). Refused unless every layer shares one
+    pure rotation (``cos^2 + sin^2 = 1``; YaRN's magnitude scaling is not)."""
+    rotaries = [m for m in model.modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "is_neox_style")]
+    if not rotaries:
+        raise ValueError("positional recovery needs a RoPE model (no rotary embedding found)")
+    cache = rotaries[0].cos_sin_cache
+    neox = bool(rotaries[0].is_neox_style)
+    half = cache.shape[-1] // 2
+    cos, sin = cache[1:2, :half].float(), cache[1:2, half:].float()
+    if not torch.allclose(cos * cos + sin * sin, torch.ones_like(cos), atol=1e-4):
+        raise ValueError("positional recovery needs a pure rotation; this RoPE also scales magnitudes")
+
+    def at(offset: int):
+        if offset >= cache.shape[0]:
+            raise ValueError(f"position {offset} is past the rotary cache ({cache.shape[0]} positions)")
+        row = cache[offset].float()
+        return row[:half], row[half:]
+
+    return at, neox

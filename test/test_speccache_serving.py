@@ -1,0 +1,176 @@
+"""SpecCache's server path: RAG prompts whose chunks are marked with the separator reuse
+the chunks' KV from the radix tree and recompute the selected tokens.
+
+* With every chunk token recomputed (``full-recompute``, rho = 1) the tokens equal a full
+  prefill of the same token ids, token for token.
+* With reuse, the server's greedy tokens equal the lab's exact HF simulation of the same
+  selection (float32), and the counters prove the reuse path: chunks hit in the tree,
+  rows reused, only the selected tokens computed.
+* Bad chunk layouts and options are HTTP 400s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+
+from sglang_vc.speccache import layout
+from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
+from sglang_vc.testing.server import ServerProcess
+
+from conftest import real_text_passages
+
+N = 8  # answer tokens compared
+
+
+@pytest.fixture(scope="module")
+def rag(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("speccache")
+    proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", "12000", "--enable-metrics",
+                          "--speccache-selector", "epic", "--speccache-ratio", "0.2"],
+                         log_path=folder / "server.log")
+    yield proc
+    proc.stop()
+
+
+def _pieces(tag: str, k: int = 3, words: int = 90):
+    """A prefix, ``k`` chunks and a query; ``tag`` makes the prefix (so the prompt) of each
+    test its own: a prompt another test cached in full would be an exact prefix hit."""
+    passages = real_text_passages(k + 1, words=words)
+    return f"Answer from the documents below ({tag}).\n", [p + "\n" for p in passages[:k]], \
+        "Question: what is the first document about?\nAnswer:"
+
+
+def _prompt(prefix, chunks, query) -> str:
+    return prefix + SEP + SEP.join(chunks) + SEP + query
+
+
+def _generate(proc, payload: dict, n: int = N, **custom):
+    sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    if custom:
+        sampling["custom_params"] = custom
+    return requests.post(proc.url + "/generate", json={**payload, "sampling_params": sampling})
+
+
+def _counters(proc) -> dict:
+    return requests.get(proc.url + "/server_info").json()["sglang_vc"]["counters"].get("speccache", {})
+
+
+def test_full_recompute_equals_a_full_prefill(rag, tokenizer):
+    prefix, chunks, query = _pieces("full")
+    prompt = layout.tokenize(tokenizer, prefix, chunks, query)
+    full = _generate(rag, {"input_ids": prompt.ids})
+    assert full.status_code == 200, full.text
+    got = _generate(rag, {"text": _prompt(prefix, chunks, query)}, speccache_selector="full-recompute")
+    assert got.status_code == 200, got.text
+    assert got.json()["output_ids"] == full.json()["output_ids"]
+    meta = got.json()["meta_info"]["sglang_vc_speccache"][0]
+    assert meta["tokens_reused"] == 0 and meta["chunk_hits_device"] == 3
+
+
+def _lab_answer(model_dir, prompt: layout.Prompt, recompute: torch.Tensor, n: int) -> list[int]:
+    from sglang_vc.bench import speccache_hf as sc
+    from sglang_vc.bench.lossy_hf import Session, load_model
+    from sglang_vc.speccache import rope
+
+    sess = Session(load_model(model_dir, "float32"))
+    kvs = [sc.chunk_kv(sess, ids) for ids in prompt.chunk_ids]
+    reused = sc.assemble(len(prompt.ids), prompt.chunks.starts, kvs, rope.hf_cos_sin(sess.model))
+    logits, fused = sc.selective_prefill(sess, prompt.ids, reused, recompute)
+    out = [int(logits.argmax())]
+    cache = fused.cache()
+    while len(out) < n:
+        out.append(int(sess.step(cache, out[-1]).argmax()))
+    return out
+
+
+def test_reuse_matches_the_lab_token_for_token(rag, tokenizer, model_dir):
+    """``epic`` at rho = 0.2 (the server's flags): each chunk's first 20% recomputed, the
+    rest reused at its position. The answer equals the HF simulation of the same
+    selection; the meta says the chunks were hit and their rows reused."""
+    from sglang_vc.speccache.selectors import SelectionInput, get_selector
+
+    prefix, chunks, query = _pieces("epic")
+    prompt = layout.tokenize(tokenizer, prefix, chunks, query)
+    before = _counters(rag)
+    got = _generate(rag, {"text": _prompt(prefix, chunks, query)})
+    assert got.status_code == 200, got.text
+    after = _counters(rag)
+    mask = get_selector("epic").select(SelectionInput(prompt.chunks), 0.2)
+    recompute = mask | ~prompt.chunks.mask()
+    assert got.json()["output_ids"] == _lab_answer(model_dir, prompt, recompute, N)
+    meta = got.json()["meta_info"]["sglang_vc_speccache"][0]
+    chunk_tokens = prompt.chunks.num_chunk_tokens
+    assert meta["chunk_hits_device"] == 3 and meta["chunk_misses"] == 0
+    assert meta["tokens_reused"] == chunk_tokens - int(mask.sum())
+    cached = got.json()["meta_info"]["cached_tokens"]  # an exact prefix from the tree (e.g. the prefix's words)
+    assert meta["tokens_recomputed"] + cached == len(prompt.ids) - meta["tokens_reused"]
+    assert after["tokens_reused"] - before.get("tokens_reused", 0) == meta["tokens_reused"]
+
+
+def test_speccache_selector_scores_with_the_small_model(rag, tokenizer):
+    prefix, chunks, query = _pieces("speccache")
+    got = _generate(rag, {"text": _prompt(prefix, chunks, query)}, speccache_selector="speccache",
+                    speccache_ratio=0.15)
+    assert got.status_code == 200, got.text
+    meta = got.json()["meta_info"]["sglang_vc_speccache"][0]
+    assert meta["selector"] == "speccache" and meta["ratio"] == 0.15
+    assert meta["front_end"]["score_s"] > 0 and "align_s" in meta["front_end"]
+    prompt = layout.tokenize(tokenizer, prefix, chunks, query)
+    budget = prompt.chunks.budget(0.15)
+    assert meta["tokens_reused"] == prompt.chunks.num_chunk_tokens - budget
+
+
+def test_registered_chunks_are_hits(rag):
+    fresh = [p + " (registered)\n" for p in real_text_passages(2, words=60)]
+    r = requests.post(rag.url + "/speccache/chunks", json={"chunks": fresh})
+    assert r.status_code == 200, r.text
+    assert r.json()["chunks"] == 2 and r.json()["new"] == 2
+    again = requests.post(rag.url + "/speccache/chunks", json={"chunks": fresh})
+    assert again.json()["new"] == 0
+    got = _generate(rag, {"text": _prompt("Docs:\n", fresh, "Q: why?\nA:")}, n=2)
+    assert got.status_code == 200, got.text
+    assert got.json()["meta_info"]["sglang_vc_speccache"][0]["chunk_hits_device"] == 2
+
+
+@pytest.mark.parametrize("text, custom, message", [
+    ("no chunks" + SEP + "only one separator", {}, "need at least 2"),
+    ("p" + SEP + "  " + SEP + "q", {}, "is empty"),
+    (_prompt("p", ["chunk"], "q"), {"speccache_selector": "nope"}, "unknown selector"),
+    (_prompt("p", ["chunk"], "q"), {"speccache_selector": "cacheblend"}, "lab only"),
+    (_prompt("p", ["chunk"], "q"), {"speccache_ratio": 1.5}, "in [0, 1]"),
+    (_prompt("p", ["chunk"], "q"), {"speccache_ration": 0.1}, "unknown SpecCache request keys"),
+    (_prompt("p", ["chunk"], "q"), {"_speccache_plan": {}}, "set by the server"),
+    ("a prompt without chunks", {"speccache_ratio": 0.1}, "need a prompt whose chunks are marked"),
+])
+def test_bad_chunk_requests_are_400(rag, text, custom, message):
+    r = _generate(rag, {"text": text}, n=1, **custom)
+    assert r.status_code == 400, r.text
+    assert message in r.text
+
+
+def test_logprobs_and_bad_registrations_are_400(rag):
+    r = requests.post(rag.url + "/generate", json={"text": _prompt("p", ["chunk"], "q"), "return_logprob": True,
+                                                    "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "log-probabilities" in r.text
+    for body in ({}, {"chunks": []}, {"chunks": ["ok", ""]}, {"chunks": "text"}):
+        r = requests.post(rag.url + "/speccache/chunks", json=body)
+        assert r.status_code == 400, (body, r.text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speccache-ratio", "1.5"], "--speccache-ratio"),
+    (["--speccache-selector", "cacheblend"], "lab only"),
+    (["--speccache-selector", "nope"], "unknown selector"),
+    (["--speccache-spec-model", "gpt-9"], "unknown built-in model"),
+    (["--speccache-separator", " "], "non-blank"),
+    (["--speccache-ratio", "0.2", "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.5"], "cannot be combined"),
+])
+def test_bad_flags_are_refused(argv, message, capsys):
+    from sglang_vc.launch_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
