@@ -126,9 +126,9 @@ def test_registered_chunks_are_hits(rag):
     fresh = [p + " (registered)\n" for p in real_text_passages(2, words=60)]
     r = requests.post(rag.url + "/speccache/chunks", json={"chunks": fresh})
     assert r.status_code == 200, r.text
-    assert r.json()["chunks"] == 2 and r.json()["new"] == 2
+    assert r.json()["chunks"] == 2 and r.json()["registered"] == 2
     again = requests.post(rag.url + "/speccache/chunks", json={"chunks": fresh})
-    assert again.json()["new"] == 0
+    assert again.json()["registered"] == 0
     got = _generate(rag, {"text": _prompt("Docs:\n", fresh, "Q: why?\nA:")}, n=2)
     assert got.status_code == 200, got.text
     assert got.json()["meta_info"]["sglang_vc_speccache"][0]["chunk_hits_device"] == 2

@@ -106,6 +106,23 @@ async def _speccache_prompt(original, tokenizer_manager, obj):
     return await original(tokenizer_manager, obj)
 
 
+async def _speccache_responses(original, tokenizer_manager, obj, request=None):
+    """SGLang's responses have no seam for a plugin to read its own ``meta_info`` in the
+    front end. A SpecCache request that found one of its chunks evicted from the tree
+    says so there; the front end must hear it to register the chunk again (otherwise it
+    would be recomputed in full by every later request)."""
+    from sglang_vc.speccache.frontend import frontend_for
+    from sglang_vc.speccache.names import META_INFO_KEY
+
+    frontend = frontend_for(tokenizer_manager)
+    async for out in original(tokenizer_manager, obj, request):
+        if frontend is not None and isinstance(out, dict):
+            report = (out.get("meta_info") or {}).get(META_INFO_KEY)
+            if report and getattr(obj, "is_single", True):  # a batch's sub-requests are copies
+                frontend.forget(obj, report[0])
+        yield out
+
+
 def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
     """VERICACHE's staggered schedule commits nothing for a request in the iterations
     in which it only drafts (its tokens are committed at its verify). SGLang's spec-v2
@@ -204,6 +221,11 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
         _speccache_prompt,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        _speccache_responses,
         HookType.AROUND,
     )
     HookRegistry.register(

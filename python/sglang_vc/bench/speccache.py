@@ -122,7 +122,7 @@ def run_item(item: dict, target: Model, spec: Optional[Model], selectors: Sequen
             t = time.perf_counter()
             enc = spec.tokenizer(prompt.text, return_offsets_mapping=True)
             with torch.no_grad():
-                out = spec.sess.model(torch.tensor([enc["input_ids"]]), output_hidden_states=True)
+                out = spec.sess.model.get_decoder()(torch.tensor([enc["input_ids"]]), output_hidden_states=True)
             scores = sp.importance([h[0] for h in out.hidden_states[1:]])
             spec_cache["score"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -212,7 +212,7 @@ def summarize(rows: list[dict], rates: Sequence[float]) -> list[dict]:
     return out
 
 
-def plot(results: list[dict], path: Path) -> str:
+def plot(results: list[dict], path: Path, title: str = "SpecCache lab: TTFT vs quality") -> str:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -225,12 +225,25 @@ def plot(results: list[dict], path: Path) -> str:
         ax.annotate(f"{label} ({r['target']})", (r["ttft_mean_s"], r["quality"]), fontsize=6)
     ax.set_xlabel("TTFT mean (s, this machine)")
     ax.set_ylabel("quality (token F1)")
-    ax.set_title("SpecCache lab: TTFT vs quality")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return str(path)
+
+
+def parse_pairs(ap: argparse.ArgumentParser, text: Optional[str], quick: bool) -> list[tuple[str, str]]:
+    """``TARGET:SPEC,...`` (the defaults of the issue: both pairs, or the quick one)."""
+    text = text or ("qwen2.5-coder-0.5b:smollm2-135m" if quick else
+                    "qwen2.5-coder-1.5b:qwen2.5-coder-0.5b,qwen2.5-coder-1.5b:smollm2-135m")
+    pairs = []
+    for p in text.split(","):
+        t, _, s = p.partition(":")
+        if not t or not s:
+            ap.error(f"--pairs: want TARGET:SPEC, got {p!r}")
+        pairs.append((t.strip(), s.strip()))
+    return pairs
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -262,14 +275,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"unknown selector(s) {unknown}; known: {', '.join(SELECTORS)}")
     if "full-recompute" not in selectors:
         selectors.append("full-recompute")
-    pairs_text = args.pairs or ("qwen2.5-coder-0.5b:smollm2-135m" if args.quick else
-                                "qwen2.5-coder-1.5b:qwen2.5-coder-0.5b,qwen2.5-coder-1.5b:smollm2-135m")
-    pairs = []
-    for p in pairs_text.split(","):
-        t, _, s = p.partition(":")
-        if not t or not s:
-            ap.error(f"--pairs: want TARGET:SPEC, got {p!r}")
-        pairs.append((t.strip(), s.strip()))
+    pairs = parse_pairs(ap, args.pairs, args.quick)
     n = args.n if args.n is not None else (4 if args.quick else 12)
 
     from .workloads import load_workload

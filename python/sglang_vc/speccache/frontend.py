@@ -4,9 +4,9 @@ For a prompt marked with the separator (text, or token ids whose text has it: th
 OpenAI chat API tokenizes its template), before SGLang tokenizes it:
 
 1. the prompt is split and tokenized piece by piece (:mod:`.layout`);
-2. its chunks are *registered*: each is prefilled alone, at positions ``0 ..``, as a
-   prefill-only request (``max_new_tokens = 0``), so its KV is in the radix tree under
-   its token ids like any cached prefix (a chunk already there costs one token);
+2. chunks it has not seen are *registered*: each is prefilled alone, at positions
+   ``0 ..``, as a prefill-only request (``max_new_tokens = 0``), so its KV enters the
+   radix tree under its token ids like any cached prefix;
 3. the selector picks the chunk tokens to recompute; ``speccache`` runs the speculative
    model over the text in a worker thread (the event loop keeps serving);
 4. the request goes on with the joined token ids and the plan (chunk spans, recomputed
@@ -15,8 +15,9 @@ OpenAI chat API tokenizes its template), before SGLang tokenizes it:
 
 Bad input is a ``ValueError`` here, which SGLang answers with HTTP 400: a malformed chunk
 layout, an unknown selector, a ratio outside [0, 1], a client-sent plan, or input
-log-probabilities (the reused tokens have no logits). A chunk evicted between its registration
-and the request's prefill is recomputed in full there, and counted.
+log-probabilities (the reused tokens have no logits). A chunk the tree evicted after its
+registration is recomputed in full by the request that finds it missing (counted, and
+reported back here so that the next request registers it again).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .spec_model import SpecModel
 
 logger = logging.getLogger(__name__)
 
-MAX_REMEMBERED_CHUNKS = 4096  # chunk keys this front end has seen (LRU; for the 'new' counter)
+MAX_REMEMBERED_CHUNKS = 4096  # chunk keys this front end registered (LRU)
 
 
 class Frontend:
@@ -162,21 +163,32 @@ class Frontend:
 
     # ------------------------------------------------------------------ registration
 
-    async def register(self, chunk_ids: Sequence[Sequence[int]]) -> int:
-        """Prefill each chunk alone, from position 0, as a prefill-only request: a chunk
-        the tree holds costs its last token (SGLang's match leaves one to compute) and
-        refreshes its place in the LRU; one it does not hold (new, or evicted since) is
-        computed and enters the tree. Returns how many were new to this front end."""
+    async def register(self, chunk_ids: Sequence[Sequence[int]], force: bool = False) -> int:
+        """Prefill the chunks this front end has not registered (or all, ``force``), each
+        alone from position 0, as prefill-only requests: their KV then sits in the radix
+        tree. A registered chunk the tree has evicted since is reported back by the
+        request that missed it (:meth:`forget`) and registered again by the next one.
+        Returns how many were prefilled."""
         keys = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in chunk_ids))
-        await asyncio.gather(*(self._prefill(list(key)) for key in keys))
-        new = [key for key in keys if key not in self.known]
+        new = [key for key in keys if force or key not in self.known]
+        if new:
+            await asyncio.gather(*(self._prefill(list(key)) for key in new))
         for key in keys:
             self.known[key] = None
             self.known.move_to_end(key)
         while len(self.known) > MAX_REMEMBERED_CHUNKS:
             self.known.popitem(last=False)
-        stats.add(GROUP, chunks_seen=len(keys), chunks_new=len(new))
+        stats.add(GROUP, chunks_seen=len(keys), chunks_registered=len(new))
         return len(new)
+
+    def forget(self, obj, meta: dict) -> None:
+        """A finished SpecCache request's report: chunks the tree no longer (wholly) had
+        are registered again by the next request that brings them."""
+        plan = ((obj.sampling_params or {}).get("custom_params") or {}).get(PLAN_KEY)
+        if not plan or not meta.get("incomplete_chunks") or obj.input_ids is None:
+            return
+        for i in meta["incomplete_chunks"]:
+            self.known.pop(tuple(obj.input_ids[plan["starts"][i]:plan["ends"][i]]), None)
 
     async def _prefill(self, ids: list[int]) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput

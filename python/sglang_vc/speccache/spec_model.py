@@ -38,7 +38,7 @@ class SpecModel:
     def score(self, text: str) -> SpecScores:
         enc = self.tokenizer(text, return_offsets_mapping=True)
         ids = torch.tensor([enc["input_ids"]], device=self.device)
-        with self._lock:
-            out = self.model(ids, output_hidden_states=True)
+        with self._lock:  # the decoder alone: eq. 1 needs hidden states, not the LM head's logits
+            out = self.model.get_decoder()(ids, output_hidden_states=True)
         importance = spans.importance([h[0] for h in out.hidden_states[1:]]).float().cpu()
         return SpecScores(importance, [tuple(o) for o in enc["offset_mapping"]])

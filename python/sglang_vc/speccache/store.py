@@ -62,11 +62,13 @@ class ServerPlan:
     times: dict
     hits: Optional[list[ChunkHit]] = None  # None until looked up
     filled_to: int = 0  # prompt rows prepared so far
+    incomplete: list[int] = field(default_factory=list)  # chunks not (wholly) in the tree: re-register
     counts: dict = field(default_factory=lambda: {"chunks": 0, "chunk_hits_device": 0, "chunk_misses": 0,
                                                   "tokens_reused": 0, "tokens_recomputed": 0, "load_s": 0.0})
 
     def report(self) -> dict:
         return {"selector": self.selector, "ratio": self.ratio, "chunks": len(self.starts),
+                "incomplete_chunks": list(self.incomplete),
                 **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
                 "front_end": self.times}
 
@@ -127,6 +129,7 @@ class ChunkStore:
                 hit.node, hit.indices = node, path_indices(node)[:n].to(torch.int64)
             plan.hits.append(hit)
         found = sum(1 for h in plan.hits if h.matched)
+        plan.incomplete = [i for i, h in enumerate(plan.hits) if h.matched < h.length]
         plan.counts.update(chunks=len(plan.hits), chunk_hits_device=found, chunk_misses=len(plan.hits) - found)
 
     def unlock(self, plan: ServerPlan, unlock: Callable) -> None:

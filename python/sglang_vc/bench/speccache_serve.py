@@ -1,0 +1,159 @@
+"""``python -m sglang_vc.bench.speccache_serve --json OUT``: SpecCache's TTFT and quality
+through the server (SGLang's scheduler, the radix tree, the ``vc_speccache`` prefill),
+every selector against full recompute in the same run.
+
+One sglang-vc server per model pair (``--speccache-spec-model`` = the pair's small
+model), serving the ``rag`` workload (:mod:`.workloads`). Per item:
+
+1. the cache is flushed and the plain prompt (the same token ids, no chunk marks) is
+   sent: full recompute, SGLang's ordinary prefill;
+2. the cache is flushed again, the chunks are registered (``POST /speccache/chunks``:
+   their KV precomputed, not timed);
+3. the marked prompt is sent once per selector and ratio (``custom_params``).
+
+TTFT is the client's time from sending the request to the first streamed token; it
+includes the front end's tokenization, the chunk check (a one-token prefill per chunk),
+the speculative model's scoring and the alignment. ``breakdown_s`` is what the server
+reports in ``meta_info["sglang_vc_speccache"]`` (front-end times, the fill's ``load_s``).
+Quality is token F1 / exact match of the greedy answer; the KL column of the lab
+(:mod:`.speccache`) needs log-probabilities, which SpecCache requests cannot return.
+Goodput is the same Poisson-replay model as the lab's, fed with these TTFTs. The JSON's
+``results`` have the lab's fields, the PNG its TTFT-quality plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+from sglang_vc.speccache import layout
+from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
+from sglang_vc.testing.server import ServerProcess
+
+from .speccache import GOOD_FRACTION, log, plot, summarize
+from .workloads import load_workload, score, token_f1
+
+
+def _ttft(url: str, payload: dict) -> tuple[float, dict]:
+    """(seconds to the first streamed token, the last streamed object)."""
+    t0 = time.perf_counter()
+    first, last = None, None
+    with requests.post(url + "/generate", json={**payload, "stream": True}, stream=True, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate answered {r.status_code}: {r.text}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            last = json.loads(line[5:])
+    if first is None or last is None:
+        raise RuntimeError("the stream ended without a token")
+    return first, last
+
+
+def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log_dir: Path) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from sglang_vc import models
+
+    tok = AutoTokenizer.from_pretrained(models.resolve(target))
+    rows = []
+    flags = ["--model-path", target, "--dtype", "float32", "--max-total-tokens", "32768",
+             "--speccache-spec-model", spec, "--speccache-selector", "speccache"]
+    with ServerProcess(flags, log_path=log_dir / f"{target}--{spec}.log", timeout=600) as server:
+        url = server.url
+        sampling = {"max_new_tokens": max_new, "temperature": 0}
+        for i, item in enumerate(items):
+            prompt = layout.tokenize(tok, item["chunk_prefix"], item["chunks"], item["question"])
+            log(f"{target} <- {spec}: item {i + 1}/{len(items)} ({len(prompt.ids)} tokens)")
+            requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+            runs = [("full-recompute", 1.0, {"input_ids": prompt.ids, "sampling_params": sampling})]
+            text = item["chunk_prefix"] + SEP + SEP.join(item["chunks"]) + SEP + item["question"]
+            for name in selectors:
+                for ratio in ([0.0] if name == "full-reuse" else ratios):
+                    custom = {"speccache_selector": name, "speccache_ratio": ratio}
+                    runs.append((name, ratio, {"text": text, "sampling_params": {**sampling, "custom_params": custom}}))
+            for k, (name, ratio, payload) in enumerate(runs):
+                if k == 1:  # after the plain prompt: nothing of it cached, the chunks' KV precomputed
+                    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+                    r = requests.post(url + "/speccache/chunks", json={"chunks": item["chunks"]}, timeout=600)
+                    r.raise_for_status()
+                ttft, last = _ttft(url, payload)
+                answer = last.get("text", "")
+                meta = (last.get("meta_info", {}).get("sglang_vc_speccache") or [{}])[0]
+                breakdown = {k2: v for k2, v in (meta.get("front_end") or {}).items()}
+                if "load_s" in meta:
+                    breakdown["load_s"] = meta["load_s"]
+                rows.append({"item": item["id"], "task": item["task"], "selector": name, "ratio": ratio,
+                             "target": target, "spec_model": spec, "ttft_s": ttft, "breakdown_s": breakdown,
+                             "answer": answer, "exact_match": score(item, answer),
+                             "f1": token_f1(answer, item["answer"]), "kl_first": float("nan"),
+                             "prompt_tokens": len(prompt.ids), "chunk_tokens": prompt.chunks.num_chunk_tokens,
+                             "tokens_reused": meta.get("tokens_reused", 0),
+                             "tokens_recomputed": meta.get("tokens_recomputed", len(prompt.ids))})
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_vc.bench.speccache_serve",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="output JSON (a PNG is written beside it)")
+    ap.add_argument("--pairs", default=None, help="TARGET:SPEC,... (default as bench.speccache)")
+    ap.add_argument("--selectors", default="speccache,epic,random,full-reuse",
+                    help="server selectors besides full recompute (cacheblend is lab only)")
+    ap.add_argument("--ratios", default="0.15,0.2")
+    ap.add_argument("--n", type=int, default=None, help="RAG items per pair (default 12, --quick 4)")
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--rates", default="0.05,0.1,0.2")
+    ap.add_argument("--quick", action="store_true", help="the 0.5B target with smollm2-135m, 4 items")
+    args = ap.parse_args(argv)
+    from .speccache import parse_pairs
+
+    selectors = [s.strip() for s in args.selectors.split(",") if s.strip()]
+    if "cacheblend" in selectors or "full-recompute" in selectors:
+        ap.error("--selectors: full recompute always runs (the plain prompt); cacheblend is lab only")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    rates = [float(r) for r in args.rates.split(",")]
+    pairs = parse_pairs(ap, args.pairs, args.quick)
+    n = args.n if args.n is not None else (4 if args.quick else 12)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = out.parent / (out.stem + "-logs")
+    log_dir.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    rows: list[dict] = []
+    from transformers import AutoTokenizer
+
+    from sglang_vc import models
+
+    for target, spec in pairs:
+        tok = AutoTokenizer.from_pretrained(models.resolve(target))
+        items = load_workload("rag", tokenizer=tok, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
+                              max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))
+        rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir)
+    results = summarize(rows, rates)
+    report = {"benchmark": "speccache_serve", "mode": "served (sglang-vc server, streamed TTFT)", "pairs": pairs,
+              "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "chunks": args.chunks,
+              "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
+              "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
+    out.write_text(json.dumps(report, indent=2))
+    png = plot(results, out.with_suffix(".png"), title="SpecCache served: TTFT vs quality")
+    for r in results:
+        log(f"{r['target']:>20} <- {str(r['spec_model']):<20} {r['selector']:>14}@{r['ratio']:<4g} "
+            f"TTFT {r['ttft_mean_s']:.2f}s (x{r['ttft_speedup_vs_full']:.2f})  F1 {r['quality']:.2f}  "
+            f"EM {r['exact_match']:.2f}")
+    log(f"wrote {out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
