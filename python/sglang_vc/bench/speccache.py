@@ -186,6 +186,11 @@ def goodput(ttfts: Sequence[float], good: Sequence[bool], rate: float, seed: int
     return sum(good) / free if free > 0 else 0.0
 
 
+def _mean_or_none(values: list) -> Optional[float]:
+    """The mean, or None where a value was not measured (NaN: served runs have no KL)."""
+    return None if any(v != v for v in values) else statistics.mean(values)
+
+
 def summarize(rows: list[dict], rates: Sequence[float]) -> list[dict]:
     out = []
     keys = sorted({(r["target"], r["spec_model"], r["selector"], r["ratio"]) for r in rows},
@@ -203,7 +208,7 @@ def summarize(rows: list[dict], rates: Sequence[float]) -> list[dict]:
             "breakdown_mean_s": {p: statistics.mean(r["breakdown_s"].get(p, 0.0) for r in rs) for p in parts},
             "quality": statistics.mean(r["f1"] for r in rs),
             "exact_match": statistics.mean(r["exact_match"] for r in rs),
-            "kl_first": statistics.mean(r["kl_first"] for r in rs),
+            "kl_first": _mean_or_none([r["kl_first"] for r in rs]),
             "goodput": {str(rate): goodput(ttft, [r["f1"] >= threshold for r in rs], rate) for rate in rates},
         }
         full = statistics.mean(r["ttft_s"] for r in ref)
@@ -231,6 +236,14 @@ def plot(results: list[dict], path: Path, title: str = "SpecCache lab: TTFT vs q
     fig.savefig(path)
     plt.close(fig)
     return str(path)
+
+
+def log_results(results: list[dict]) -> None:
+    for r in results:
+        kl = "" if r["kl_first"] is None else f"  KL {r['kl_first']:.3f}"
+        log(f"{r['target']:>20} <- {str(r['spec_model']):<20} {r['selector']:>14}@{r['ratio']:<4g} "
+            f"TTFT {r['ttft_mean_s']:.2f}s (x{r['ttft_speedup_vs_full']:.2f})  F1 {r['quality']:.2f}  "
+            f"EM {r['exact_match']:.2f}{kl}")
 
 
 def parse_pairs(ap: argparse.ArgumentParser, text: Optional[str], quick: bool) -> list[tuple[str, str]]:
@@ -308,10 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "kl_tokens": KL_TOKENS, "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
     out.write_text(json.dumps(report, indent=2))
     png = plot(results, out.with_suffix(".png"))
-    for r in results:
-        log(f"{r['target']:>20} <- {str(r['spec_model']):<20} {r['selector']:>14}@{r['ratio']:<4g} "
-            f"TTFT {r['ttft_mean_s']:.2f}s (x{r['ttft_speedup_vs_full']:.2f})  F1 {r['quality']:.2f}  "
-            f"EM {r['exact_match']:.2f}  KL {r['kl_first']:.3f}")
+    log_results(results)
     log(f"wrote {out} and {png}")
     return 0
 

@@ -36,7 +36,7 @@ from sglang_vc.speccache import layout
 from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
 from sglang_vc.testing.server import ServerProcess
 
-from .speccache import GOOD_FRACTION, log, plot, summarize
+from .speccache import GOOD_FRACTION, log, log_results, plot, summarize
 from .workloads import load_workload, score, token_f1
 
 
@@ -147,10 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
     out.write_text(json.dumps(report, indent=2))
     png = plot(results, out.with_suffix(".png"), title="SpecCache served: TTFT vs quality")
-    for r in results:
-        log(f"{r['target']:>20} <- {str(r['spec_model']):<20} {r['selector']:>14}@{r['ratio']:<4g} "
-            f"TTFT {r['ttft_mean_s']:.2f}s (x{r['ttft_speedup_vs_full']:.2f})  F1 {r['quality']:.2f}  "
-            f"EM {r['exact_match']:.2f}")
+    log_results(results)
     log(f"wrote {out} and {png}")
     return 0
 

@@ -74,6 +74,7 @@ __all__ = [
     "get_runtime",
     "make_spec",
     "register",
+    "register_backends",
 ]
 
 _LAZY = {
@@ -97,18 +98,24 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module, __name__), name)
 
 
-def register() -> None:
-    """Register the attention and radix-cache backends with SGLang (once per process)."""
+def register_backends(attention: str, attention_factory, radix: str, radix_factory) -> None:
+    """Register an attention backend (also as a ``--attention-backend`` choice) and a
+    radix-cache backend with SGLang's registries, unless already there."""
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
-        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
-    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([ATTENTION_BACKEND])
-    if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
-        register_radix_cache_backend(RADIX_CACHE_BACKEND, _create_radix_cache)
+    if attention not in ATTENTION_BACKENDS:
+        register_attention_backend(attention)(attention_factory)
+    if attention not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([attention])
+    if get_radix_cache_factory(radix) is None:
+        register_radix_cache_backend(radix, radix_factory)
+
+
+def register() -> None:
+    """Register the attention and radix-cache backends with SGLang (once per process)."""
+    register_backends(ATTENTION_BACKEND, _create_attention_backend, RADIX_CACHE_BACKEND, _create_radix_cache)
 
 
 # The factories import the heavy modules only when SGLang builds the backend.

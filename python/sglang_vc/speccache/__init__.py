@@ -28,16 +28,9 @@ from .names import ATTENTION_BACKEND, RADIX_CACHE_BACKEND
 
 def register() -> None:
     """Register the ``vc_speccache`` attention backend and the ``speccache`` radix cache."""
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
-    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang_vc.kvruntime import register_backends
 
-    if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
-        register_attention_backend(ATTENTION_BACKEND)(_create_attention_backend)
-    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([ATTENTION_BACKEND])
-    if get_radix_cache_factory(RADIX_CACHE_BACKEND) is None:
-        register_radix_cache_backend(RADIX_CACHE_BACKEND, _create_radix_cache)
+    register_backends(ATTENTION_BACKEND, _create_attention_backend, RADIX_CACHE_BACKEND, _create_radix_cache)
 
 
 def _create_attention_backend(model_runner):

@@ -1,0 +1,72 @@
+"""SpecCache's fill and shrink before an extend forward (``ChunkStore.prepare_extend``),
+on a crafted batch: a chunk at positions 2..5 of a 10-token prompt, found in the tree,
+prefilled in two ranges (chunked prefill)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from sglang_vc.speccache import rope
+from sglang_vc.speccache.store import ChunkHit, ChunkStore, ServerPlan
+
+H, D, LAYERS = 2, 4, 3
+
+
+def _rotary():
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+
+    def at(offset: int):
+        ang = offset * inv
+        return ang.cos(), ang.sin()
+
+    return at, True
+
+
+def _batch(a: int, n: int):
+    return SimpleNamespace(
+        rids=["r"], extend_prefix_lens_cpu=[a], extend_seq_lens_cpu=[n], req_pool_indices=torch.tensor([0]),
+        input_ids=torch.arange(a, a + n) + 1000, positions=torch.arange(a, a + n), out_cache_loc=torch.arange(a, a + n) + 10,
+        extend_seq_lens=torch.tensor([n]), extend_start_loc=torch.tensor([0]), extend_num_tokens=n)
+
+
+def test_reused_rows_are_filled_rotated_and_dropped_from_the_batch():
+    torch.manual_seed(0)
+    k = [torch.randn(200, H, D) for _ in range(LAYERS)]
+    v = [torch.randn(200, H, D) for _ in range(LAYERS)]
+    k0, v0 = [t.clone() for t in k], [t.clone() for t in v]
+    selected = torch.zeros(10, dtype=torch.bool)
+    selected[3] = True  # chunk token at position 3 recomputed
+    store = ChunkStore()
+    plan = ServerPlan("r", 10, (2,), (6,), selected, "test", 0.25, {})
+    plan.hits = [ChunkHit(2, 4, 4, node="node", indices=torch.arange(100, 104))]
+    store.plans["r"] = plan
+    unlocked = []
+    row = torch.arange(10, 20).view(1, -1)  # position p lives in slot 10 + p
+
+    fb = _batch(0, 5)
+    out = store.prepare_extend(fb, lambda l: k[l], lambda l: v[l], LAYERS, row, _rotary(), unlocked.append)
+    # [0, 5): position 2 reused; 3 selected; 4 is the range's last token (its logits are read)
+    assert out.q_positions[0].tolist() == [0, 1, 3, 4]
+    assert fb.input_ids.tolist() == [1000, 1001, 1003, 1004] and fb.out_cache_loc.tolist() == [10, 11, 13, 14]
+    assert fb.extend_seq_lens_cpu == [4] and fb.extend_num_tokens == 4
+    for layer in range(LAYERS):
+        want = rope.shift(k0[layer][100:101], 2, *_rotary())
+        assert torch.allclose(k[layer][12], want[0]) and torch.equal(v[layer][12], v0[layer][100])
+        assert torch.equal(k[layer][13], k0[layer][13])  # a selected row is left to the forward
+    assert unlocked == []
+
+    fb = _batch(5, 5)
+    out = store.prepare_extend(fb, lambda l: k[l], lambda l: v[l], LAYERS, row, _rotary(), unlocked.append)
+    assert out.q_positions[0].tolist() == [6, 7, 8, 9]  # chunk row 5 reused
+    assert torch.allclose(k[0][15], rope.shift(k0[0][103:104], 2, *_rotary())[0])
+    assert plan.counts["tokens_reused"] == 2 and plan.counts["tokens_recomputed"] == 8
+    assert unlocked == ["node"]  # the whole prompt is filled: the chunk's lock is dropped
+
+
+def test_a_batch_without_speccache_requests_is_left_alone():
+    store = ChunkStore()
+    fb = _batch(0, 4)
+    assert store.prepare_extend(fb, None, None, LAYERS, None, _rotary(), None) is None
+    assert fb.input_ids.tolist() == [1000, 1001, 1002, 1003]
