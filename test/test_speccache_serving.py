@@ -204,3 +204,23 @@ def test_chat_messages_carry_chunks(rag):
         "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
     assert _counters(rag)["prefills"] == before + 1
+
+
+def test_evicted_chunks_are_recomputed_then_registered_again(rag, tokenizer):
+    """The tree loses the chunks after their registration (a cache flush): the next
+    request recomputes them in full (counted as misses, nothing reused) and its answer
+    equals the full prefill's; it reports them, so the request after it registers them
+    again and hits."""
+    prefix, chunks, query = _pieces("evicted", k=2, words=60)
+    text = _prompt(prefix, chunks, query)
+    first = _generate(rag, {"text": text}, n=2)
+    assert first.json()["meta_info"]["sglang_vc_speccache"][0]["chunk_hits_device"] == 2
+    assert requests.post(rag.url + "/flush_cache").status_code == 200
+    prompt = layout.tokenize(tokenizer, prefix, chunks, query)
+    missed = _generate(rag, {"text": text})
+    meta = missed.json()["meta_info"]["sglang_vc_speccache"][0]
+    assert meta["chunk_misses"] == 2 and meta["tokens_reused"] == 0 and meta["incomplete_chunks"] == [0, 1]
+    again = _generate(rag, {"text": text}, n=2).json()["meta_info"]["sglang_vc_speccache"][0]
+    assert again["chunk_hits_device"] == 2 and again["tokens_reused"] > 0
+    # last: the plain prompt enters the tree, and would be an exact prefix hit for the above
+    assert missed.json()["output_ids"] == _generate(rag, {"input_ids": prompt.ids}).json()["output_ids"]

@@ -7,8 +7,9 @@ OpenAI chat API tokenizes its template), before SGLang tokenizes it:
 2. chunks it has not seen are *registered*: each is prefilled alone, at positions
    ``0 ..``, as a prefill-only request (``max_new_tokens = 0``), so its KV enters the
    radix tree under its token ids like any cached prefix;
-3. the selector picks the chunk tokens to recompute; ``speccache`` runs the speculative
-   model over the text in a worker thread (the event loop keeps serving);
+3. at the same time, the selector picks the chunk tokens to recompute; ``speccache``
+   runs the speculative model over the text in a worker thread (the event loop keeps
+   serving, and new chunks prefill in the scheduler meanwhile);
 4. the request goes on with the joined token ids and the plan (chunk spans, recomputed
    positions) in ``custom_params``, where the scheduler's radix cache and attention
    backend read it.
@@ -51,33 +52,32 @@ class Frontend:
         self.settings = settings
         self.known: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._spec: Optional[SpecModel] = None
-        self._spec_ready = threading.Event()
         self._spec_error: Optional[BaseException] = None
-        if settings.selector == "speccache":
-            threading.Thread(target=self._load_spec, daemon=True, name="speccache-spec-model").start()
-        else:
-            self._spec_ready.set()
+        self._spec_lock = threading.Lock()  # one load; requests needing it wait for it
+        if settings.selector == "speccache":  # load at start-up, not in the first request
+            threading.Thread(target=self._try_load, daemon=True, name="speccache-spec-model").start()
 
     # ------------------------------------------------------------------ spec model
 
-    def _load_spec(self) -> None:
+    def _try_load(self) -> None:
         try:
-            t = time.perf_counter()
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self._spec = SpecModel(self.settings.spec_model, device)
-            logger.info("SpecCache: speculative model %s loaded on %s in %.1f s", self.settings.spec_model,
-                        device, time.perf_counter() - t)
-        except BaseException as exc:  # reported to each request that needs it
-            self._spec_error = exc
-            logger.error("SpecCache: speculative model %s failed to load: %s", self.settings.spec_model, exc)
-        finally:
-            self._spec_ready.set()
+            self.spec_model()
+        except RuntimeError:
+            pass  # logged; each request that needs it gets the error
 
     def spec_model(self) -> SpecModel:
-        if self._spec is None and self._spec_error is None and not self._spec_ready.is_set():
-            self._spec_ready.wait()
-        if self._spec is None and self._spec_error is None:  # selector chosen per request
-            self._load_spec()
+        """The speculative model, loaded once (a failed load is not retried)."""
+        with self._spec_lock:
+            if self._spec is None and self._spec_error is None:
+                try:
+                    t = time.perf_counter()
+                    device = "cuda" if torch.cuda.is_available() else "cpu"
+                    self._spec = SpecModel(self.settings.spec_model, device)
+                    logger.info("SpecCache: speculative model %s loaded on %s in %.1f s",
+                                self.settings.spec_model, device, time.perf_counter() - t)
+                except Exception as exc:
+                    self._spec_error = exc
+                    logger.error("SpecCache: speculative model %s failed to load: %s", self.settings.spec_model, exc)
         if self._spec is None:
             raise RuntimeError(f"the speculative model {self.settings.spec_model} is not available: {self._spec_error}")
         return self._spec
@@ -123,13 +123,19 @@ class Frontend:
         t = time.perf_counter()
         prompt = layout.tokenize(self.tm.tokenizer, prefix, chunks, query)
         tokenize_s = time.perf_counter() - t
-        t = time.perf_counter()
-        await self.register(prompt.chunk_ids)
-        register_s = time.perf_counter() - t
         seed = int(params.get("sampling_seed") or 0)
-        recompute, times = await asyncio.to_thread(self.select, prompt, selector, ratio, seed)
+
+        async def register() -> float:
+            t0 = time.perf_counter()
+            await self.register(prompt.chunk_ids)
+            return time.perf_counter() - t0
+
+        # the selection (the small model's forward, in a thread) overlaps the registration
+        # of new chunks (their prefill, in the scheduler): neither needs the other
+        (recompute, times), register_s = await asyncio.gather(
+            asyncio.to_thread(self.select, prompt, selector, ratio, seed), register())
         times.update(tokenize_s=tokenize_s, register_s=register_s)
-        stats.add(GROUP, requests=1, **{k: v for k, v in times.items()})
+        stats.add(GROUP, requests=1, **times)
         obj.input_ids = prompt.ids
         obj.text = prompt.text
         params = dict(params)
