@@ -61,7 +61,7 @@ def test_reused_rows_are_filled_rotated_and_dropped_from_the_batch():
     out = store.prepare_extend(fb, lambda l: k[l], lambda l: v[l], LAYERS, row, _rotary(), unlocked.append)
     assert out.q_positions[0].tolist() == [6, 7, 8, 9]  # chunk row 5 reused
     assert torch.allclose(k[0][15], rope.shift(k0[0][103:104], 2, *_rotary())[0])
-    assert plan.counts["tokens_reused"] == 2 and plan.counts["tokens_recomputed"] == 8
+    assert plan.counts.tokens_reused == 2 and plan.counts.tokens_recomputed == 8
     assert unlocked == ["node"]  # the whole prompt is filled: the chunk's lock is dropped
 
 

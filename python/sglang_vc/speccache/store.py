@@ -27,7 +27,7 @@ from __future__ import annotations
 import array
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,6 +51,18 @@ class ChunkHit:
 
 
 @dataclass
+class PrefillCounts:
+    """What one SpecCache prefill did (its response's meta_info and the counters)."""
+
+    chunks: int = 0
+    chunk_hits_device: int = 0
+    chunk_misses: int = 0
+    tokens_reused: int = 0
+    tokens_recomputed: int = 0
+    load_s: float = 0.0
+
+
+@dataclass
 class ServerPlan:
     rid: str
     num_tokens: int
@@ -63,13 +75,12 @@ class ServerPlan:
     hits: Optional[list[ChunkHit]] = None  # None until looked up
     filled_to: int = 0  # prompt rows prepared so far
     incomplete: list[int] = field(default_factory=list)  # chunks not (wholly) in the tree: re-register
-    counts: dict = field(default_factory=lambda: {"chunks": 0, "chunk_hits_device": 0, "chunk_misses": 0,
-                                                  "tokens_reused": 0, "tokens_recomputed": 0, "load_s": 0.0})
+    counts: PrefillCounts = field(default_factory=PrefillCounts)
 
     def report(self) -> dict:
         return {"selector": self.selector, "ratio": self.ratio, "chunks": len(self.starts),
                 "incomplete_chunks": list(self.incomplete),
-                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counts.items()},
+                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self.counts).items()},
                 "front_end": self.times}
 
 
@@ -130,7 +141,8 @@ class ChunkStore:
             plan.hits.append(hit)
         found = sum(1 for h in plan.hits if h.matched)
         plan.incomplete = [i for i, h in enumerate(plan.hits) if h.matched < h.length]
-        plan.counts.update(chunks=len(plan.hits), chunk_hits_device=found, chunk_misses=len(plan.hits) - found)
+        c = plan.counts
+        c.chunks, c.chunk_hits_device, c.chunk_misses = len(plan.hits), found, len(plan.hits) - found
 
     def unlock(self, plan: ServerPlan, unlock: Callable) -> None:
         for hit in plan.hits or ():
@@ -175,16 +187,13 @@ class ChunkStore:
             q_positions[i] = comp + a
             new_ext.append(int(comp.numel()))
             lo += n
-            plan.counts["tokens_reused"] += int(reuse.sum())
-            plan.counts["tokens_recomputed"] += int(comp.numel())
-            plan.counts["load_s"] += time.perf_counter() - t
+            plan.counts.tokens_reused += int(reuse.sum())
+            plan.counts.tokens_recomputed += int(comp.numel())
+            plan.counts.load_s += time.perf_counter() - t
             plan.filled_to = a + n
             if plan.filled_to >= plan.num_tokens:  # every chunk row is in the request's own slots now
                 self.unlock(plan, unlock)
-                c = plan.counts
-                stats.add(GROUP, prefills=1, chunks=c["chunks"], chunk_hits_device=c["chunk_hits_device"],
-                          chunk_misses=c["chunk_misses"], tokens_reused=c["tokens_reused"],
-                          tokens_recomputed=c["tokens_recomputed"], load_s=c["load_s"])
+                stats.add(GROUP, prefills=1, **asdict(plan.counts))
         idx = torch.cat(keep).to(fb.input_ids.device)
         fb.input_ids = fb.input_ids[idx]
         fb.positions = fb.positions[idx]
