@@ -39,8 +39,8 @@ def test_reused_rows_are_filled_rotated_and_dropped_from_the_batch():
     selected = torch.zeros(10, dtype=torch.bool)
     selected[3] = True  # chunk token at position 3 recomputed
     store = ChunkStore()
-    plan = ServerPlan("r", 10, (2,), (6,), selected, "test", 0.25, {})
-    plan.hits = [ChunkHit(2, 4, 4, node="node", indices=torch.arange(100, 104))]
+    plan = ServerPlan("r", 10, (2,), (6,), selected, "test", 0.25, {}, {})
+    plan.hits = [ChunkHit(2, 4, 4, lock="lock", indices=torch.arange(100, 104))]
     store.plans["r"] = plan
     unlocked = []
     row = torch.arange(10, 20).view(1, -1)  # position p lives in slot 10 + p
@@ -62,7 +62,33 @@ def test_reused_rows_are_filled_rotated_and_dropped_from_the_batch():
     assert out.q_positions[0].tolist() == [6, 7, 8, 9]  # chunk row 5 reused
     assert torch.allclose(k[0][15], rope.shift(k0[0][103:104], 2, *_rotary())[0])
     assert plan.counts.tokens_reused == 2 and plan.counts.tokens_recomputed == 8
-    assert unlocked == ["node"]  # the whole prompt is filled: the chunk's lock is dropped
+    assert unlocked == ["lock"]  # the whole prompt is filled: the chunk's lock is dropped
+
+
+def test_a_chunk_lost_from_the_device_is_recomputed():
+    """A chunk evicted between the front end's fetch and the prefill's lookup: the tree
+    has only its first 2 of 4 tokens. Those are reused; the rest is recomputed, and the
+    chunk is counted lost."""
+    torch.manual_seed(0)
+    k = [torch.randn(200, H, D) for _ in range(LAYERS)]
+    v = [torch.randn(200, H, D) for _ in range(LAYERS)]
+    store = ChunkStore()
+    plan = ServerPlan("r", 10, (2,), (6,), torch.zeros(10, dtype=torch.bool), "test", 0.0, {}, {"device": 1})
+    store.plans["r"] = plan
+    locked = []
+
+    def match(ids):
+        assert list(ids) == [12, 13, 14, 15]
+        return 2, "node", torch.arange(100, 102)
+
+    store.look_up(plan, list(range(10, 20)), match, lambda node: locked.append(node) or "lock")
+    assert locked == ["node"] and plan.lost == [0] and plan.counts.chunks_lost == 1
+    fb = _batch(0, 10)
+    out = store.prepare_extend(fb, lambda l: k[l], lambda l: v[l], LAYERS, torch.arange(10, 20).view(1, -1),
+                               _rotary(), lambda lock: None)
+    assert out.q_positions[0].tolist() == [0, 1, 4, 5, 6, 7, 8, 9]  # positions 2, 3 reused
+    report = plan.report()
+    assert report["chunks_lost"] == 1 and report["lost_chunks"] == [0] and report["chunk_hits_device"] == 1
 
 
 def test_a_batch_without_speccache_requests_is_left_alone():

@@ -19,11 +19,14 @@ def _on_cpu_platform() -> bool:
     return type(current_platform).__module__.startswith("sglang_vc.platform")
 
 
-def _skip_host_register(*args, **kwargs) -> None:
-    """HiCache host pools always ``cudaHostRegister`` (pin) their buffers, which asserts
-    CUDA. Pinning only speeds up DMA to a GPU; on the CPU platform the host pool and the
-    "device" pool are both RAM, so there is nothing to pin."""
-    return None
+def _host_pool_unpinned(original, self, *args, **kwargs):
+    """HiCache host pools are built with ``pin_memory=True`` (no flag turns it off): they
+    ``cudaHostRegister`` their buffers and allocate storage staging pages with torch's
+    ``pin_memory=True``, both of which need an accelerator. Pinning only speeds up DMA to
+    a GPU; on the CPU platform the host pool and the "device" pool are both RAM, so the
+    pool is built unpinned."""
+    kwargs["pin_memory"] = False
+    return original(self, *args, **kwargs)
 
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
@@ -92,7 +95,7 @@ async def _speccache_prompt(original, tokenizer_manager, obj):
     """SGLang tokenizes a prompt in one piece and has no seam for a plugin to rewrite a
     request before it does. SpecCache must see the text first: its chunks are tokenized
     piece by piece (so that a chunk's token ids, its KV's key in the tree, are the same in
-    every prompt), registered, and the recomputed tokens selected; the request then goes
+    every prompt), fetched onto the device, and the recomputed tokens selected; the request then goes
     on as token ids with its plan (:mod:`sglang_vc.speccache.frontend`). Servers without
     ``--speccache-*`` flags and requests without chunks pass through unchanged."""
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -104,23 +107,6 @@ async def _speccache_prompt(original, tokenizer_manager, obj):
         if frontend is not None:
             await frontend.prepare(obj)
     return await original(tokenizer_manager, obj)
-
-
-async def _speccache_responses(original, tokenizer_manager, obj, request=None):
-    """SGLang's responses have no seam for a plugin to read its own ``meta_info`` in the
-    front end. A SpecCache request that found one of its chunks evicted from the tree
-    says so there; the front end must hear it to register the chunk again (otherwise it
-    would be recomputed in full by every later request)."""
-    from sglang_vc.speccache.frontend import frontend_for
-    from sglang_vc.speccache.names import META_INFO_KEY
-
-    frontend = frontend_for(tokenizer_manager)
-    async for out in original(tokenizer_manager, obj, request):
-        if frontend is not None and isinstance(out, dict):
-            report = (out.get("meta_info") or {}).get(META_INFO_KEY)
-            if report and getattr(obj, "is_single", True):  # a batch's sub-requests are copies
-                frontend.forget(obj, report[0])
-        yield out
 
 
 def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
@@ -224,11 +210,6 @@ def install() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-        _speccache_responses,
-        HookType.AROUND,
-    )
-    HookRegistry.register(
         "sglang.srt.managers.schedule_batch.Req.update_finish_state",
         _finish_check_of_new_tokens,
         HookType.AROUND,
@@ -249,9 +230,9 @@ def install() -> None:
 
 def _install_cpu_shims() -> None:
     HookRegistry.register(
-        "sglang.srt.mem_cache.pool_host.common._cuda_host_register",
-        _skip_host_register,
-        HookType.REPLACE,
+        "sglang.srt.mem_cache.pool_host.base.HostKVCache.__init__",
+        _host_pool_unpinned,
+        HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.mem_cache.pool_host.base.host_memory_budget_bytes",

@@ -11,16 +11,15 @@ transformers) and the server.
 The server path (any ``--speccache-*`` flag):
 
 * :mod:`.frontend` (tokenizer manager): a prompt marked with the separator is split and
-  tokenized piece by piece (:mod:`.layout`), its chunks registered (prefilled alone,
-  their KV cached in the radix tree under their token ids), its recomputed tokens
-  selected (:mod:`.spec_model` for ``speccache``);
-* :mod:`.radix` (radix cache ``speccache``): finds and locks each chunk's KV in the tree;
+  tokenized piece by piece (:mod:`.layout`), its chunks fetched onto the device
+  (:mod:`.fetch`: through SGLang's request path, from the device tree, HiCache's host
+  pool or storage backend, or computed alone the first time) while its recomputed
+  tokens are selected (:mod:`.spec_model` for ``speccache``);
+* :mod:`.radix` (radix cache ``speccache``, SGLang's unified radix cache): finds and
+  locks each chunk's KV on the device;
 * :mod:`.attention` (attention backend ``vc_speccache``) and :mod:`.store`: fill the
-  reused rows (re-rotated to their positions), compute only the recomputed tokens.
-
-Not built: chunk KV on the host and storage tiers (HiCache; the tree here is the device
-one), the ``cacheblend`` selector in the server (it needs a two-pass prefill), and
-overlapping the speculative model's scoring with chunk loading.
+  reused rows (re-rotated to their positions), compute only the recomputed tokens;
+  ``cacheblend`` selects there, from a first pass through the target's layer 0.
 """
 
 from .names import ATTENTION_BACKEND, RADIX_CACHE_BACKEND

@@ -14,7 +14,7 @@ from typing import Optional
 from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 
 from .names import (ATTENTION_BACKEND, DEFAULT_RATIO, DEFAULT_SELECTOR, DEFAULT_SEPARATOR, DEFAULT_SPEC_MODEL,
-                    GROUP, LAB_ONLY_SELECTORS, RADIX_CACHE_BACKEND)
+                    GROUP, RADIX_CACHE_BACKEND)
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,6 @@ def check_selector(name: str) -> str:
     name = str(name).lower()
     if name not in SELECTORS:
         raise ValueError(f"unknown selector {name!r}; known: {', '.join(sorted(SELECTORS))}")
-    if name in LAB_ONLY_SELECTORS:
-        raise ValueError(f"selector {name!r} needs the target's first layer over every token before it selects "
-                         "(a two-pass prefill the server does not run); it is in the lab only "
-                         "(python -m sglang_vc.bench.speccache)")
     return name
 
 
@@ -48,7 +44,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("SpecCache (RAG chunk KV reuse with selective recompute)")
     g.add_argument("--speccache-selector", default=None,
                    help=f"SpecCache: how the recomputed chunk tokens are chosen: speccache (the small "
-                        f"model's importance, default), epic, random, full-reuse, full-recompute")
+                        f"model's importance, default), cacheblend (the target's first-layer KV "
+                        f"deviation), epic, random, full-reuse, full-recompute")
     g.add_argument("--speccache-ratio", type=float, default=None,
                    help=f"SpecCache: fraction of the chunk tokens recomputed (default {DEFAULT_RATIO})")
     g.add_argument("--speccache-spec-model", default=None,

@@ -4,21 +4,22 @@ For a prompt marked with the separator (text, or token ids whose text has it: th
 OpenAI chat API tokenizes its template), before SGLang tokenizes it:
 
 1. the prompt is split and tokenized piece by piece (:mod:`.layout`);
-2. chunks it has not seen are *registered*: each is prefilled alone, at positions
-   ``0 ..``, as a prefill-only request (``max_new_tokens = 0``), so its KV enters the
-   radix tree under its token ids like any cached prefix;
+2. its chunks are *fetched* onto the device (:mod:`.fetch`): one prefill-only request
+   per chunk (its ids alone, from position 0), which SGLang serves from the device tree,
+   loads back from HiCache's host pool or storage backend, or computes the first time
+   (so a chunk's KV is cached under its token ids like any prefix, in every tier);
 3. at the same time, the selector picks the chunk tokens to recompute; ``speccache``
    runs the speculative model over the text in a worker thread (the event loop keeps
-   serving, and new chunks prefill in the scheduler meanwhile);
+   serving, and the fetches run in the scheduler meanwhile);
 4. the request goes on with the joined token ids and the plan (chunk spans, recomputed
-   positions) in ``custom_params``, where the scheduler's radix cache and attention
-   backend read it.
+   positions, where each chunk came from) in ``custom_params``, where the scheduler's
+   radix cache and attention backend read it.
 
 Bad input is a ``ValueError`` here, which SGLang answers with HTTP 400: a malformed chunk
 layout, an unknown selector, a ratio outside [0, 1], a client-sent plan, or input
-log-probabilities (the reused tokens have no logits). A chunk the tree evicted after its
-registration is recomputed in full by the request that finds it missing (counted, and
-reported back here so that the next request registers it again).
+log-probabilities (the reused tokens have no logits). A chunk evicted from the device
+between its fetch and the request's prefill is recomputed by that prefill (counted as
+``chunks_lost``): slower, never wrong.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter
 from typing import Any, Optional, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from sglang_vc import stats
 
 from . import layout
 from .align import align
+from .fetch import ChunkSource, Namespace, fetch_chunks
 from .flags import SpecCacheSettings, check_ratio, check_selector
 from .names import GROUP, PLAN_KEY, REQUEST_KEYS
 from .selectors import Need, SelectionInput, get_selector
@@ -43,14 +45,11 @@ from .spec_model import SpecModel
 
 logger = logging.getLogger(__name__)
 
-MAX_REMEMBERED_CHUNKS = 4096  # chunk keys this front end registered (LRU)
-
 
 class Frontend:
     def __init__(self, tokenizer_manager, settings: SpecCacheSettings):
         self.tm = tokenizer_manager
         self.settings = settings
-        self.known: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self._spec: Optional[SpecModel] = None
         self._spec_error: Optional[BaseException] = None
         self._spec_lock = threading.Lock()  # one load; requests needing it wait for it
@@ -125,16 +124,16 @@ class Frontend:
         tokenize_s = time.perf_counter() - t
         seed = int(params.get("sampling_seed") or 0)
 
-        async def register() -> float:
+        async def fetch() -> tuple[list[ChunkSource], float]:
             t0 = time.perf_counter()
-            await self.register(prompt.chunk_ids)
-            return time.perf_counter() - t0
+            sources = await self.fetch(prompt.chunk_ids, Namespace.of(obj))
+            return sources, time.perf_counter() - t0
 
-        # the selection (the small model's forward, in a thread) overlaps the registration
-        # of new chunks (their prefill, in the scheduler): neither needs the other
-        (recompute, times), register_s = await asyncio.gather(
-            asyncio.to_thread(self.select, prompt, selector, ratio, seed), register())
-        times.update(tokenize_s=tokenize_s, register_s=register_s)
+        # the selection (the small model's forward, in a thread) overlaps the chunks'
+        # fetch (loads and prefills in the scheduler): neither needs the other
+        (recompute, times), (sources, fetch_s) = await asyncio.gather(
+            asyncio.to_thread(self.select, prompt, selector, ratio, seed), fetch())
+        times.update(tokenize_s=tokenize_s, fetch_s=fetch_s)
         stats.add(GROUP, requests=1, **times)
         obj.input_ids = prompt.ids
         obj.text = prompt.text
@@ -143,14 +142,19 @@ class Frontend:
             "starts": list(prompt.chunks.starts), "ends": list(prompt.chunks.ends),
             "recompute": recompute, "selector": selector, "ratio": ratio,
             "times": {k: round(v, 6) for k, v in times.items()},
+            "sources": dict(Counter(s.value for s in sources)),
         }}
         obj.sampling_params = params
 
     def select(self, prompt: layout.Prompt, selector: str, ratio: float, seed: int) -> tuple[list[int], dict]:
-        """The chunk positions to recompute, and the time it took by part."""
+        """The chunk positions to recompute, and the time it took by part. A selector
+        that needs the target's own first layer (``cacheblend``) selects in the prefill
+        (:mod:`.attention`): none here."""
         sel = get_selector(selector)
         inp = SelectionInput(prompt.chunks, seed=seed)
         times: dict[str, float] = {}
+        if sel.needs is Need.FIRST_LAYER_DEVIATION:
+            return [], times
         if sel.needs is Need.SPEC_SCORES:
             def spec_scores():
                 t = time.perf_counter()
@@ -167,41 +171,16 @@ class Frontend:
         times["select_s"] = time.perf_counter() - t - times.get("score_s", 0.0) - times.get("align_s", 0.0)
         return mask.nonzero().flatten().tolist(), times
 
-    # ------------------------------------------------------------------ registration
+    # ------------------------------------------------------------------ chunks
 
-    async def register(self, chunk_ids: Sequence[Sequence[int]], force: bool = False) -> int:
-        """Prefill the chunks this front end has not registered (or all, ``force``), each
-        alone from position 0, as prefill-only requests: their KV then sits in the radix
-        tree. A registered chunk the tree has evicted since is reported back by the
-        request that missed it (:meth:`forget`) and registered again by the next one.
-        Returns how many were prefilled."""
-        keys = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in chunk_ids))
-        new = [key for key in keys if force or key not in self.known]
-        if new:
-            await asyncio.gather(*(self._prefill(list(key)) for key in new))
-        for key in keys:
-            self.known[key] = None
-            self.known.move_to_end(key)
-        while len(self.known) > MAX_REMEMBERED_CHUNKS:
-            self.known.popitem(last=False)
-        stats.add(GROUP, chunks_seen=len(keys), chunks_registered=len(new))
-        return len(new)
-
-    def forget(self, obj, meta: dict) -> None:
-        """A finished SpecCache request's report: chunks the tree no longer (wholly) had
-        are registered again by the next request that brings them."""
-        plan = ((obj.sampling_params or {}).get("custom_params") or {}).get(PLAN_KEY)
-        if not plan or not meta.get("incomplete_chunks") or obj.input_ids is None:
-            return
-        for i in meta["incomplete_chunks"]:
-            self.known.pop(tuple(obj.input_ids[plan["starts"][i]:plan["ends"][i]]), None)
-
-    async def _prefill(self, ids: list[int]) -> None:
-        from sglang.srt.managers.io_struct import GenerateReqInput
-
-        req = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 0})
-        async for _ in self.tm.generate_request(req, None):
-            pass
+    async def fetch(self, chunk_ids: Sequence[Sequence[int]], namespace: Namespace = Namespace()) -> list[ChunkSource]:
+        """Bring the chunks onto the device (:func:`.fetch.fetch_chunks`) and count where
+        each came from (``chunk_hits_device/host/storage``, ``chunk_misses``)."""
+        sources = await fetch_chunks(self.tm, chunk_ids, namespace)
+        found = Counter(sources)
+        stats.add(GROUP, chunk_hits_device=found[ChunkSource.DEVICE], chunk_hits_host=found[ChunkSource.HOST],
+                  chunk_hits_storage=found[ChunkSource.STORAGE], chunk_misses=found[ChunkSource.COMPUTED])
+        return sources
 
     def chunk_ids_of(self, texts: Sequence[Any]) -> list[list[int]]:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):

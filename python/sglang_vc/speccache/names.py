@@ -2,7 +2,7 @@
 
 GROUP = "speccache"  # flag group, /server_info mechanism, stats counters
 ATTENTION_BACKEND = "vc_speccache"  # vc_torch plus the selective-recompute prefill
-RADIX_CACHE_BACKEND = "speccache"  # the vc radix cache plus chunk lookups and locks
+RADIX_CACHE_BACKEND = "speccache"  # SGLang's unified radix cache plus chunk lookups and locks
 
 # A RAG prompt marks its retrieved chunks with this separator (the LMCache CacheBlend
 # way): ``prefix SEP chunk 1 SEP ... SEP chunk c SEP query``. ``--speccache-separator``.
@@ -16,7 +16,3 @@ REQUEST_KEYS = ("speccache_selector", "speccache_ratio")
 # the plan the server's front end attaches for the scheduler; a client's is refused
 PLAN_KEY = "_speccache_plan"
 META_INFO_KEY = "sglang_vc_speccache"  # meta_info of each SpecCache response
-
-# selectors that need the target's own forward over every token before selection (a
-# two-pass prefill the server does not run); they stay in the lab
-LAB_ONLY_SELECTORS = ("cacheblend",)

@@ -1,25 +1,27 @@
-"""Radix-cache backend ``speccache``: the ``vc`` radix cache (:mod:`sglang_vc.kvruntime`)
-plus SpecCache's chunk lookups.
+"""Radix-cache backend ``speccache``: SGLang's default cache (``UnifiedRadixCache``, with
+HiCache's host and storage tiers when ``--enable-hierarchical-cache`` is given) plus
+SpecCache's chunk lookups.
 
+* A chunk's KV is cached like any prefix: under the chunk's own token ids, computed
+  alone from position 0. The front end brings it onto the device before the request
+  that uses it (:meth:`.frontend.Frontend.fetch`), through SGLang's own request path,
+  so SGLang's tree and HiCache controller find it on the device, load it back from the
+  host pool, or prefetch it from the storage backend.
 * When SGLang matches a SpecCache request's prompt, each of its chunks is also matched
-  from the root (a chunk's KV is cached under its own token ids, computed alone) and
-  locked until the request's prefill has copied it (:class:`.store.ChunkStore`).
-* The prompt's own match is SGLang's: a cached prefix of it is exact KV and is reused
-  as is.
+  from the root and locked until the request's prefill has copied its rows
+  (:class:`.store.ChunkStore`). The prompt's own match is SGLang's: a cached prefix of it
+  is exact KV and is reused as is.
 * A SpecCache request's KV is fused (reused chunk rows re-rotated, plus recomputed
-  tokens), not what a full prefill gives: it never enters the tree. Its response's
-  ``meta_info["sglang_vc_speccache"]`` says what was reused and recomputed.
+  tokens), not what a full prefill gives: it never enters the tree
+  (``skip_radix_cache_insert``, SGLang's own flag for KV that token ids do not determine).
 """
 
 from __future__ import annotations
 
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sglang_vc.kvruntime import get_runtime
-from sglang_vc.kvruntime.radix import LossyRadixCache, check_plain_tree
-
-from .names import META_INFO_KEY
 from .store import ChunkStore
 
 _stores: dict[int, ChunkStore] = {}
@@ -31,43 +33,51 @@ def store_of(model_runner) -> ChunkStore:
 
 
 def create_chunk_radix_cache(ctx) -> "ChunkRadixCache":
-    check_plain_tree(ctx, "speccache")
-    runner = ctx.tp_worker.model_runner
-    return ChunkRadixCache(ctx.params, get_runtime(runner), store_of(runner))
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
+        raise ValueError("--radix-cache-backend speccache supports full-attention models with the radix cache on")
+    if ctx.params.page_size != 1:
+        raise ValueError("--radix-cache-backend speccache needs --page-size 1")
+    cache = create_unified_radix_cache(ctx, cache_class=ChunkRadixCache)
+    cache.store = store_of(ctx.tp_worker.model_runner)
+    cache.store.tree = cache
+    return cache
 
 
-class ChunkRadixCache(LossyRadixCache):
-    def __init__(self, params, runtime, store: ChunkStore):
-        super().__init__(params, runtime)
-        self.store = store
-        store.tree = self
+class ChunkRadixCache(UnifiedRadixCache):
+    store: ChunkStore
 
-    def _match_chunk(self, token_ids):
-        r = self.match_prefix(MatchPrefixParams(key=RadixKey(token_ids, None)))  # req None: a plain match
-        return int(r.device_prefix_len), r.last_device_node
+    def _chunk_matcher(self, prompt_key: RadixKey):
+        """Matches a chunk from the root, in the prompt's namespace (its ``extra_key``:
+        LoRA adapter, and ``cache_salt``): (tokens on the device, last device node, their
+        device slots)."""
+        def match(token_ids):
+            key = RadixKey(token_ids, prompt_key.extra_key, cache_salt=prompt_key.cache_salt)
+            r = self._match_tree(MatchPrefixParams(key=key))
+            n = int(r.device_prefix_len)
+            if n == 0:
+                return 0, None, None
+            root = self.root_node_handle(prompt_key.extra_key)
+            return n, r.last_device_node, self.tree_core.collect_full_device_indices(r.last_device_node, root)[:n]
+
+        return match
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
         if req is not None:
             plan = self.store.plan_for(req)
-            if plan is not None and plan.hits is None:
-                self.store.look_up(plan, req.origin_input_ids, self._match_chunk, self.inc_lock_ref,
-                                   self.path_device_indices)
+            if plan is not None:
+                req.skip_radix_cache_insert = True
+                if plan.hits is None:
+                    self.store.look_up(plan, req.origin_input_ids, self._chunk_matcher(params.key), self.lock)
         return super().match_prefix(params)
 
-    def checkpoint(self, req, *, up_to: int, **kwargs):
-        plan = self.store.plans.get(req.rid)
-        if plan is None:
-            return super().checkpoint(req, up_to=up_to, **kwargs)
-        if req.customized_info is None:
-            req.customized_info = {}
-        req.customized_info[META_INFO_KEY] = [plan.report()]
-
     def on_release(self, req, *, checkpointed: bool) -> None:
-        self.store.forget(req.rid, self.dec_lock_ref)
+        self.store.forget(req.rid, self.unlock)
         super().on_release(req, checkpointed=checkpointed)
 
     def finish(self, handle, outcome) -> None:
         if outcome != CacheRequestOutcome.SUCCESS:
-            self.store.forget(handle.rid, self.dec_lock_ref)
+            self.store.forget(handle.rid, self.unlock)
         super().finish(handle, outcome)

@@ -1,0 +1,93 @@
+"""SpecCache's chunk KV in every tier of SGLang's cache (``--enable-hierarchical-cache``
+with a ``file`` storage backend): the same request is answered from chunks found on
+the device, loaded back from HiCache's host pool after the device evicted them, and
+prefetched from storage after the device and host were flushed. Each tier is counted
+in the response, and the answer is the same token for token (the reused rows are byte
+copies of the chunk's KV, wherever it was kept)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
+from sglang_vc.testing.server import ServerProcess
+
+from conftest import real_text_passages
+
+DEVICE_TOKENS = 1200  # two 130-token chunks plus a query fit; ten more chunks do not
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("speccache_tiers")
+    storage = folder / "storage"
+    storage.mkdir()
+    proc = ServerProcess([
+        "--dtype", "float32", "--max-total-tokens", str(DEVICE_TOKENS),
+        "--speccache-selector", "epic", "--speccache-ratio", "0.2",
+        "--enable-hierarchical-cache", "--hicache-size", "1",
+        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+        "--hicache-storage-backend", "file", "--file-storage-path", str(storage),
+        # SGLang prefetches from storage only runs of at least this many tokens (256 by default)
+        "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 32}),
+    ], log_path=folder / "server.log")
+    yield proc, storage
+    proc.stop()
+
+
+def _settled(folder, at_least: int, timeout: float = 60.0) -> int:
+    """Wait until the storage backend's file count stops growing (writes are
+    asynchronous) and holds at least ``at_least`` entries."""
+    last, stable_since, deadline = -1, time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = sum(1 for _ in folder.iterdir())
+        if n != last:
+            last, stable_since = n, time.monotonic()
+        elif n >= at_least and time.monotonic() - stable_since > 1.0:
+            return n
+        time.sleep(0.2)
+    raise AssertionError(f"storage holds {last} entries after {timeout} s, expected at least {at_least}")
+
+
+def test_chunks_hit_from_device_host_and_storage(tiered):
+    proc, storage = tiered
+    passages = real_text_passages(12, words=100)
+    chunks = [p + "\n" for p in passages[:2]]
+    text = "Answer from the documents.\n" + SEP + SEP.join(chunks) + SEP + "Question: what is it about?\nAnswer:"
+
+    def ask():
+        r = requests.post(proc.url + "/generate", json={
+            "text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]["sglang_vc_speccache"][0]
+        assert meta["chunks_lost"] == 0 and meta["tokens_reused"] > 0, meta
+        hits = {tier: meta[f"chunk_hits_{tier}"] for tier in ("device", "host", "storage")}
+        return r.json()["output_ids"], {**hits, "computed": meta["chunk_misses"]}
+
+    first, where = ask()
+    assert where == {"device": 0, "host": 0, "storage": 0, "computed": 2}
+    answer, where = ask()
+    assert where == {"device": 2, "host": 0, "storage": 0, "computed": 0} and answer == first
+
+    # ten other chunks (about 1700 tokens) push the first two out of the device pool;
+    # HiCache wrote them through to the host when they were inserted
+    others = requests.post(proc.url + "/speccache/chunks", json={"chunks": [p + "\n" for p in passages[2:]]})
+    assert others.status_code == 200 and set(others.json()["sources"]) == {"computed"}, others.text
+    answer, where = ask()
+    assert where == {"device": 0, "host": 2, "storage": 0, "computed": 0}, proc.log_tail()
+    assert answer == first
+
+    # a flush empties the device and the host pool; the storage backend keeps every chunk
+    tokens = sum(others.json()["tokens"]) + 2 * 100
+    _settled(storage, at_least=tokens)
+    assert requests.post(proc.url + "/flush_cache").status_code == 200
+    answer, where = ask()
+    assert where == {"device": 0, "host": 0, "storage": 2, "computed": 0}, proc.log_tail()
+    assert answer == first
+
+    counters = requests.get(proc.url + "/server_info").json()["sglang_vc"]["counters"]["speccache"]
+    assert counters["chunk_hits_host"] >= 2 and counters["chunk_hits_storage"] >= 2
