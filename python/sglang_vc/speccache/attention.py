@@ -80,7 +80,11 @@ class SpecCacheAttnBackend(VCTorchAttnBackend):
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def extend_per_request(self) -> bool:
-        return self.extend_plan is not None
+        # Always: SGLang's torch-native extend attends with every cached prefix token as a
+        # (discarded) query, so a chunk fetch that finds its chunk cached (one new token
+        # after hundreds) would pay the whole chunk's attention again; the per-request
+        # path attends with the new tokens only.
+        return True
 
     def query_positions(self, i: int):
         return None if self.extend_plan is None else self.extend_plan.q_positions.get(i)
