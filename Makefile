@@ -4,10 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-cpu
 
-.PHONY: serve test test-all bench venv clean-venv
+.PHONY: serve serve-cluster test test-all bench venv clean-venv
 
 serve: $(STAMP)
 	$(PY) -m sglang_vc.launch_server $(ARGS)
+
+# N sglang-vc servers behind sglang-router (cache-aware) on :30000; ARGS go to every server
+N ?= 2
+serve-cluster: $(STAMP)
+	$(PY) -m sglang_vc.cluster --nodes $(N) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -6,14 +6,10 @@ whole session; tests that need other flags start their own.
 
 from __future__ import annotations
 
-import os
-import sys
-import sysconfig
-from pathlib import Path
-
 import pytest
 
 from sglang_vc.testing.server import ServerProcess
+from sglang_vc.testing.text import real_text_passages  # noqa: F401  (tests import it from here)
 
 
 @pytest.fixture(scope="session")
@@ -37,19 +33,3 @@ def server(model_dir, tmp_path_factory):
     proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", "20000"], log_path=log)
     yield proc
     proc.stop()
-
-
-def real_text_passages(n: int, words: int = 120) -> list[str]:
-    """Passages of real English text that every CPython install carries: its license,
-    and the docstrings of a few stdlib modules."""
-    import argparse
-    import collections
-    import json as json_module
-    import textwrap
-
-    sources = [Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"]
-    texts = [p.read_text() for p in sources if p.exists()]
-    texts += [m.__doc__ for m in (argparse, collections, json_module, textwrap) if m.__doc__]
-    all_words = " ".join(texts).split()
-    step = max(words, len(all_words) // max(n, 1))
-    return [" ".join(all_words[i * step : i * step + words]) for i in range(n)]

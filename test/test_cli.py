@@ -36,6 +36,17 @@ def test_launcher_rejects_bad_flags(args, message, capsys):
     assert message in err and "usage:" in err
 
 
+@pytest.mark.parametrize("argv, dtype", [([], "CPU_DEFAULT"), (["--dtype", "bfloat16"], "bfloat16"),
+                                         (["--dtype=float16"], "float16")], ids=["default", "explicit", "explicit-eq"])
+def test_cpu_dtype_default_and_explicit_dtype(argv, dtype):
+    """On the CPU, no ``--dtype`` serves the measured default (not SGLang's ``auto``,
+    which serves a float32 checkpoint in float16); an explicit ``--dtype`` always wins."""
+    from sglang_vc.launch_server import CPU_DEFAULT_DTYPE, parse_args
+
+    _, server_args = parse_args(argv)
+    assert server_args.dtype == (CPU_DEFAULT_DTYPE if dtype == "CPU_DEFAULT" else dtype)
+
+
 def test_launcher_process_exits_2_with_a_message():
     """End to end: a bad flag ends the real launcher process with exit 2 and a usage
     message, no traceback, before any server process starts."""

@@ -1,33 +1,115 @@
-"""The server stops cleanly on SIGTERM and SIGINT, leaving no process behind."""
+"""The server stops cleanly on SIGTERM and SIGINT: within 10 seconds with a request in
+flight (aborted, its client answered), leaving no process behind and EvicPress's disk
+tier consistent (no partial file; its entries serve the next server started on it)."""
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import psutil
 import pytest
+import requests
 
+from sglang_vc.testing import evicpress as epx
 from sglang_vc.testing.server import ServerProcess
 
+from conftest import real_text_passages
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
-                         ids=["SIGTERM", "SIGINT"])  # the launcher handles both the same way
-def test_signal_stops_server_and_children(sig, model_dir, tmp_path):
+STOP_S = 10.0
+
+
+def _family(server: ServerProcess) -> list[int]:
+    return [server.proc.pid] + [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for p in pids:
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _stop_with_request_in_flight(server: ServerProcess, sig: int, payload: dict) -> tuple[float, dict]:
+    """Send ``sig`` while ``payload`` is being generated; (seconds until every process of
+    the server is gone, the in-flight request's answer)."""
+    family = _family(server)
+    assert len(family) >= 3, "launcher, scheduler and detokenizer expected"
+    answer: dict = {}
+
+    def in_flight():
+        r = requests.post(server.url + "/generate", json=payload, timeout=120)
+        answer.update(status=r.status_code, body=r.json() if r.headers.get("content-type", "").startswith(
+            "application/json") else r.text)
+
+    def decode_lines() -> int:
+        return server.log_tail(10**6).count("Decode batch")
+
+    seen = decode_lines()
+    thread = threading.Thread(target=in_flight)
+    thread.start()
+    deadline = time.time() + 60
+    while decode_lines() == seen and time.time() < deadline:  # SGLang logs every 40 decode steps
+        time.sleep(0.2)
+    t = time.monotonic()
+    server.proc.send_signal(sig)
+    while _alive(family) and time.monotonic() - t < 30:
+        time.sleep(0.1)
+    took = time.monotonic() - t
+    left = _alive(family)
+    thread.join(30)
+    server.stop(signal.SIGKILL)
+    assert not left, f"processes left behind after {signal.Signals(sig).name}: {left}\n{server.log_tail()}"
+    return took, answer
+
+
+def test_sigterm_with_a_request_in_flight(model_dir, tokenizer, tmp_path):
+    """An EvicPress server with a context on its disk tier gets SIGTERM while it decodes a
+    long answer: every process is gone within 10 s, the client got an aborted answer, the
+    disk holds no partial file, and a new server on the same disk answers the context from
+    it as the first one did."""
+    disk = tmp_path / "disk"
+    args = ["--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "4096",
+            "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
+            "--hicache-mem-layout", "layer_first", "--radix-cache-backend", "evicpress",
+            "--evicpress-disk-dir", str(disk), "--evicpress-no-profiler", "--evicpress-disk-bandwidth", "1"]
+    passage = real_text_passages(3, words=300)[1]
+    server = ServerProcess(args, log_path=tmp_path / "first.log", timeout=420)
+    try:
+        ids, _ = epx.register(server, tokenizer, "doc", passage)
+        epx.ask(server, tokenizer, ids)
+        epx.api(server, "POST", "/evicpress/contexts/doc/placement", {"tier": "disk"})
+        epx.api(server, "POST", "/evicpress/evict_device")
+        stored = epx.ask(server, tokenizer, ids)  # answered from the disk copy
+        assert epx.counters(server)["hits_disk"] >= 1
+        long = {"text": real_text_passages(3, words=100)[2],
+                "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+        took, answer = _stop_with_request_in_flight(server, signal.SIGTERM, long)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert took < STOP_S, f"stopped in {took:.1f} s"
+    assert answer.get("status") == 200, answer
+    assert answer["body"]["meta_info"]["finish_reason"]["type"] == "abort", answer
+    assert not [p.name for p in disk.rglob("*") if p.name.startswith(".tmp-")], "partial files on disk"
+
+    with ServerProcess(args, log_path=tmp_path / "second.log", timeout=420) as again:
+        epx.register(again, tokenizer, "doc", passage)
+        before = epx.counters(again)
+        out = epx.ask(again, tokenizer, ids)
+        after = epx.counters(again)
+        assert after.get("hits_disk", 0) == before.get("hits_disk", 0) + 1, (before, after)
+        assert out["output_ids"] == stored["output_ids"]
+
+
+@pytest.mark.slow
+def test_sigint_stops_server_and_children(model_dir, tmp_path):
     server = ServerProcess(["--model-path", model_dir, "--max-total-tokens", "4096"],
                            log_path=tmp_path / "server.log")
-    family = [server.proc.pid] + [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)]
-    assert len(family) >= 3, "launcher, scheduler and detokenizer expected"
-    server.proc.send_signal(sig)
-    try:
-        server.proc.wait(60)
-    except Exception:
-        server.stop(signal.SIGKILL)
-        pytest.fail(f"server did not exit on {sig.name}:\n{server.log_tail()}")
-    deadline = time.time() + 20
-    alive = family
-    while alive and time.time() < deadline:
-        alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.5)
-    server.stop()
-    assert not alive, f"processes left behind after {sig.name}: {alive}"
+    took, answer = _stop_with_request_in_flight(server, signal.SIGINT, {
+        "text": "Once upon a time", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+    assert took < STOP_S, f"stopped in {took:.1f} s"

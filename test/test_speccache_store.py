@@ -96,3 +96,30 @@ def test_a_batch_without_speccache_requests_is_left_alone():
     fb = _batch(0, 4)
     assert store.prepare_extend(fb, None, None, LAYERS, None, _rotary(), None) is None
     assert fb.input_ids.tolist() == [1000, 1001, 1002, 1003]
+
+
+def test_cacheblend_picks_the_most_deviating_found_chunk_tokens_of_the_range():
+    """``select_from_probe`` on crafted K/V: chunks at 2..5 and 6..9 of a 12-token prompt,
+    the second found only up to position 7 (8 and 9 lost). The first pass's layer-1 K/V
+    differ from the reused rows by a known amount per position; cacheblend at 0.25 takes
+    the ceil(0.25 x 8) = 2 found chunk tokens that differ most."""
+    torch.manual_seed(0)
+    n = 12
+    store = ChunkStore()
+    plan = ServerPlan("r", n, (2, 6), (6, 10), torch.zeros(n, dtype=torch.bool), "cacheblend", 0.25, {}, {})
+    plan.hits = [ChunkHit(2, 4, 4), ChunkHit(6, 4, 2)]
+    store.plans["r"] = plan
+    assert plan.selects_in_prefill
+    slots = torch.arange(50, 50 + n)
+    k_reused, v_reused = torch.zeros(100, H, D), torch.zeros(100, H, D)
+    shift = torch.tensor([9.0, 9, 1, 2, 7, 3, 4, 6, 8, 8, 9, 9])  # per position; 0, 1, 10, 11 are no chunk's
+    k_new = shift.view(n, 1, 1).expand(n, H, D).clone()
+    v_new = torch.zeros(n, H, D)
+    fb = SimpleNamespace(rids=["r"], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[n],
+                         req_pool_indices=torch.tensor([0]))
+    ranges = store.probe_ranges(fb)
+    assert [(r.a, r.b, r.offset) for r in ranges] == [(0, n, 0)]
+    store.select_from_probe(fb, ranges, k_new, v_new, k_reused, v_reused, slots.view(1, -1), 0.5)
+    # found chunk tokens: 2..5 (1, 2, 7, 3) and 6, 7 (4, 6); lost 8, 9 (8, 8) are not candidates
+    assert plan.selected.nonzero().flatten().tolist() == [4, 7]
+    assert plan.counts.probe_s == 0.5

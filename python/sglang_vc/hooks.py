@@ -109,6 +109,19 @@ async def _speccache_prompt(original, tokenizer_manager, obj):
     return await original(tokenizer_manager, obj)
 
 
+def _abort_in_flight_on_sigterm(result, *args, **kwargs):
+    """SGLang's SIGTERM drains: the server waits, polling every 5 s, until every request in
+    flight has finished, however long that takes. sglang-vc stops within seconds instead:
+    the requests in flight are aborted at once (each client gets its response with an
+    ``abort`` finish reason, nothing is cut mid-stream), and SGLang's own shutdown then
+    finds nothing to wait for. SGLang's handler has no option for this (its force-exit
+    path skips the aborts and drops the connections)."""
+    handler = args[0]
+    handler.tokenizer_manager.abort_request(abort_all=True)
+    logger.warning("SIGTERM: requests in flight aborted; shutting down")
+    return result
+
+
 def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
     """VERICACHE's staggered schedule commits nothing for a request in the iterations
     in which it only drafts (its tokens are committed at its verify). SGLang's spec-v2
@@ -208,6 +221,11 @@ def install() -> None:
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
         _speccache_prompt,
         HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.SignalHandler.sigterm_handler",
+        _abort_in_flight_on_sigterm,
+        HookType.AFTER,
     )
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.Req.update_finish_state",

@@ -5,6 +5,7 @@ Every SGLang flag keeps its meaning. On top of SGLang this launcher
   built-in alias as ``--model-path``;
 - parses and validates the ``--vc-*``/``--specache-*``/``--evicpress-*``/``--speccache-*``
   flags and carries them to SGLang's spawned processes on ``server_args``;
+- serves ``CPU_DEFAULT_DTYPE`` on the CPU when no ``--dtype`` is given;
 - adds a ``sglang_vc`` section to ``GET /server_info`` and ``GET /get_server_info``.
 """
 
@@ -18,6 +19,11 @@ from sglang_vc.config import FLAG_PREFIXES, SERVER_ARGS_ATTR, ConfigError, VCCon
 from sglang_vc.kvruntime.select import BackendChoice, flag_value
 
 PROG = "python -m sglang_vc.launch_server"
+
+# The dtype served on the CPU platform when no --dtype is given. SGLang's ``auto`` serves a
+# float32 checkpoint in float16, which the CPU runs slowest; ``python -m
+# sglang_vc.bench.dtype`` measured the choice (benchmark/README.md, "Serving dtype on the CPU").
+CPU_DEFAULT_DTYPE = "float32"
 
 
 def build_vc_parser() -> argparse.ArgumentParser:
@@ -95,6 +101,8 @@ def parse_args(argv: list[str]):
         # SGLang's default device falls through to the platform's torch.device object,
         # which its resolution then treats as a string; name the device explicitly.
         sglang_argv += ["--device", "cpu"]
+    if flag_value(sglang_argv, "--dtype")[0] < 0 and flag_value(sglang_argv, "--device")[1] == "cpu":
+        sglang_argv += ["--dtype", CPU_DEFAULT_DTYPE]  # an explicit --dtype always wins
     server_args = prepare_server_args(sglang_argv)
     setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
     return vc_config, server_args

@@ -15,7 +15,8 @@ TTFT is the client's time from sending the request to the first streamed token; 
 includes the front end's tokenization, the chunks' fetch (a device hit: a one-token
 prefill per chunk), the speculative model's scoring and the alignment, and cacheblend's
 first pass. ``breakdown_s`` is what the server
-reports in ``meta_info["sglang_vc_speccache"]`` (front-end times, the fill's ``load_s``).
+reports in ``meta_info["sglang_vc_speccache"]`` (front-end times, the fill's ``load_s``,
+cacheblend's first pass ``probe_s``).
 Quality is token F1 / exact match of the greedy answer; the KL column of the lab
 (:mod:`.speccache`) needs log-probabilities, which SpecCache requests cannot return.
 Goodput is the same Poisson-replay model as the lab's, fed with these TTFTs. The JSON's
@@ -90,8 +91,9 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                 answer = last.get("text", "")
                 meta = (last.get("meta_info", {}).get("sglang_vc_speccache") or [{}])[0]
                 breakdown = {k2: v for k2, v in (meta.get("front_end") or {}).items()}
-                if "load_s" in meta:
-                    breakdown["load_s"] = meta["load_s"]
+                for part in ("load_s", "probe_s"):  # the fill; cacheblend's first pass
+                    if meta.get(part):
+                        breakdown[part] = meta[part]
                 rows.append({"item": item["id"], "task": item["task"], "selector": name, "ratio": ratio,
                              "target": target, "spec_model": spec, "ttft_s": ttft, "breakdown_s": breakdown,
                              "answer": answer, "exact_match": score(item, answer),

@@ -1,0 +1,190 @@
+"""``python -m sglang_vc.cluster --nodes N [server flags]``: N sglang-vc servers behind
+``sglang-router`` (the SGLang project's router, from PyPI) as one service.
+
+Each server is ``python -m sglang_vc.launch_server`` with the given flags on its own port
+(``--worker-base-port``, then +1, ...); once all of them serve, the router starts on
+``--port`` with cache-aware routing (``--policy``, default ``cache_aware``: a request goes
+to the server whose radix tree most likely holds its prefix, unless the load is
+unbalanced). Clients talk to the router exactly as to one server: ``/generate``, the
+OpenAI API, the DSL.
+
+Every server keeps its own ``sglang_vc`` counters: ``GET ROUTER/workers`` lists the
+servers, and each one's ``GET /server_info`` has its ``sglang_vc`` section
+(``python -m sglang_vc.cluster --counters ROUTER_URL`` prints them all).
+
+SIGTERM or SIGINT stops the router and every server (each server stops its own
+children), then exits; a server that dies stops the whole cluster with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+PROG = "python -m sglang_vc.cluster"
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 8.0  # per process group, before SIGKILL
+
+
+def log(msg: str) -> None:
+    print(f"[sglang_vc.cluster] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Member:
+    """A child process (a server or the router) in its own process group."""
+
+    name: str
+    cmd: list[str]
+    url: str
+    log_path: Optional[Path] = None
+    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+    def start(self) -> None:
+        out = open(self.log_path, "w") if self.log_path else None
+        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class Stopped(Exception):
+    """A signal asked the cluster to stop while it was starting."""
+
+
+def wait_ready(members: list[Member], path: str, timeout: float, stop: threading.Event) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(members)
+    while pending:
+        if stop.is_set():
+            raise Stopped
+        for m in list(pending):
+            if not m.alive():
+                raise RuntimeError(f"{m.name} exited with {m.proc.returncode} before serving"
+                                   + (f" (log: {m.log_path})" if m.log_path else ""))
+            try:
+                if requests.get(m.url + path, timeout=10).status_code == 200:
+                    log(f"{m.name} serves on {m.url}")
+                    pending.remove(m)
+            except requests.RequestException:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"not serving after {timeout:.0f} s: {', '.join(m.name for m in pending)}")
+        if pending:
+            time.sleep(1.0)
+
+
+def stop_all(members: list[Member]) -> None:
+    """SIGTERM every group (the router first), wait, SIGKILL what is left."""
+    for m in reversed(members):
+        m.signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for m in reversed(members):
+        if m.proc is None:
+            continue
+        try:
+            m.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log(f"{m.name} did not stop in {STOP_TIMEOUT_S:.0f} s: killed")
+        m.signal(signal.SIGKILL)  # stragglers of the group, if any
+
+
+def counters(router_url: str) -> dict:
+    """Every server's ``sglang_vc`` section, by URL, through the router's worker list."""
+    workers = requests.get(router_url.rstrip("/") + "/workers", timeout=30).json()
+    urls = [w["url"] if isinstance(w, dict) else w for w in workers.get("workers", workers)]
+    return {url: requests.get(url + "/server_info", timeout=30).json().get("sglang_vc") for url in urls}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                 epilog="Other flags go to every server (python -m sglang_vc.launch_server).")
+    ap.add_argument("--nodes", type=int, default=2, help="servers behind the router (default 2)")
+    ap.add_argument("--host", default="127.0.0.1", help="the router's and the servers' host")
+    ap.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    ap.add_argument("--worker-base-port", type=int, default=31000, help="the first server's port")
+    ap.add_argument("--policy", default="cache_aware",
+                    choices=["cache_aware", "round_robin", "random", "power_of_two"])
+    ap.add_argument("--log-dir", default=None, help="one log file per server and the router (default: stderr)")
+    ap.add_argument("--counters", metavar="ROUTER_URL", default=None,
+                    help="print every server's sglang_vc counters through a running router, and exit")
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = build_parser()
+    args, server_flags = ap.parse_known_args(argv)
+    if args.counters:
+        print(json.dumps(counters(args.counters), indent=2))
+        return 0
+    if args.nodes < 1:
+        ap.error("--nodes must be at least 1")
+    for flag in ("--port", "--host"):
+        if any(a == flag or a.startswith(flag + "=") for a in server_flags):
+            ap.error(f"{flag} is the cluster's own; the servers' ports come from --worker-base-port")
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    servers = []
+    for i in range(args.nodes):
+        port = args.worker_base_port + i
+        servers.append(Member(
+            f"server {i}", [sys.executable, "-m", "sglang_vc.launch_server", "--host", args.host,
+                            "--port", str(port), *server_flags],
+            f"http://{args.host}:{port}", log_dir / f"server-{i}.log" if log_dir else None))
+    router = Member("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host,
+                               "--port", str(args.port), "--policy", args.policy,
+                               "--worker-urls", *[s.url for s in servers]],
+                    f"http://{args.host}:{args.port}", log_dir / "router.log" if log_dir else None)
+    members = [*servers, router]
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    code = 0
+    try:
+        for s in servers:
+            s.start()
+        wait_ready(servers, "/health_generate", READY_TIMEOUT_S, stop)
+        router.start()
+        wait_ready([router], "/health", READY_TIMEOUT_S, stop)
+        log(f"{args.nodes} server(s) behind the router on {router.url} ({args.policy})")
+        while not stop.wait(0.5):
+            dead = [m for m in members if m.proc is not None and not m.alive()]
+            if dead:
+                log(f"{dead[0].name} exited with {dead[0].proc.returncode}: stopping the cluster")
+                code = 1
+                break
+    except Stopped:
+        pass
+    except (RuntimeError, TimeoutError) as exc:
+        log(f"error: {exc}")
+        code = 1
+    finally:
+        log("stopping")
+        stop_all(members)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

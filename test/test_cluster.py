@@ -1,0 +1,127 @@
+"""Two sglang-vc servers behind sglang-router (``python -m sglang_vc.cluster``, what
+``make serve-cluster N=2`` runs) serve as one: a mixed workload through the router is
+answered by both servers, requests sharing a long prefix go to the server that cached it,
+the answers equal a single server's greedy answers, and every server's counters are
+readable through the router."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import requests
+
+from sglang_vc.cluster import counters
+from sglang_vc.testing.server import free_port
+
+from conftest import real_text_passages
+
+NEW = 8
+
+
+def _consecutive_free_ports(n: int) -> int:
+    for _ in range(50):
+        base = free_port()
+        ok = True
+        for p in range(base + 1, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster")
+    port, base = free_port(), _consecutive_free_ports(2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_vc.cluster", "--nodes", "2", "--port", str(port),
+         "--worker-base-port", str(base), "--log-dir", str(logs),
+         "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "8192", "--enable-metrics"],
+        stdout=open(logs / "cluster.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, (logs / "cluster.log").read_text()
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200 and \
+                    "behind the router" in (logs / "cluster.log").read_text():
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("cluster not serving:\n" + (logs / "cluster.log").read_text())
+    yield url, [f"http://127.0.0.1:{base + i}" for i in range(2)], proc, logs
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _ask(url: str, text: str) -> dict:
+    r = requests.post(url + "/generate", json={
+        "text": text, "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _requests_served(url: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^sglang:num_requests_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def test_router_spreads_routes_by_prefix_and_answers_as_one_server(cluster, tokenizer):
+    url, workers, _, _ = cluster
+    passages = real_text_passages(7, words=220)
+    groups = [passages[i] + "\n" for i in range(3)]  # three long shared prefixes
+    prompts = [g + f"Question {j}: what is this text about?" for g in groups for j in range(3)]
+    prompts += [p[:300] for p in passages[3:]]  # unrelated short prompts
+    before = sum(_requests_served(w) for w in workers)
+
+    routed = [_ask(url, p) for p in prompts]  # one at a time: the same batches as one server
+
+    served = [_requests_served(w) for w in workers]
+    assert all(n > 0 for n in served), f"a server answered nothing: {served}"
+    assert sum(served) - before == len(prompts)
+    for g, group in enumerate(groups):
+        prefix = len(tokenizer(group)["input_ids"])
+        for j in (1, 2):  # the later requests of a group reuse the first one's prefix on its server
+            cached = routed[3 * g + j]["meta_info"]["cached_tokens"]
+            assert cached >= prefix - 2, f"group {g} request {j}: {cached} of {prefix} prefix tokens cached"
+    single = [_ask(workers[0], p) for p in prompts]
+    assert [r["output_ids"] for r in routed] == [r["output_ids"] for r in single]
+
+
+def test_every_servers_counters_through_the_router(cluster):
+    url, workers, _, _ = cluster
+    found = counters(url)
+    assert sorted(found) == sorted(workers)
+    assert all("counters" in section and "kv_pool" in section["counters"] for section in found.values())
+
+
+def test_sigterm_stops_the_cluster(cluster):
+    url, _, proc, logs = cluster
+    family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(family) >= 8, "cluster, router, and launcher, scheduler, detokenizer per server expected"
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+    def alive():
+        return [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    while alive() and time.monotonic() - t < 10.0:
+        time.sleep(0.2)
+    assert not alive(), f"left behind: {alive()}\n" + (logs / "cluster.log").read_text()[-3000:]
+    assert time.monotonic() - t < 10.0 and proc.returncode == 0
