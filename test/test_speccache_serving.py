@@ -233,19 +233,28 @@ def test_chat_messages_carry_chunks(rag):
     assert _counters(rag)["prefills"] == before + 1
 
 
-def test_flushed_chunks_are_computed_again_by_the_fetch(rag):
-    """The tree loses the chunks (a cache flush): the next request's fetch computes them
-    again (counted as misses), the request reuses them, and its answer is the one it
-    gave before the flush (a chunk's KV, computed alone, does not depend on when)."""
+def test_flushed_chunks_are_recomputed_then_fetched_again(rag, tokenizer):
+    """The tree loses the chunks after they were fetched (a cache flush): the next
+    request's prefill does not find them and recomputes them (counted lost, nothing
+    reused; its answer equals a full prefill's); it reports them, so the request after
+    it fetches them again (computed alone: misses) and reuses them, answering as the
+    request before the flush did."""
     prefix, chunks, query = _pieces("flushed", k=2, words=60)
     chunks = [f"(flushed {i}) {c}" for i, c in enumerate(chunks)]  # no other test's chunk starts so
     text = _prompt(prefix, chunks, query)
     first = _generate(rag, {"text": text})
     assert first.json()["meta_info"]["sglang_vc_speccache"][0]["chunk_misses"] == 2
     hit = _generate(rag, {"text": text})
-    assert hit.json()["meta_info"]["sglang_vc_speccache"][0]["chunk_hits_device"] == 2
+    meta = hit.json()["meta_info"]["sglang_vc_speccache"][0]
+    assert meta["chunk_hits_device"] == 2 and meta["chunk_misses"] == 0 and meta["front_end"]["fetch_s"] < 0.05
     assert requests.post(rag.url + "/flush_cache").status_code == 200
+    lost = _generate(rag, {"text": text})
+    meta = lost.json()["meta_info"]["sglang_vc_speccache"][0]
+    assert meta["chunks_lost"] == 2 and meta["lost_chunks"] == [0, 1] and meta["tokens_reused"] == 0
     again = _generate(rag, {"text": text})
     meta = again.json()["meta_info"]["sglang_vc_speccache"][0]
     assert meta["chunk_misses"] == 2 and meta["chunks_lost"] == 0 and meta["tokens_reused"] > 0
     assert again.json()["output_ids"] == hit.json()["output_ids"] == first.json()["output_ids"]
+    # last: the plain prompt enters the tree, and would be an exact prefix hit for the above
+    prompt = layout.tokenize(tokenizer, prefix, chunks, query)
+    assert lost.json()["output_ids"] == _generate(rag, {"input_ids": prompt.ids}).json()["output_ids"]

@@ -39,7 +39,7 @@ def test_reused_rows_are_filled_rotated_and_dropped_from_the_batch():
     selected = torch.zeros(10, dtype=torch.bool)
     selected[3] = True  # chunk token at position 3 recomputed
     store = ChunkStore()
-    plan = ServerPlan("r", 10, (2,), (6,), selected, "test", 0.25, {}, {})
+    plan = ServerPlan("r", 10, (2,), (6,), selected, "test", 0.25, {}, [])
     plan.hits = [ChunkHit(2, 4, 4, lock="lock", indices=torch.arange(100, 104))]
     store.plans["r"] = plan
     unlocked = []
@@ -73,7 +73,7 @@ def test_a_chunk_lost_from_the_device_is_recomputed():
     k = [torch.randn(200, H, D) for _ in range(LAYERS)]
     v = [torch.randn(200, H, D) for _ in range(LAYERS)]
     store = ChunkStore()
-    plan = ServerPlan("r", 10, (2,), (6,), torch.zeros(10, dtype=torch.bool), "test", 0.0, {}, {"device": 1})
+    plan = ServerPlan("r", 10, (2,), (6,), torch.zeros(10, dtype=torch.bool), "test", 0.0, {}, ["known"])
     store.plans["r"] = plan
     locked = []
 
@@ -88,7 +88,7 @@ def test_a_chunk_lost_from_the_device_is_recomputed():
                                _rotary(), lambda lock: None)
     assert out.q_positions[0].tolist() == [0, 1, 4, 5, 6, 7, 8, 9]  # positions 2, 3 reused
     report = plan.report()
-    assert report["chunks_lost"] == 1 and report["lost_chunks"] == [0] and report["chunk_hits_device"] == 1
+    assert report["chunks_lost"] == 1 and report["lost_chunks"] == [0] and report["chunk_hits_device"] == 0
 
 
 def test_a_batch_without_speccache_requests_is_left_alone():
@@ -106,7 +106,7 @@ def test_cacheblend_picks_the_most_deviating_found_chunk_tokens_of_the_range():
     torch.manual_seed(0)
     n = 12
     store = ChunkStore()
-    plan = ServerPlan("r", n, (2, 6), (6, 10), torch.zeros(n, dtype=torch.bool), "cacheblend", 0.25, {}, {})
+    plan = ServerPlan("r", n, (2, 6), (6, 10), torch.zeros(n, dtype=torch.bool), "cacheblend", 0.25, {}, [])
     plan.hits = [ChunkHit(2, 4, 4), ChunkHit(6, 4, 2)]
     store.plans["r"] = plan
     assert plan.selects_in_prefill

@@ -109,6 +109,23 @@ async def _speccache_prompt(original, tokenizer_manager, obj):
     return await original(tokenizer_manager, obj)
 
 
+async def _speccache_responses(original, tokenizer_manager, obj, request=None):
+    """SGLang's responses have no seam for a plugin to read its own ``meta_info`` in the
+    front end. A SpecCache request whose prefill did not find one of its chunks on the
+    device says so there; the front end must hear it to fetch the chunk again (otherwise
+    every later request would trust it to be there and recompute it in full)."""
+    from sglang_vc.speccache.frontend import frontend_for
+    from sglang_vc.speccache.names import META_INFO_KEY
+
+    frontend = frontend_for(tokenizer_manager)
+    async for out in original(tokenizer_manager, obj, request):
+        if frontend is not None and isinstance(out, dict):
+            report = (out.get("meta_info") or {}).get(META_INFO_KEY)
+            if report and getattr(obj, "is_single", True):  # a batch's sub-requests are copies
+                frontend.forget(obj, report[0])
+        yield out
+
+
 def _abort_in_flight_on_sigterm(result, *args, **kwargs):
     """SGLang's SIGTERM drains: the server waits, polling every 5 s, until every request in
     flight has finished, however long that takes. sglang-vc stops within seconds instead:
@@ -220,6 +237,11 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
         _speccache_prompt,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        _speccache_responses,
         HookType.AROUND,
     )
     HookRegistry.register(

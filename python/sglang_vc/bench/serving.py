@@ -3,8 +3,10 @@ embedded model under a few concurrency levels, for plain ``python -m sglang.laun
 and for ``python -m sglang_vc.launch_server`` in the same run.
 
 Both launchers get the same model and flags and the same prompts; they run one after the
-other (a 2-core machine cannot host both fairly at once), alternating in each repeat, and
-the report gives the ratio of the wrapper to plain SGLang per concurrency level.
+other (a 2-core machine cannot host both fairly at once), alternating which goes first in
+each repeat. The report gives the ratio of the wrapper to plain SGLang per concurrency
+level: of the means over repeats, and per repeat (the spread: a repeat's two runs are
+neighbours in time, so machine drift affects both alike).
 """
 
 from __future__ import annotations
@@ -113,11 +115,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
-    parser.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     parser.add_argument("--requests", type=int, default=16, help="requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per launcher")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per launcher")
     parser.add_argument("--server-args", default="--dtype float32 --max-total-tokens 16384",
                         help="flags given to both launchers")
     args = parser.parse_args(argv)
@@ -160,14 +162,18 @@ def main(argv=None) -> None:
         ]
 
     results = {name: mean_rows(reps) for name, reps in runs.items()}
-    ratios = [
-        {
+    ratios = []
+    for i, (level, base, vc) in enumerate(zip(levels, results["sglang"], results["sglang-vc"])):
+        per_repeat = [b_vc[i]["output_token_throughput"] / b_sg[i]["output_token_throughput"]
+                      for b_sg, b_vc in zip(runs["sglang"], runs["sglang-vc"])]
+        ratios.append({
             "concurrency": level,
             "output_token_throughput_ratio": vc["output_token_throughput"] / base["output_token_throughput"],
+            "throughput_ratio_per_repeat": per_repeat,
+            "throughput_ratio_min": min(per_repeat),
+            "throughput_ratio_max": max(per_repeat),
             "ttft_ratio": vc["ttft_mean_s"] / base["ttft_mean_s"],
-        }
-        for level, base, vc in zip(levels, results["sglang"], results["sglang-vc"])
-    ]
+        })
     report = {
         "benchmark": "serving",
         "model": args.model,
@@ -183,7 +189,8 @@ def main(argv=None) -> None:
     out.write_text(json.dumps(report, indent=2))
     plot(report, out.with_suffix(".png"))
     for r in ratios:
-        print(f"[serving] c={r['concurrency']}: throughput ratio {r['output_token_throughput_ratio']:.3f}, "
+        print(f"[serving] c={r['concurrency']}: throughput ratio {r['output_token_throughput_ratio']:.3f} "
+              f"(per repeat {r['throughput_ratio_min']:.3f}-{r['throughput_ratio_max']:.3f}), "
               f"TTFT ratio {r['ttft_ratio']:.3f}", file=sys.stderr)
     print(f"[serving] wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
 

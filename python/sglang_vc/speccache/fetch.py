@@ -11,8 +11,11 @@ it computes (a chunk seen for the first time: this is how chunks are registered)
 SpecCache request then finds the chunk on the device.
 
 A prefill-only request computes at least the chunk's last token (SGLang's match leaves
-one token to compute), so a device hit costs a one-token forward; the fetches overlap
-the speculative model's scoring.
+one token to compute), so a fetch costs a forward even when the chunk is on the device
+(on a CPU, with a 1.5B model, most of a second: the weights are read once per forward).
+The front end therefore fetches only chunks it has not fetched before (its ``known``
+set); the prefill's lookup checks the others, and a chunk that is gone from the device
+is recomputed by that prefill, reported, and fetched again by the next request.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ChunkSource(str, enum.Enum):
     HOST = "host"
     STORAGE = "storage"
     COMPUTED = "computed"  # no tier had it whole: prefilled (a miss)
+    KNOWN = "known"  # not fetched: an earlier request did; the prefill's lookup finds it or not
 
 
 def source_of(meta_info: dict, num_tokens: int) -> ChunkSource:

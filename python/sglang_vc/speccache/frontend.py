@@ -4,10 +4,11 @@ For a prompt marked with the separator (text, or token ids whose text has it: th
 OpenAI chat API tokenizes its template), before SGLang tokenizes it:
 
 1. the prompt is split and tokenized piece by piece (:mod:`.layout`);
-2. its chunks are *fetched* onto the device (:mod:`.fetch`): one prefill-only request
-   per chunk (its ids alone, from position 0), which SGLang serves from the device tree,
-   loads back from HiCache's host pool or storage backend, or computes the first time
-   (so a chunk's KV is cached under its token ids like any prefix, in every tier);
+2. its chunks this front end has not fetched before are *fetched* onto the device
+   (:mod:`.fetch`): one prefill-only request per chunk (its ids alone, from position 0),
+   which SGLang serves from the device tree, loads back from HiCache's host pool or
+   storage backend, or computes the first time (so a chunk's KV is cached under its
+   token ids like any prefix, in every tier);
 3. at the same time, the selector picks the chunk tokens to recompute; ``speccache``
    runs the speculative model over the text in a worker thread (the event loop keeps
    serving, and the fetches run in the scheduler meanwhile);
@@ -17,9 +18,11 @@ OpenAI chat API tokenizes its template), before SGLang tokenizes it:
 
 Bad input is a ``ValueError`` here, which SGLang answers with HTTP 400: a malformed chunk
 layout, an unknown selector, a ratio outside [0, 1], a client-sent plan, or input
-log-probabilities (the reused tokens have no logits). A chunk evicted from the device
-between its fetch and the request's prefill is recomputed by that prefill (counted as
-``chunks_lost``): slower, never wrong.
+log-probabilities (the reused tokens have no logits). A chunk no longer (wholly) on the
+device when the request's prefill looks it up is recomputed by that prefill (counted as
+``chunks_lost``: slower, never wrong); the response reports it, and the front end
+forgets it (:meth:`Frontend.forget`) so that the next request fetches it again (from
+the host or storage tier where HiCache kept it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Optional, Sequence
 
 import torch
@@ -45,11 +48,14 @@ from .spec_model import SpecModel
 
 logger = logging.getLogger(__name__)
 
+MAX_KNOWN_CHUNKS = 4096  # chunks this front end fetched (LRU)
+
 
 class Frontend:
     def __init__(self, tokenizer_manager, settings: SpecCacheSettings):
         self.tm = tokenizer_manager
         self.settings = settings
+        self.known: OrderedDict[tuple, None] = OrderedDict()  # (namespace, chunk ids)
         self._spec: Optional[SpecModel] = None
         self._spec_error: Optional[BaseException] = None
         self._spec_lock = threading.Lock()  # one load; requests needing it wait for it
@@ -142,7 +148,7 @@ class Frontend:
             "starts": list(prompt.chunks.starts), "ends": list(prompt.chunks.ends),
             "recompute": recompute, "selector": selector, "ratio": ratio,
             "times": {k: round(v, 6) for k, v in times.items()},
-            "sources": dict(Counter(s.value for s in sources)),
+            "sources": [s.value for s in sources],
         }}
         obj.sampling_params = params
 
@@ -173,14 +179,33 @@ class Frontend:
 
     # ------------------------------------------------------------------ chunks
 
-    async def fetch(self, chunk_ids: Sequence[Sequence[int]], namespace: Namespace = Namespace()) -> list[ChunkSource]:
-        """Bring the chunks onto the device (:func:`.fetch.fetch_chunks`) and count where
-        each came from (``chunk_hits_device/host/storage``, ``chunk_misses``)."""
-        sources = await fetch_chunks(self.tm, chunk_ids, namespace)
-        found = Counter(sources)
-        stats.add(GROUP, chunk_hits_device=found[ChunkSource.DEVICE], chunk_hits_host=found[ChunkSource.HOST],
+    async def fetch(self, chunk_ids: Sequence[Sequence[int]], namespace: Namespace = Namespace(),
+                    force: bool = False) -> list[ChunkSource]:
+        """Bring the chunks this front end has not fetched before (all, ``force``) onto
+        the device (:func:`.fetch.fetch_chunks`); the source of each chunk, ``KNOWN``
+        for those not fetched. Counts where the fetched ones came from."""
+        keys = [(namespace, tuple(int(t) for t in ids)) for ids in chunk_ids]
+        todo = [k for k in dict.fromkeys(keys) if force or k not in self.known]
+        fetched = dict(zip(todo, await fetch_chunks(self.tm, [ids for _, ids in todo], namespace)))
+        for k in keys:
+            self.known[k] = None
+            self.known.move_to_end(k)
+        while len(self.known) > MAX_KNOWN_CHUNKS:
+            self.known.popitem(last=False)
+        found = Counter(fetched.values())
+        stats.add(GROUP, chunks_fetched=len(todo), chunk_hits_host=found[ChunkSource.HOST],
                   chunk_hits_storage=found[ChunkSource.STORAGE], chunk_misses=found[ChunkSource.COMPUTED])
-        return sources
+        return [fetched.get(k, ChunkSource.KNOWN) for k in keys]
+
+    def forget(self, obj, meta: dict) -> None:
+        """A finished SpecCache request's report: chunks its prefill did not find (wholly)
+        on the device are fetched again by the next request that brings them."""
+        plan = ((obj.sampling_params or {}).get("custom_params") or {}).get(PLAN_KEY)
+        if not plan or not meta.get("lost_chunks") or obj.input_ids is None:
+            return
+        namespace = Namespace.of(obj)
+        for i in meta["lost_chunks"]:
+            self.known.pop((namespace, tuple(obj.input_ids[plan["starts"][i]:plan["ends"][i]])), None)
 
     def chunk_ids_of(self, texts: Sequence[Any]) -> list[list[int]]:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):

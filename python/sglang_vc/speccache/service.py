@@ -1,6 +1,6 @@
 """SpecCache's HTTP API: ``POST /speccache/chunks`` registers chunks ahead of the
-requests that will bring them: ``{"chunks": ["text", ...]}`` -> each is fetched as a
-request bringing it would (:mod:`.fetch`): prefilled alone the first time, its KV then
+requests that will bring them: ``{"chunks": ["text", ...]}`` -> each is fetched
+(:mod:`.fetch`), whether or not it was before: prefilled alone the first time, its KV then
 cached in the radix tree (and, with HiCache, backed up to the host and storage tiers);
 found, or loaded back to the device, afterwards. Answers ``{"chunks": n, "tokens":
 [...], "sources": ["computed" | "device" | "host" | "storage", ...]}``; a malformed body
@@ -29,7 +29,7 @@ def install(vc_config: VCConfig) -> None:
             ids = frontend.chunk_ids_of(body.get("chunks") if isinstance(body, dict) else None)
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
-        sources = await frontend.fetch(ids)
+        sources = await frontend.fetch(ids, force=True)
         return {"chunks": len(ids), "tokens": [len(i) for i in ids], "sources": [s.value for s in sources]}
 
     http_server.app.add_api_route("/speccache/chunks", register, methods=["POST"])

@@ -66,6 +66,7 @@ class PrefillCounts:
     """What one SpecCache prefill did (its response's meta_info and the counters)."""
 
     chunks: int = 0
+    chunk_hits_device: int = 0  # fetched from the device, or known and found whole there
     chunks_lost: int = 0
     tokens_reused: int = 0
     tokens_recomputed: int = 0
@@ -83,7 +84,7 @@ class ServerPlan:
     selector: str
     ratio: float
     times: dict  # the front end's, by part
-    sources: dict  # the front end's fetch: chunks per ChunkSource
+    sources: list[str]  # per chunk, where the front end's fetch found it (ChunkSource values)
     req: Any = None  # SGLang's Req, whose meta_info gets the report
     hits: Optional[list[ChunkHit]] = None  # None until looked up
     filled_to: int = 0  # prompt rows prepared so far
@@ -92,8 +93,8 @@ class ServerPlan:
 
     def report(self) -> dict:
         return {"selector": self.selector, "ratio": self.ratio,
-                **{f"chunk_hits_{s}": self.sources.get(s, 0) for s in ("device", "host", "storage")},
-                "chunk_misses": self.sources.get("computed", 0), "lost_chunks": list(self.lost),
+                **{f"chunk_hits_{t}": self.sources.count(t) for t in ("host", "storage")},
+                "chunk_misses": self.sources.count("computed"), "lost_chunks": list(self.lost),
                 **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self.counts).items()},
                 "front_end": self.times}
 
@@ -123,7 +124,7 @@ def parse_plan(rid: str, custom_params: Any, num_tokens: int) -> Optional[Server
         raise ValueError(f"SpecCache plan of {rid} does not fit its {num_tokens} prompt tokens")
     selected[recompute] = True
     return ServerPlan(rid, num_tokens, starts, ends, selected, str(raw.get("selector")), float(raw.get("ratio", 0.0)),
-                      dict(raw.get("times") or {}), dict(raw.get("sources") or {}))
+                      dict(raw.get("times") or {}), [str(x) for x in raw.get("sources") or ()])
 
 
 @dataclass
@@ -179,6 +180,9 @@ class ChunkStore:
             plan.hits.append(hit)
         plan.lost = [i for i, h in enumerate(plan.hits) if h.matched < h.length]
         plan.counts.chunks, plan.counts.chunks_lost = len(plan.hits), len(plan.lost)
+        # a chunk not fetched ("known") is a device hit unless the lookup lost it
+        plan.counts.chunk_hits_device = sum(1 for i, src in enumerate(plan.sources)
+                                            if src == "device" or src == "known" and i not in plan.lost)
 
     def unlock(self, plan: ServerPlan, unlock: Callable) -> None:
         for hit in plan.hits or ():
