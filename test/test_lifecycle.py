@@ -87,6 +87,9 @@ def test_sigterm_with_a_request_in_flight(model_dir, tokenizer, tmp_path):
         epx.api(server, "POST", "/evicpress/evict_device")
         stored = epx.ask(server, tokenizer, ids)  # answered from the disk copy
         assert epx.counters(server)["hits_disk"] >= 1
+        # the hit promoted it off the disk: put it back, so that the disk holds it at the stop
+        epx.api(server, "POST", "/evicpress/contexts/doc/placement", {"tier": "disk"})
+        assert epx.placement(server, "doc")["tier"] == "disk"
         long = {"text": real_text_passages(3, words=100)[2],
                 "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
         took, answer = _stop_with_request_in_flight(server, signal.SIGTERM, long)

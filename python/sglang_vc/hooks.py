@@ -5,6 +5,7 @@ the spots where SGLang 0.5.23 has no seam for a device without CUDA.
 """
 
 import logging
+import signal
 
 import torch
 
@@ -126,6 +127,13 @@ async def _speccache_responses(original, tokenizer_manager, obj, request=None):
         yield out
 
 
+def _abort_all(tokenizer_manager) -> None:
+    if tokenizer_manager is not None and tokenizer_manager.event_loop is not None:
+        # on the tokenizer manager's loop: its ZMQ socket is not to be used from a signal frame
+        tokenizer_manager.event_loop.call_soon_threadsafe(lambda: tokenizer_manager.abort_request(abort_all=True))
+        logger.warning("stopping: requests in flight aborted")
+
+
 def _abort_in_flight_on_sigterm(result, *args, **kwargs):
     """SGLang's SIGTERM drains: the server waits, polling every 5 s, until every request in
     flight has finished, however long that takes. sglang-vc stops within seconds instead:
@@ -133,9 +141,18 @@ def _abort_in_flight_on_sigterm(result, *args, **kwargs):
     ``abort`` finish reason, nothing is cut mid-stream), and SGLang's own shutdown then
     finds nothing to wait for. SGLang's handler has no option for this (its force-exit
     path skips the aborts and drops the connections)."""
-    handler = args[0]
-    handler.tokenizer_manager.abort_request(abort_all=True)
-    logger.warning("SIGTERM: requests in flight aborted; shutting down")
+    _abort_all(args[0].tokenizer_manager)
+    return result
+
+
+def _abort_in_flight_on_ctrl_c(result, *args, **kwargs):
+    """Ctrl-C (SIGINT) reaches the HTTP server (uvicorn), not SGLang: uvicorn's first one
+    waits for open connections to close, so a request in flight kept the server up until
+    it finished. Aborting the requests in flight answers them and lets it stop."""
+    if args[1] == signal.SIGINT:
+        from sglang.srt.entrypoints import http_server
+
+        _abort_all(getattr(http_server.get_global_state(), "tokenizer_manager", None))
     return result
 
 
@@ -249,6 +266,7 @@ def install() -> None:
         _abort_in_flight_on_sigterm,
         HookType.AFTER,
     )
+    HookRegistry.register("uvicorn.server.Server.handle_exit", _abort_in_flight_on_ctrl_c, HookType.AFTER)
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.Req.update_finish_state",
         _finish_check_of_new_tokens,
