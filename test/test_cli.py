@@ -36,15 +36,26 @@ def test_launcher_rejects_bad_flags(args, message, capsys):
     assert message in err and "usage:" in err
 
 
-@pytest.mark.parametrize("argv, dtype", [([], "CPU_DEFAULT"), (["--dtype", "bfloat16"], "bfloat16"),
-                                         (["--dtype=float16"], "float16")], ids=["default", "explicit", "explicit-eq"])
+@pytest.mark.parametrize("argv, dtype", [([], "CPU_DEFAULT"), (["--dtype", "float16"], "float16"),
+                                         (["--dtype=float32"], "float32")], ids=["default", "explicit", "explicit-eq"])
 def test_cpu_dtype_default_and_explicit_dtype(argv, dtype):
     """On the CPU, no ``--dtype`` serves the measured default (not SGLang's ``auto``,
     which serves a float32 checkpoint in float16); an explicit ``--dtype`` always wins."""
-    from sglang_vc.launch_server import CPU_DEFAULT_DTYPE, parse_args
+    from sglang_vc.launch_server import cpu_default_dtype, parse_args
 
     _, server_args = parse_args(argv)
-    assert server_args.dtype == (CPU_DEFAULT_DTYPE if dtype == "CPU_DEFAULT" else dtype)
+    assert server_args.dtype == (cpu_default_dtype() if dtype == "CPU_DEFAULT" else dtype)
+
+
+@pytest.mark.parametrize("flags, dtype", [("fpu avx2 avx512f avx512_bf16 sse", "bfloat16"),
+                                          ("fpu avx2 amx_tile amx_bf16", "bfloat16"), ("fpu avx2 avx512f", "float32")])
+def test_cpu_default_dtype_follows_bf16_instructions(flags, dtype, tmp_path):
+    from sglang_vc.launch_server import cpu_default_dtype
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert cpu_default_dtype(str(info)) == dtype
+    assert cpu_default_dtype(str(tmp_path / "missing")) == "float32"
 
 
 def test_launcher_process_exits_2_with_a_message():

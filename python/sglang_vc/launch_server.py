@@ -5,7 +5,7 @@ Every SGLang flag keeps its meaning. On top of SGLang this launcher
   built-in alias as ``--model-path``;
 - parses and validates the ``--vc-*``/``--specache-*``/``--evicpress-*``/``--speccache-*``
   flags and carries them to SGLang's spawned processes on ``server_args``;
-- serves ``CPU_DEFAULT_DTYPE`` on the CPU when no ``--dtype`` is given;
+- serves :func:`cpu_default_dtype` on the CPU when no ``--dtype`` is given;
 - adds a ``sglang_vc`` section to ``GET /server_info`` and ``GET /get_server_info``.
 """
 
@@ -20,10 +20,22 @@ from sglang_vc.kvruntime.select import BackendChoice, flag_value
 
 PROG = "python -m sglang_vc.launch_server"
 
-# The dtype served on the CPU platform when no --dtype is given. SGLang's ``auto`` serves a
-# float32 checkpoint in float16, which the CPU runs slowest; ``python -m
-# sglang_vc.bench.dtype`` measured the choice (benchmark/README.md, "Serving dtype on the CPU").
-CPU_DEFAULT_DTYPE = "float32"
+
+
+def cpu_default_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The dtype served on the CPU platform when no ``--dtype`` is given (SGLang's ``auto``
+    serves a float32 checkpoint in float16). ``python -m sglang_vc.bench.dtype`` measured,
+    on a CPU with AVX512-BF16, bfloat16 at 1.44x float32's decode tokens/s (float16 1.08x,
+    slower than float32 at concurrency 8), with greedy output equal to HF float32 for 94 of
+    128 tokens (float32: 128; benchmark/README.md, "Serving dtype on the CPU"). So:
+    bfloat16 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX-BF16), float32
+    elsewhere (torch then emulates bfloat16; not measured here)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
 def build_vc_parser() -> argparse.ArgumentParser:
@@ -102,7 +114,7 @@ def parse_args(argv: list[str]):
         # which its resolution then treats as a string; name the device explicitly.
         sglang_argv += ["--device", "cpu"]
     if flag_value(sglang_argv, "--dtype")[0] < 0 and flag_value(sglang_argv, "--device")[1] == "cpu":
-        sglang_argv += ["--dtype", CPU_DEFAULT_DTYPE]  # an explicit --dtype always wins
+        sglang_argv += ["--dtype", cpu_default_dtype()]  # an explicit --dtype always wins
     server_args = prepare_server_args(sglang_argv)
     setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
     return vc_config, server_args
