@@ -1,4 +1,8 @@
-"""SGLang's hierarchical cache (host-memory tier) on the CPU platform."""
+"""SGLang's hierarchical cache (host-memory tier) on the CPU platform.
+
+Slow (a server of its own): the default suite covers SGLang's host hits on this platform
+through ``test_speccache_tiers`` (a prefix evicted to the host comes back, with the same
+answer; and the storage tier)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ def hicache_server(model_dir, tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow
 def test_evicted_prefix_comes_back_from_host(hicache_server, tokenizer):
     passages = real_text_passages(8, words=400)
     prompts = [tokenizer(p)["input_ids"][:500] for p in passages]
