@@ -591,6 +591,7 @@ def test_bad_evicpress_flag_is_a_usage_error(tmp_path, capsys):
     assert exc.value.code == 2 and "--evicpress-bits" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a launcher process; test_inconsistent_flags_rejected runs the same check in process
 def test_launcher_exits_2_on_inconsistent_evicpress_flags(model_dir, tmp_path):
     """End to end: the check SGLang's own flags need runs before any server starts."""
     argv = ["--radix-cache-backend", "evicpress", "--evicpress-disk-dir", str(tmp_path)]
