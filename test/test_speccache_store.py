@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from sglang_vc.speccache import rope
+from sglang_vc.speccache.fetch import ChunkSource
 from sglang_vc.speccache.store import ChunkHit, ChunkStore, ServerPlan
 
 H, D, LAYERS = 2, 4, 3
@@ -73,7 +74,7 @@ def test_a_chunk_lost_from_the_device_is_recomputed():
     k = [torch.randn(200, H, D) for _ in range(LAYERS)]
     v = [torch.randn(200, H, D) for _ in range(LAYERS)]
     store = ChunkStore()
-    plan = ServerPlan("r", 10, (2,), (6,), torch.zeros(10, dtype=torch.bool), "test", 0.0, {}, ["known"])
+    plan = ServerPlan("r", 10, (2,), (6,), torch.zeros(10, dtype=torch.bool), "test", 0.0, {}, [ChunkSource.KNOWN])
     store.plans["r"] = plan
     locked = []
 

@@ -42,6 +42,7 @@ from torch import Tensor
 from sglang_vc import stats
 
 from . import rope
+from .fetch import ChunkSource
 from .names import GROUP, META_INFO_KEY, PLAN_KEY
 from .selectors import Chunks, Need, SelectionInput, get_selector
 
@@ -84,7 +85,7 @@ class ServerPlan:
     selector: str
     ratio: float
     times: dict  # the front end's, by part
-    sources: list[str]  # per chunk, where the front end's fetch found it (ChunkSource values)
+    sources: list[ChunkSource]  # per chunk, where the front end's fetch found it
     req: Any = None  # SGLang's Req, whose meta_info gets the report
     hits: Optional[list[ChunkHit]] = None  # None until looked up
     filled_to: int = 0  # prompt rows prepared so far
@@ -93,8 +94,8 @@ class ServerPlan:
 
     def report(self) -> dict:
         return {"selector": self.selector, "ratio": self.ratio,
-                **{f"chunk_hits_{t}": self.sources.count(t) for t in ("host", "storage")},
-                "chunk_misses": self.sources.count("computed"), "lost_chunks": list(self.lost),
+                **{f"chunk_hits_{t.value}": self.sources.count(t) for t in (ChunkSource.HOST, ChunkSource.STORAGE)},
+                "chunk_misses": self.sources.count(ChunkSource.COMPUTED), "lost_chunks": list(self.lost),
                 **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self.counts).items()},
                 "front_end": self.times}
 
@@ -124,7 +125,7 @@ def parse_plan(rid: str, custom_params: Any, num_tokens: int) -> Optional[Server
         raise ValueError(f"SpecCache plan of {rid} does not fit its {num_tokens} prompt tokens")
     selected[recompute] = True
     return ServerPlan(rid, num_tokens, starts, ends, selected, str(raw.get("selector")), float(raw.get("ratio", 0.0)),
-                      dict(raw.get("times") or {}), [str(x) for x in raw.get("sources") or ()])
+                      dict(raw.get("times") or {}), [ChunkSource(x) for x in raw.get("sources") or ()])
 
 
 @dataclass
@@ -180,9 +181,10 @@ class ChunkStore:
             plan.hits.append(hit)
         plan.lost = [i for i, h in enumerate(plan.hits) if h.matched < h.length]
         plan.counts.chunks, plan.counts.chunks_lost = len(plan.hits), len(plan.lost)
-        # a chunk not fetched ("known") is a device hit unless the lookup lost it
-        plan.counts.chunk_hits_device = sum(1 for i, src in enumerate(plan.sources)
-                                            if src == "device" or src == "known" and i not in plan.lost)
+        # a chunk not fetched (KNOWN) is a device hit unless the lookup lost it
+        plan.counts.chunk_hits_device = sum(
+            1 for i, src in enumerate(plan.sources)
+            if src is ChunkSource.DEVICE or src is ChunkSource.KNOWN and i not in plan.lost)
 
     def unlock(self, plan: ServerPlan, unlock: Callable) -> None:
         for hit in plan.hits or ():
