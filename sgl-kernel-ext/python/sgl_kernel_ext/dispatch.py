@@ -1,0 +1,103 @@
+"""Which implementation a call runs: Triton on CUDA tensors, the torch reference elsewhere.
+
+``SGL_KERNEL_EXT_BACKEND=triton|torch`` forces one. Forced Triton on CPU tensors runs the
+kernels in Triton's interpreter (what ``TRITON_INTERPRET=1`` does): slow, but the same
+kernel code, which is how the kernels are tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import os
+from collections import Counter
+
+import torch
+
+ENV = "SGL_KERNEL_EXT_BACKEND"
+
+# Triton launches per kernel name (tests read it to prove the kernel path was taken).
+launches: Counter = Counter()
+
+
+class Backend(enum.Enum):
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def is_cuda_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a GPU Triton compiles for (a seam for tests that stand in a
+    CUDA platform on a CPU machine)."""
+    return t.is_cuda
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def backend_for(t: torch.Tensor) -> Backend:
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced:
+        try:
+            backend = Backend(forced)
+        except ValueError:
+            raise ValueError(f"{ENV} must be 'triton' or 'torch', got {forced!r}") from None
+        if backend is Backend.TRITON and not triton_available():
+            raise RuntimeError(f"{ENV}=triton but triton is not installed")
+        return backend
+    return Backend.TRITON if is_cuda_tensor(t) and triton_available() else Backend.TORCH
+
+
+def _interpreted(kernel):
+    return _interpreted_fn(getattr(kernel, "fn", kernel))
+
+
+@functools.cache
+def _interpreted_fn(fn):
+    # keyed by the Python function: hashing a JITFunction computes its cache key, which
+    # fails while the interpreter has patched triton.language
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn)
+
+
+def launch(name: str, kernel, grid, *args, **kwargs) -> None:
+    """Launch a ``@triton.jit`` kernel; on CPU tensors through Triton's interpreter."""
+    launches[name] += 1
+    device_tensor = next(a for a in args if isinstance(a, torch.Tensor))
+    if device_tensor.is_cuda:
+        kernel[grid](*args, **kwargs)
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    runner = kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel)
+    with _device_calls_interpreted():
+        runner[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _device_calls_interpreted():
+    """Triton decides at decoration time whether a ``@triton.jit`` function is compiled or
+    interpreted (``TRITON_INTERPRET``), and ``triton.language``'s own helpers (``tl.sum``,
+    ``tl.cumsum``, ...) were decorated when Triton was imported. When the process did not
+    start with ``TRITON_INTERPRET=1`` (a test run among others, a server), the kernel is
+    interpreted here and the helpers it calls are made interpretable for the launch."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+    JITFunction.__call__ = lambda self, *a, **kw: _interpreted(self)(*a, **kw)
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+def block(n: int, least: int = 16) -> int:
+    """The power-of-two block that covers ``n`` (``tl.arange`` needs powers of two)."""
+    return max(least, 1 << max(0, int(n) - 1).bit_length())

@@ -1,0 +1,96 @@
+"""Paged KV index lists built on the device: the live (non-null) slots of each request's
+``req_to_token`` row range, compacted, with their row positions.
+
+This is what FlashInfer's paged attention takes (``kv_indptr``/``kv_indices``, page size
+1); the row positions let :mod:`.paged_attention` keep the causal mask of a compressed
+row (dropped tokens point at the null slot and are not rows at all).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .dispatch import Backend, backend_for, block, launch
+
+
+class KVIndices(NamedTuple):
+    indptr: Tensor  # [B + 1] int64: request b's entries are [indptr[b], indptr[b+1])
+    indices: Tensor  # [N] int64 pool slots
+    positions: Tensor  # [N] int64 row positions
+
+
+def reference(req_to_token: Tensor, rows: Tensor, starts: Tensor, ends: Tensor, null_slot: int) -> KVIndices:
+    slots, positions, counts = [], [], []
+    for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist()):
+        s = req_to_token[row, start:end].to(torch.int64)
+        live = s != null_slot
+        slots.append(s[live])
+        positions.append(torch.arange(start, end, device=s.device)[live])
+        counts.append(int(live.sum()))
+    device = req_to_token.device
+    indptr = torch.zeros(len(counts) + 1, dtype=torch.int64, device=device)
+    indptr[1:] = torch.tensor(counts, dtype=torch.int64, device=device).cumsum(0)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return KVIndices(indptr, torch.cat(slots) if slots else empty, torch.cat(positions) if positions else empty)
+
+
+@triton.jit
+def _count_kernel(req_to_token, stride_row, rows, starts, ends, counts, null_slot, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(rows + b).to(tl.int64)
+    start = tl.load(starts + b)
+    end = tl.load(ends + b)
+    total = 0
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        mask = offs < end
+        slot = tl.load(req_to_token + row * stride_row + offs, mask=mask, other=null_slot)
+        total += tl.sum((slot != null_slot).to(tl.int64), axis=0)
+    tl.store(counts + b, total)
+
+
+@triton.jit
+def _write_kernel(req_to_token, stride_row, rows, starts, ends, indptr, out_slots, out_pos, null_slot,
+                  BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(rows + b).to(tl.int64)
+    start = tl.load(starts + b)
+    end = tl.load(ends + b)
+    base = tl.load(indptr + b)
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        mask = offs < end
+        slot = tl.load(req_to_token + row * stride_row + offs, mask=mask, other=null_slot)
+        live = (slot != null_slot).to(tl.int64)
+        dst = base + tl.cumsum(live, axis=0) - live  # exclusive prefix sum within the block
+        keep = mask & (live > 0)
+        tl.store(out_slots + dst, slot.to(tl.int64), mask=keep)
+        tl.store(out_pos + dst, offs.to(tl.int64), mask=keep)
+        base += tl.sum(live, axis=0)
+
+
+def build_kv_indices(req_to_token: Tensor, rows: Tensor, starts: Tensor, ends: Tensor, null_slot: int = 0) -> KVIndices:
+    """Live slots of ``req_to_token[rows[b], starts[b]:ends[b]]`` for each request ``b``."""
+    if backend_for(req_to_token) is Backend.TORCH:
+        return reference(req_to_token, rows, starts, ends, null_slot)
+    device = req_to_token.device
+    bsz = rows.numel()
+    rows, starts, ends = (t.to(device=device, dtype=torch.int64).contiguous() for t in (rows, starts, ends))
+    counts = torch.empty(bsz, dtype=torch.int64, device=device)
+    blk = block(int((ends - starts).max()) if bsz else 1, least=16)
+    blk = min(blk, 1024)
+    launch("build_kv_indices", _count_kernel, (bsz,), req_to_token, req_to_token.stride(0), rows, starts, ends,
+           counts, null_slot, BLOCK=blk)
+    indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=device)
+    indptr[1:] = counts.cumsum(0)
+    total = int(indptr[-1])  # one sync: the output's size
+    slots = torch.empty(total, dtype=torch.int64, device=device)
+    positions = torch.empty(total, dtype=torch.int64, device=device)
+    launch("build_kv_indices", _write_kernel, (bsz,), req_to_token, req_to_token.stride(0), rows, starts, ends,
+           indptr, slots, positions, null_slot, BLOCK=blk)
+    return KVIndices(indptr, slots, positions)

@@ -1,0 +1,259 @@
+"""sgl-kernel-ext: every Triton kernel against its torch reference, run through Triton's
+interpreter on this CPU (``SGL_KERNEL_EXT_BACKEND=triton``), on random tensors and on
+real KV of the embedded model; and each reference against the project's own torch path
+(``kvruntime.kernels.attend``, KIVI's dequantization, SpeCache's ``core``, VeriCache's
+reload assembly), so that the kernels compute what the mechanisms compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sgl_kernel_ext as ext
+from sgl_kernel_ext.copy_rows import copy_rows_reference
+from sgl_kernel_ext.kivi_attention import dequantize as kivi_dequantize
+from sgl_kernel_ext.kivi_attention import reference as kivi_reference
+from sgl_kernel_ext.kv_indices import reference as kv_indices_reference
+from sgl_kernel_ext.paged_attention import reference as paged_reference
+from sgl_kernel_ext.position_mask import reference as mask_reference
+from sgl_kernel_ext.specache_topk import reference as scores_reference
+
+from sglang_vc.compress.kivi import KIVI
+from sglang_vc.compress.kivi1 import KIVI1
+from sglang_vc.kvruntime import kernels
+from sglang_vc.specache import core
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv(ext.dispatch.ENV, "triton")
+    ext.launches.clear()
+    return ext.launches
+
+
+@pytest.fixture(scope="module")
+def real_kv(model_dir):
+    """K/V of layer 4 of the embedded model over a real text: ``[N, Hkv, D]`` each."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    text = open(kernels.__file__).read()[:1500]
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :160]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    k, v = cache.layers[4].keys[0], cache.layers[4].values[0]  # [Hkv, N, D]
+    return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), model.config
+
+
+def _payload(qkv, d: int, dv: int) -> ext.Payload:
+    return ext.Payload(qkv.bits, qkv.group_size, qkv.value_group_size, qkv.k_payload, qkv.k_scales, qkv.k_zeros,
+                       qkv.v_payload, qkv.v_scales, qkv.v_zeros, d, dv)
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv(ext.dispatch.ENV, raising=False)
+    assert ext.backend_for(torch.zeros(1)) is ext.Backend.TORCH
+    monkeypatch.setattr(ext.dispatch, "is_cuda_tensor", lambda t: True)  # a stand-in CUDA platform
+    assert ext.backend_for(torch.zeros(1)) is ext.Backend.TRITON
+    monkeypatch.setenv(ext.dispatch.ENV, "torch")
+    assert ext.backend_for(torch.zeros(1)) is ext.Backend.TORCH
+    monkeypatch.setenv(ext.dispatch.ENV, "cuda")
+    with pytest.raises(ValueError, match="must be 'triton' or 'torch'"):
+        ext.backend_for(torch.zeros(1))
+
+
+def test_kv_indices_skip_null_slots(triton_backend):
+    g = torch.Generator().manual_seed(0)
+    req_to_token = torch.randint(1, 500, (4, 300), generator=g, dtype=torch.int32)
+    req_to_token[req_to_token % 3 == 0] = 0  # dropped tokens point at the null slot
+    rows, starts, ends = torch.tensor([2, 0, 3]), torch.tensor([0, 17, 5]), torch.tensor([300, 200, 6])
+    got = ext.build_kv_indices(req_to_token, rows, starts, ends, null_slot=0)
+    want = kv_indices_reference(req_to_token, rows, starts, ends, 0)
+    assert triton_backend["build_kv_indices"] == 2
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert int(want.indptr[-1]) == sum(int((req_to_token[r, s:e] != 0).sum()) for r, s, e in [(2, 0, 300), (0, 17, 200), (3, 5, 6)])
+
+
+def _paged_case(k_buf, v_buf, gen, hq):
+    """Three requests over a shared pool: a decode, an extend of 5 queries, and a
+    selective prefill (queries at scattered positions) with a 4-row prefix (position -1)."""
+    n_slots = k_buf.shape[0]
+    perm = torch.randperm(n_slots - 1, generator=gen) + 1
+    lens = [40, 30, 25]
+    slots, pos, indptr = [], [], [0]
+    off = 0
+    for i, n in enumerate(lens):
+        s = perm[off : off + n]
+        off += n
+        p = torch.arange(n)
+        if i == 0:
+            p = torch.cat([p[:10], p[20:]])  # a compressed node: positions 10..19 dropped
+            s = s[: p.numel()]
+        if i == 2:
+            p = torch.cat([torch.full((4,), -1), p[:-4]])
+        slots.append(s)
+        pos.append(p)
+        indptr.append(indptr[-1] + s.numel())
+    q_req = torch.tensor([0] + [1] * 5 + [2] * 3)
+    q_pos = torch.tensor([39] + list(range(25, 30)) + [3, 11, 20])
+    q = torch.randn(q_req.numel(), hq, k_buf.shape[2], generator=gen)
+    return q, q_req, q_pos, torch.tensor(indptr), torch.cat(slots), torch.cat(pos)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 48)])
+def test_paged_attention_matches_reference_and_sdpa(triton_backend, hq, hkv, d):
+    g = torch.Generator().manual_seed(1)
+    k_buf, v_buf = torch.randn(128, hkv, d, generator=g), torch.randn(128, hkv, d, generator=g)
+    q, q_req, q_pos, indptr, idx, pos = _paged_case(k_buf, v_buf, g, hq)
+    out, lse = ext.paged_attention(q, k_buf, v_buf, q_req, q_pos, indptr, idx, pos, 0.125)
+    ref_out, ref_lse = paged_reference(q, k_buf, v_buf, q_req, q_pos, indptr, idx, pos, 0.125)
+    assert triton_backend["paged_attention"] == 1
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # the reference is the runtime's own attention (kvruntime.kernels.attend, SDPA)
+    for b in range(3):
+        sel = (q_req == b).nonzero().flatten()
+        rows = slice(int(indptr[b]), int(indptr[b + 1]))
+        n_prefix = int((pos[rows] < 0).sum())
+        k_r, v_r = kernels.gather_kv(k_buf, v_buf, idx[rows])
+        want = kernels.attend(q[sel], k_r, v_r, num_prefix=n_prefix, key_positions=pos[rows][n_prefix:],
+                              q_start=int(q_pos[sel[0]]), scale=0.125, enable_gqa=hq != hkv,
+                              q_positions=q_pos[sel] if b == 2 else None)
+        torch.testing.assert_close(ref_out[sel], want, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_real_kv(triton_backend, real_kv):
+    k, v, config = real_kv
+    hq = config.num_attention_heads
+    n = k.shape[0]
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, hq, k.shape[2], generator=g) * k.abs().mean()
+    indptr = torch.tensor([0, n])
+    idx, pos = torch.arange(n), torch.arange(n)
+    args = (q, k, v, torch.tensor([0, 0]), torch.tensor([n - 1, n // 2]), indptr, idx, pos, k.shape[2] ** -0.5)
+    out, lse = ext.paged_attention(*args)
+    ref_out, ref_lse = paged_reference(*args)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantizer", [KIVI(group_size=32, residual_length=16), KIVI1(group_size=32, residual_length=16)],
+                         ids=["kivi2", "kivi1"])
+def test_kivi_attention_real_kv(triton_backend, real_kv, quantizer):
+    k, v, config = real_kv
+    qkv = quantizer.compress(0, k, v, quantizer.supported_bits[0])
+    assert qkv.num_quantized == 128 and qkv.bits in (1, 2)
+    p = _payload(qkv, k.shape[2], v.shape[2])
+    hq = config.num_attention_heads
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, hq, k.shape[2], generator=g) * k.abs().mean()
+    scale = k.shape[2] ** -0.5
+    out, lse = ext.kivi_attention(q, p, scale)
+    ref_out, ref_lse = kivi_reference(q, p, scale)
+    assert triton_backend["kivi_attention"] == 1
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # the reference dequantizes as KIVI does
+    kq, vq = KIVI.dequantize(qkv)
+    assert torch.equal(kivi_dequantize(p)[0], kq) and torch.equal(kivi_dequantize(p)[1], vq)
+
+    # payload (fused) + residual (paged) merged == attention over [dequantized ++ residual]
+    n_r = qkv.residual_length
+    tail_out, tail_lse = ext.paged_attention(q, qkv.k_residual, qkv.v_residual, torch.zeros(3, dtype=torch.int64),
+                                             torch.full((3,), 10**6), torch.tensor([0, n_r]), torch.arange(n_r),
+                                             torch.arange(n_r), scale)
+    merged, _ = ext.merge_state(out, lse, tail_out, tail_lse)
+    want = kernels.attend(q, torch.cat([kq, qkv.k_residual]), torch.cat([vq, qkv.v_residual]), num_prefix=0,
+                          key_positions=torch.arange(k.shape[0]), q_start=k.shape[0], scale=scale,
+                          enable_gqa=True)
+    torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kivi_attention_exclude_and_specache_topk(triton_backend, real_kv):
+    """SpeCache eq. 1 and its top-k: the payload with some rows excluded (attended in full
+    precision instead), merged, equals ``specache.core.attend`` with those rows
+    substituted; the scores' top-k equals ``core.select_topk``."""
+    k, v, config = real_kv
+    quantizer = KIVI1(group_size=32, residual_length=16)
+    qkv = quantizer.compress(0, k, v, 1)
+    p = _payload(qkv, k.shape[2], v.shape[2])
+    kq, vq = KIVI.dequantize(qkv)
+    hq, hkv = config.num_attention_heads, k.shape[1]
+    scale = k.shape[2] ** -0.5
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, hq, k.shape[2], generator=g) * k.abs().mean()
+    positions = torch.stack([torch.randperm(qkv.num_quantized, generator=g)[:8].sort().values for _ in range(hkv)])
+    rows = core.gather_rows(k[: qkv.num_quantized], v[: qkv.num_quantized], positions)
+    exclude = torch.zeros(hkv, qkv.num_quantized, dtype=torch.bool).scatter_(1, positions, True)
+
+    pay_out, pay_lse = ext.kivi_attention(q, p, scale, exclude=exclude)
+    ref_out, ref_lse = kivi_reference(q, p, scale, exclude)
+    torch.testing.assert_close(pay_out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pay_lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # the substituted rows: per KV head its own rows, all visible
+    sub_out, sub_lse = zip(*[
+        ext.paged_attention(q[:, h * (hq // hkv) : (h + 1) * (hq // hkv)], rows.k[:, h : h + 1], rows.v[:, h : h + 1],
+                            torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                            torch.tensor([0, 8]), torch.arange(8), torch.full((8,), -1), scale)
+        for h in range(hkv)])
+    n_r = qkv.residual_length
+    tail_out, tail_lse = ext.paged_attention(q, qkv.k_residual, qkv.v_residual, torch.zeros(1, dtype=torch.int64),
+                                             torch.tensor([k.shape[0]]), torch.tensor([0, n_r]), torch.arange(n_r),
+                                             torch.arange(n_r), scale)
+    o, lse = ext.merge_state(pay_out, pay_lse, torch.cat(sub_out, dim=1), torch.cat(sub_lse, dim=1))
+    o, lse = ext.merge_state(o, lse, tail_out, tail_lse)
+    want = core.attend(q, kq, vq, qkv.k_residual, qkv.v_residual, q_start=k.shape[0], scale=scale, rows=rows)
+    torch.testing.assert_close(o, want.out, atol=1e-5, rtol=1e-5)
+
+    scores = ext.payload_scores(q[0], lse[0], p, scale, exclude=exclude)
+    torch.testing.assert_close(scores, scores_reference(q[0], lse[0], p, scale, exclude), atol=1e-6, rtol=1e-5)
+    assert triton_backend["specache_scores"] == 1
+    # the substituted rows' own probabilities are the caller's to add
+    sub_probs = torch.stack([torch.exp(torch.einsum("gd,nd->gn", q[0, h * (hq // hkv) : (h + 1) * (hq // hkv)],
+                                                    rows.k[:, h]) * scale
+                                       - lse[0, h * (hq // hkv) : (h + 1) * (hq // hkv), None]).sum(0)
+                             for h in range(hkv)])
+    scores.scatter_add_(1, positions, sub_probs)
+    want_scores = core.head_scores(want.probs[0], hkv)
+    torch.testing.assert_close(scores, want_scores, atol=1e-6, rtol=1e-4)
+    assert torch.equal(ext.select_topk(scores, 16), core.select_topk(want.probs[0], hkv, 16))
+
+
+def test_copy_rows_and_reload_scatter(triton_backend):
+    from sglang_vc.vericache.reload import Span
+
+    g = torch.Generator().manual_seed(5)
+    src, dst = torch.randn(50, 3, 16, generator=g), torch.randn(60, 3, 16, generator=g)
+    src_idx, dst_idx = torch.randperm(50, generator=g)[:20], torch.randperm(60, generator=g)[:20]
+    got = ext.copy_rows(dst.clone(), dst_idx, src, src_idx)
+    assert torch.equal(got, copy_rows_reference(dst.clone(), dst_idx, src, src_idx))
+    assert triton_backend["copy_rows"] == 1
+
+    # VeriCache's reload: kept rows (in the pool) and dropped rows (from the host), each
+    # head its own positions, assembled into the verify's full rows
+    n, h, d = 24, 3, 16
+    full = torch.randn(n, h, d, generator=g)
+    kept = torch.stack([torch.randperm(n, generator=g)[:10].sort().values for _ in range(h)])
+    dropped = torch.stack([torch.tensor(sorted(set(range(n)) - set(kept[i].tolist()))) for i in range(h)])
+    kept_rows = full.gather(0, kept.t().unsqueeze(-1).expand(-1, -1, d))
+    dropped_rows = full.gather(0, dropped.t().unsqueeze(-1).expand(-1, -1, d))
+    out = torch.empty(n, h, d)
+    ext.scatter_head_rows(out, kept, kept_rows)
+    ext.scatter_head_rows(out, dropped, dropped_rows)
+    assert triton_backend["scatter_head_rows"] == 2
+    assert torch.equal(out, full)
+    pool = torch.zeros(40, h, d)
+    pool[torch.arange(5, 15)] = kept_rows
+    span = Span(0, n, dropped_rows, dropped_rows, kept, dropped)
+    assert torch.equal(span.full(pool, pool, torch.arange(5, 40))[0], full)
+
+
+def test_position_mask(triton_backend):
+    q_pos, k_pos = torch.tensor([3, 11, 20, 7]), torch.tensor([0, 2, 3, 9, 11, 15, 20, 21])
+    got = ext.position_mask(q_pos, k_pos, num_prefix=3)
+    assert triton_backend["position_mask"] == 1
+    assert torch.equal(got, mask_reference(q_pos, k_pos, 3))
+    assert got[:, :3].all() and got[1].tolist()[3:] == [True, True, True, True, True, False, False, False]
