@@ -29,13 +29,13 @@ venv: $(STAMP)
 
 # CPU install: torch's CPU build, sglang without its (CUDA) dependency list, the pinned
 # set the CPU path needs, then this project editable. GPU: see README.
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/cpu-nodeps.txt
+$(STAMP): pyproject.toml sgl-kernel-ext/pyproject.toml requirements/cpu.txt requirements/cpu-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps sglang==0.5.23
 	$(PY) -m pip install -q -r requirements/cpu.txt
 	$(PY) -m pip install -q --no-deps -r requirements/cpu-nodeps.txt
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps -e sgl-kernel-ext -e .
 	$(PY) -m sglang_vc.install_startup
 	touch $(STAMP)
 

@@ -92,35 +92,48 @@ def _check_request(result, *args, **kwargs):
     return result
 
 
-async def _speccache_prompt(original, tokenizer_manager, obj):
+def _speccache_prompt(original, tokenizer_manager, obj):
     """SGLang tokenizes a prompt in one piece and has no seam for a plugin to rewrite a
     request before it does. SpecCache must see the text first: its chunks are tokenized
     piece by piece (so that a chunk's token ids, its KV's key in the tree, are the same in
     every prompt), fetched onto the device, and the recomputed tokens selected; the request then goes
-    on as token ids with its plan (:mod:`sglang_vc.speccache.frontend`). Servers without
-    ``--speccache-*`` flags and requests without chunks pass through unchanged."""
+    on as token ids with its plan (:mod:`sglang_vc.speccache.frontend`). On a server
+    without ``--speccache-*`` flags the original coroutine is returned as it is (no
+    extra await on the request path)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     from sglang_vc.speccache.frontend import frontend_for
 
-    if isinstance(obj, GenerateReqInput):
-        frontend = frontend_for(tokenizer_manager)
-        if frontend is not None:
-            await frontend.prepare(obj)
+    frontend = frontend_for(tokenizer_manager)
+    if frontend is None or not isinstance(obj, GenerateReqInput):
+        return original(tokenizer_manager, obj)
+    return _prepared_then(original, frontend, tokenizer_manager, obj)
+
+
+async def _prepared_then(original, frontend, tokenizer_manager, obj):
+    await frontend.prepare(obj)  # requests without chunks pass through unchanged
     return await original(tokenizer_manager, obj)
 
 
-async def _speccache_responses(original, tokenizer_manager, obj, request=None):
+def _speccache_responses(original, tokenizer_manager, obj, request=None):
     """SGLang's responses have no seam for a plugin to read its own ``meta_info`` in the
     front end. A SpecCache request whose prefill did not find one of its chunks on the
     device says so there; the front end must hear it to fetch the chunk again (otherwise
-    every later request would trust it to be there and recompute it in full)."""
+    every later request would trust it to be there and recompute it in full). On a server
+    without SpecCache the original response stream is returned as it is: no generator
+    layer per streamed chunk."""
     from sglang_vc.speccache.frontend import frontend_for
+
+    responses = original(tokenizer_manager, obj, request)
+    frontend = frontend_for(tokenizer_manager)
+    return responses if frontend is None else _forget_lost_chunks(frontend, obj, responses)
+
+
+async def _forget_lost_chunks(frontend, obj, responses):
     from sglang_vc.speccache.names import META_INFO_KEY
 
-    frontend = frontend_for(tokenizer_manager)
-    async for out in original(tokenizer_manager, obj, request):
-        if frontend is not None and isinstance(out, dict):
+    async for out in responses:
+        if isinstance(out, dict):
             report = (out.get("meta_info") or {}).get(META_INFO_KEY)
             if report and getattr(obj, "is_single", True):  # a batch's sub-requests are copies
                 frontend.forget(obj, report[0])

@@ -124,7 +124,7 @@ class SpeCacheSim:
         return res.out.unsqueeze(0)
 
     def _count(self, rows: core.Rows, out_probs: Tensor) -> None:
-        self.counters.add(rows, out_probs, self.num_kv_heads, self.config.topk)
+        self.counters.add(rows, core.head_scores(out_probs, self.num_kv_heads), self.config.topk)
 
 
 def crop(cache, length: int) -> None:

@@ -3,12 +3,15 @@ request's KV right after its prefill and attends over compressed KV afterwards.
 
 Batches without compressed requests run exactly SGLang's ``TorchNativeAttnBackend`` code;
 batches with some run a per-request loop over :func:`.kernels.attend` (same SDPA call).
+On CUDA a compressed request's decode reads the pool through its index list and its
+quantized payload inside ``sgl_kernel_ext``'s Triton attention (:func:`.kernels.attend_pool`).
 Compression happens inside the prefill forward, layer by layer, after the layer's
 attention: the prefill itself (and so the first output token) always sees the full KV.
 """
 
 from __future__ import annotations
 
+import sgl_kernel_ext as ext
 import torch
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -125,6 +128,16 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         return None
 
     def _attend_compressed(self, q, entry, layer, seq_len: int):
-        """A subclass's own decode attention of one compressed request (``q [1, Hq, D]``
-        at position ``seq_len - 1``), or None for the runtime's (its compressed rows)."""
-        return None
+        """The decode attention of one compressed request (``q [1, Hq, D]`` at position
+        ``seq_len - 1``) on the Triton path, or None for the runtime's torch path (gather
+        its compressed rows, dequantize its payload, then attend). Subclasses may attend
+        their own way."""
+        if ext.backend_for(q) is not ext.Backend.TRITON:
+            return None
+        lid = layer.layer_id
+        slots, positions = kernels.live_rows(self.req_to_token_pool.req_to_token[entry.req_pool_idx],
+                                             entry.row_start, seq_len)
+        return kernels.attend_pool(q, self.token_to_kv_pool.get_key_buffer(lid),
+                                   self.token_to_kv_pool.get_value_buffer(lid), slots, positions,
+                                   q_start=seq_len - 1, scale=layer.scaling,
+                                   payload=self.runtime.packed_payload(entry, lid))

@@ -4,14 +4,19 @@ them, attend over them, and compact rows after an online eviction.
 The layout contract (see :mod:`.index`): a request's keys are an optional *prefix* of rows
 every query sees (dequantized payload rows) followed by pool rows at known row positions,
 causal by position; row positions whose slot is ``NULL_SLOT`` (dropped tokens) are not
-rows at all. A GPU version (FlashInfer/Triton paged attention over ``kv_indices`` built
-without the null slots) implements the same functions.
+rows at all.
+
+On CUDA (``sgl_kernel_ext.backend_for``) the index lists are built on the device and the
+attention runs ``sgl_kernel_ext``'s Triton kernels (:func:`attend_pool` reads the pool
+through the index list with no gather, a quantized payload is dequantized inside the
+attention); on the CPU the torch code below runs.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import sgl_kernel_ext as ext
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
@@ -21,6 +26,10 @@ from .names import NULL_SLOT
 
 def live_rows(row: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
     """Slots and row positions of the live (non-null) entries of ``row[start:end]``."""
+    if ext.backend_for(row) is ext.Backend.TRITON:
+        one = torch.zeros(1, dtype=torch.int64, device=row.device)
+        built = ext.build_kv_indices(row.unsqueeze(0), one, one + start, one + end, NULL_SLOT)
+        return built.indices, built.positions
     slots = row[start:end].to(torch.int64)
     live = slots != NULL_SLOT
     positions = torch.arange(start, end, device=slots.device)
@@ -64,6 +73,8 @@ def attend(
     ``[T, Hq, Dv]``. With one query that sees every row (decode) no mask is built, so the
     call is the same as SGLang's torch-native decode on the same rows."""
     t = q.shape[0]
+    if ext.backend_for(q) is ext.Backend.TRITON:
+        return _attend_triton(q, k, v, num_prefix, key_positions, q_start, scale, q_positions)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     mask = None
@@ -86,6 +97,35 @@ def attend(
         is_causal=False,
     )
     return out.squeeze(0).movedim(0, 1)
+
+
+def _attend_triton(q, k, v, num_prefix, key_positions, q_start, scale, q_positions) -> Tensor:
+    """:func:`attend` by the paged attention kernel over the rows as given (index list
+    ``0..N-1``); the causal mask by position is applied inside the kernel."""
+    n, t, dev = k.shape[0], q.shape[0], q.device
+    kv_pos = torch.cat([torch.full((num_prefix,), -1, dtype=torch.int64, device=dev), key_positions.to(dev, torch.int64)])
+    q_pos = (q_positions.to(dev, torch.int64) if q_positions is not None
+             else torch.arange(q_start, q_start + t, device=dev))
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    out, _ = ext.paged_attention(q, k, v, torch.zeros(t, dtype=torch.int64, device=dev), q_pos,
+                                 torch.tensor([0, n], device=dev), torch.arange(n, device=dev), kv_pos, scale)
+    return out.to(q.dtype)
+
+
+def attend_pool(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, positions: Tensor, *, q_start: int,
+                scale: float, payload=None) -> Tensor:
+    """Decode/extend attention of one request on the Triton path, reading the pool through
+    its index list (``slots`` at row ``positions``, causal) without gathering it, and a
+    quantized ``payload`` (``sgl_kernel_ext.Payload``, visible to every query) dequantized
+    inside the attention; the two partial states are merged."""
+    t, dev = q.shape[0], q.device
+    q_pos = torch.arange(q_start, q_start + t, device=dev)
+    out, lse = ext.paged_attention(q, k_buf, v_buf, torch.zeros(t, dtype=torch.int64, device=dev), q_pos,
+                                   torch.tensor([0, slots.numel()], device=dev), slots, positions, scale)
+    if payload is not None and payload.num_tokens:
+        p_out, p_lse = ext.kivi_attention(q, payload, scale)
+        out, lse = ext.merge_state(p_out, p_lse, out, lse)
+    return out.to(q.dtype)
 
 
 def keep_rows(rows: Tensor, keep_idx: Tensor) -> Tensor:

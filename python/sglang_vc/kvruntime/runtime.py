@@ -437,6 +437,17 @@ class KVRuntime:
             return k0[:0], v0[:0]
         return KIVI.dequantize(entry.payload.layers[layer_id])
 
+    def packed_payload(self, entry: CompressedKVIndex, layer_id: int):
+        """The payload of ``layer_id`` as ``sgl_kernel_ext.Payload`` (packed codes, for the
+        attention kernel that dequantizes as it reads), or None without a payload."""
+        if entry.payload is None:
+            return None
+        from sgl_kernel_ext import Payload
+
+        qkv = entry.payload.layers[layer_id]
+        return Payload(qkv.bits, qkv.group_size, qkv.value_group_size, qkv.k_payload, qkv.k_scales, qkv.k_zeros,
+                       qkv.v_payload, qkv.v_scales, qkv.v_zeros, qkv.k_residual.shape[2], qkv.v_residual.shape[2])
+
     # ------------------------------------------------------------------ online
 
     def online_update(self, layer_id: int, onl: _Online, q: torch.Tensor, k: torch.Tensor,

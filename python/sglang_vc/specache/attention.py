@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import sgl_kernel_ext as ext
 import torch
 
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -24,7 +25,7 @@ from sglang_vc.config import get_vc_config
 from sglang_vc.kvruntime import kernels, make_spec
 from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
-from . import core, flags
+from . import core, flags, fused
 from .config import SUPPORTED_BITS
 from .step import Phase, StepPlan
 
@@ -76,24 +77,35 @@ class SpeCacheAttnBackend(VCTorchAttnBackend):
                     q_start=committed[i], scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
                 continue
             n_q = entry.num_payload_rows
-            kq, vq = self.runtime.payload_kv(entry, lid)
             tail = slots[n_q:]
-            k_tail, v_tail = k_buf[tail], v_buf[tail]
             heads = layer.tp_k_head_num
+            attend = self._attention_of(entry, lid, k_buf, v_buf, tail, committed[i], layer.scaling)
             if not cfg.speculative and req.topk > 0:
-                res, rows = core.attend_fetching(
-                    q_i, kq, vq, k_tail, v_tail, q_start=committed[i], scale=layer.scaling, topk=req.topk,
-                    fetch=lambda pos: step.host.gather(req.rid, lid, pos, k_buf.device))
+                first = attend(q_i, None)  # the output token's own top-k, fetched, then again
+                rows = step.host.gather(req.rid, lid, ext.select_topk(first.head_scores(0, heads), req.topk),
+                                        k_buf.device)
+                res = attend(q_i, rows)
             else:
                 rows = step.prefetcher.take(req.rid, lid)
-                res = core.attend(q_i, kq, vq, k_tail, v_tail, q_start=committed[i], scale=layer.scaling,
-                                  rows=rows)
+                res = attend(q_i, rows)
                 sel = req.select_row
                 if cfg.speculative and sel is not None and req.topk > 0 and n_q > 0:
-                    step.prefetcher.start(req.rid, lid, core.select_topk(res.probs[sel], heads, req.topk))
+                    step.prefetcher.start(req.rid, lid, ext.select_topk(res.head_scores(sel, heads), req.topk))
             if rows is not None:
-                step.counters.add(rows, res.probs[0], heads, req.topk)
+                step.counters.add(rows, res.head_scores(0, heads), req.topk)
             o_[i * width : (i + 1) * width] = res.out
         if self.runtime.batch is not None:
             self._after_layer(layer)
         return o
+
+    def _attention_of(self, entry, lid: int, k_buf, v_buf, tail, q_start: int, scale: float):
+        """Eq. 1 for one request and layer, as ``attend(q, rows) -> core.Attended``: on CUDA
+        the fused Triton path over the packed payload and the pool (:mod:`.fused`), on the
+        CPU the torch one over the dequantized payload (:func:`.core.attend`)."""
+        if ext.backend_for(k_buf) is ext.Backend.TRITON:
+            payload = self.runtime.packed_payload(entry, lid)
+            return lambda q, rows: fused.attend(q, payload, k_buf, v_buf, tail, q_start=q_start, scale=scale,
+                                                rows=rows)
+        kq, vq = self.runtime.payload_kv(entry, lid)
+        k_tail, v_tail = k_buf[tail], v_buf[tail]
+        return lambda q, rows: core.attend(q, kq, vq, k_tail, v_tail, q_start=q_start, scale=scale, rows=rows)

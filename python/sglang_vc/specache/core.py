@@ -77,18 +77,20 @@ def head_scores(probs: Tensor, num_kv_heads: int) -> Tensor:
 def select_topk(probs: Tensor, num_kv_heads: int, k: int) -> Tensor:
     """The ``min(k, n)`` payload rows of highest score per KV head, ``[H, k']`` int64,
     ascending positions (so that a set compares equal whatever the tie order)."""
-    scores = head_scores(probs, num_kv_heads)
-    k = min(int(k), scores.shape[1])
-    if k <= 0:
-        return torch.empty(num_kv_heads, 0, dtype=torch.int64, device=probs.device)
-    return scores.topk(k, dim=1).indices.sort(dim=1).values
+    from sgl_kernel_ext import select_topk as topk_of_scores
+
+    return topk_of_scores(head_scores(probs, num_kv_heads), k)
 
 
 def coverage(probs: Tensor, positions: Tensor, num_kv_heads: int, k: int) -> tuple[float, float]:
     """Prefetch hit of one step: ``(covered, total)`` where ``total`` is the attention
     mass of the output token's own top-``k`` rows (per KV head, summed) and ``covered``
     the part of it on rows that were prefetched (``positions [H, k]``)."""
-    scores = head_scores(probs, num_kv_heads)
+    return coverage_of_scores(head_scores(probs, num_kv_heads), positions, k)
+
+
+def coverage_of_scores(scores: Tensor, positions: Tensor, k: int) -> tuple[float, float]:
+    """:func:`coverage` from the per-KV-head scores ``[H, n]``."""
     kk = min(int(k), scores.shape[1])
     if kk <= 0:
         return 0.0, 0.0
@@ -105,7 +107,16 @@ class Attended:
     """One layer's SpeCache attention of one request."""
 
     out: Tensor  # [T, Hq, Dv]
-    probs: Tensor  # [T, Hq, n_q] attention probabilities of each query over the payload rows
+    # [T, Hq, n_q] attention probabilities of each query over the payload rows; None on the
+    # fused (Triton) path, which computes a row's scores when asked (``scores_of``)
+    probs: Optional[Tensor]
+    scores_of: Optional[Callable[[int], Tensor]] = None
+
+    def head_scores(self, t: int, num_kv_heads: int) -> Tensor:
+        """``[H, n_q]``: query row ``t``'s attention on each payload row, per KV head."""
+        if self.scores_of is not None:
+            return self.scores_of(t)
+        return head_scores(self.probs[t], num_kv_heads)
 
 
 def attend(

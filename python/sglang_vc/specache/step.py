@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import SpeCacheConfig
-from .core import coverage
+from .core import coverage_of_scores
 from .host import HostKVStore, Prefetcher
 
 
@@ -37,12 +37,12 @@ class StepCounters:
     covered: float = 0.0  # attention mass of the output token's top-k on prefetched rows
     top_mass: float = 0.0  # attention mass of the output token's top-k
 
-    def add(self, rows, out_probs, num_kv_heads: int, topk: int) -> None:
+    def add(self, rows, out_scores, topk: int) -> None:
         """One layer's prefetched ``rows`` (a :class:`.core.Rows`) and the output token's
-        attention over the payload ``[Hq, n_q]``."""
-        self.rows_prefetched += rows.num_rows * num_kv_heads
+        attention over the payload per KV head ``[H, n_q]``."""
+        self.rows_prefetched += rows.num_rows * out_scores.shape[0]
         self.bytes_prefetched += rows.nbytes()
-        covered, total = coverage(out_probs, rows.positions, num_kv_heads, topk)
+        covered, total = coverage_of_scores(out_scores, rows.positions, topk)
         self.covered += covered
         self.top_mass += total
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from sgl_kernel_ext import copy_rows
 from torch import Tensor
 
 from sglang_vc import stats
@@ -317,9 +318,10 @@ class ChunkStore:
             local = local[keep]
             dst = row[lo:hi][keep.to(row.device)].to(torch.int64)
             src = hit.indices[local.to(hit.indices.device)]
+            every = torch.arange(dst.numel(), device=dst.device)
             for layer in layers:
                 kb, vb = k_buffer(layer), v_buffer(layer)
-                kb[dst] = rope.shift(kb[src], hit.start, *rotary).to(kb.dtype)
-                vb[dst] = vb[src]
+                copy_rows(kb, dst, rope.shift(kb[src], hit.start, *rotary).contiguous(), every)
+                copy_rows(vb, dst, vb, src)
             reuse[lo - a: hi - a] = keep
         return reuse

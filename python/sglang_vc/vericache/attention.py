@@ -37,7 +37,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         # a request compressed with SpeCache's device copy drafts with its attention
         if self.drafter is not None and self.runtime.compressor(entry.spec.compressor).needs_full_rows:
             return self.drafter.attend(q, entry, layer, seq_len)
-        return None
+        return super()._attend_compressed(q, entry, layer, seq_len)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not forward_batch.forward_mode.is_target_verify():

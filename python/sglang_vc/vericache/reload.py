@@ -75,12 +75,14 @@ class Span:
 
 
 def _assemble(num: int, kept_rows, kept_pos, dropped_rows, dropped_pos) -> torch.Tensor:
-    """``out[kept_pos[h, j], h] = kept_rows[j, h]`` and likewise for the dropped rows."""
+    """``out[kept_pos[h, j], h] = kept_rows[j, h]`` and likewise for the dropped rows
+    (``sgl_kernel_ext.scatter_head_rows``: a Triton kernel on CUDA)."""
+    from sgl_kernel_ext import scatter_head_rows
+
     h, d = kept_rows.shape[1], kept_rows.shape[2]
     out = kept_rows.new_empty((num, h, d))
     for rows, pos in ((kept_rows, kept_pos), (dropped_rows, dropped_pos)):
-        if pos.numel():
-            out.scatter_(0, pos.t().unsqueeze(-1).expand(-1, -1, d).to(out.device), rows)
+        scatter_head_rows(out, pos, rows)
     return out
 
 

@@ -40,7 +40,8 @@ def _copy_kernel(dst, dst_idx, src, src_idx, sd0, ss0, width, BLOCK: tl.constexp
 
 
 def copy_rows(dst: Tensor, dst_idx: Tensor, src: Tensor, src_idx: Tensor) -> Tensor:
-    """``dst[dst_idx[i]] = src[src_idx[i]]`` for every ``i`` (rows contiguous inside)."""
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for every ``i`` (rows contiguous inside).
+    Rows are copied in no particular order: a row must not be both read and written."""
     if dst_idx.numel() != src_idx.numel():
         raise ValueError(f"copy_rows: {dst_idx.numel()} destinations for {src_idx.numel()} sources")
     if backend_for(dst) is Backend.TORCH or src.device != dst.device:

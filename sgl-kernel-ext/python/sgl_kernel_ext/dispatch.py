@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import logging
 import os
 from collections import Counter
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ENV = "SGL_KERNEL_EXT_BACKEND"
 
@@ -71,6 +74,9 @@ def launch(name: str, kernel, grid, *args, **kwargs) -> None:
     """Launch a ``@triton.jit`` kernel; on CPU tensors through Triton's interpreter."""
     launches[name] += 1
     device_tensor = next(a for a in args if isinstance(a, torch.Tensor))
+    if launches[name] == 1:
+        logger.info("sgl-kernel-ext: Triton kernel %s on %s", name,
+                    device_tensor.device if device_tensor.is_cuda else "the CPU (Triton interpreter)")
     if device_tensor.is_cuda:
         kernel[grid](*args, **kwargs)
         return

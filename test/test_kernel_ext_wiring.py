@@ -1,0 +1,130 @@
+"""The mechanisms' CUDA paths run sgl-kernel-ext's Triton kernels. No GPU here: a stand-in
+CUDA platform (``sgl_kernel_ext.dispatch.is_cuda_tensor`` answering yes for CPU tensors)
+sends every dispatch to the Triton kernels, which then run in Triton's interpreter. Each
+test checks that the kernel was launched and that the result equals the CPU (torch) path
+of the same call."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import sgl_kernel_ext as ext
+from sglang_vc.compress.kivi import KIVI
+from sglang_vc.kvruntime import kernels
+from sglang_vc.kvruntime.backend import VCTorchAttnBackend
+from sglang_vc.kvruntime.index import QuantPayload
+from sglang_vc.kvruntime.runtime import KVRuntime
+from sglang_vc.specache import core, fused
+
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch):
+    monkeypatch.delenv(ext.dispatch.ENV, raising=False)
+
+    def enable():
+        monkeypatch.setattr(ext.dispatch, "is_cuda_tensor", lambda t: True)
+        ext.launches.clear()
+        return ext.launches
+
+    return enable
+
+
+def test_runtime_attention_and_index_lists(stand_in_cuda):
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(30, 2, 16, generator=g), torch.randn(30, 2, 16, generator=g)
+    q = torch.randn(4, 6, 16, generator=g)
+    pos = torch.cat([torch.arange(0, 8), torch.arange(12, 34)])[:30]
+    row = torch.randint(1, 90, (40,), generator=g, dtype=torch.int32)
+    row[5:9] = 0
+    args = dict(num_prefix=3, key_positions=pos[3:], q_start=30, scale=0.25, enable_gqa=True)
+    want = kernels.attend(q, k, v, **args)
+    want_sel = kernels.attend(q, k, v, **{**args, "q_positions": torch.tensor([2, 9, 15, 33])})
+    want_rows = kernels.live_rows(row, 2, 37)
+    launches = stand_in_cuda()
+    torch.testing.assert_close(kernels.attend(q, k, v, **args), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.attend(q, k, v, **args, q_positions=torch.tensor([2, 9, 15, 33])), want_sel,
+                               atol=1e-5, rtol=1e-5)
+    got_rows = kernels.live_rows(row, 2, 37)
+    assert torch.equal(got_rows[0], want_rows[0]) and torch.equal(got_rows[1], want_rows[1])
+    assert launches["paged_attention"] == 2 and launches["build_kv_indices"] == 2
+
+
+def test_compressed_decode_reads_pool_and_packed_payload(stand_in_cuda):
+    """vc_torch's decode of a KIVI-compressed request: the Triton path (index list over the
+    pool, payload dequantized in the kernel, merged) equals the runtime's torch path."""
+    g = torch.Generator().manual_seed(1)
+    n, h, hq, d = 90, 2, 6, 16
+    k_all, v_all = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    qkv = KIVI(group_size=32, residual_length=16).compress(0, k_all[:80], v_all[:80], 2)
+    n_q = qkv.num_quantized  # 64: positions [0, 64) are the payload
+    k_buf, v_buf = torch.zeros(200, h, d), torch.zeros(200, h, d)
+    slots = torch.arange(100, 100 + n - n_q)
+    k_buf[slots], v_buf[slots] = k_all[n_q:], v_all[n_q:]
+    req_to_token = torch.zeros(4, 128, dtype=torch.int32)
+    req_to_token[2, n_q:n] = slots.to(torch.int32)
+    entry = types.SimpleNamespace(req_pool_idx=2, row_start=n_q, payload=QuantPayload({0: qkv}, n_q),
+                                  num_payload_rows=n_q)
+    runtime = types.SimpleNamespace(packed_payload=lambda e, lid: KVRuntime.packed_payload(None, e, lid))
+    backend = object.__new__(VCTorchAttnBackend)
+    backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
+    backend.token_to_kv_pool = types.SimpleNamespace(get_key_buffer=lambda lid: k_buf, get_value_buffer=lambda lid: v_buf)
+    backend.runtime = runtime
+    layer = types.SimpleNamespace(layer_id=0, scaling=0.25)
+    q = torch.randn(1, hq, d, generator=g)
+
+    assert backend._attend_compressed(q, entry, layer, n) is None  # CPU: the runtime's torch path
+    kq, vq = KIVI.dequantize(qkv)
+    want = kernels.attend(q, torch.cat([kq, k_all[n_q:]]), torch.cat([vq, v_all[n_q:]]), num_prefix=n_q,
+                          key_positions=torch.arange(n_q, n), q_start=n - 1, scale=0.25, enable_gqa=True)
+    launches = stand_in_cuda()
+    got = backend._attend_compressed(q, entry, layer, n)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert launches["kivi_attention"] == 1 and launches["paged_attention"] == 1
+
+
+def test_specache_step_fused_equals_core(stand_in_cuda):
+    """SpeCache's eq. 1 with prefetched rows substituted, and the next step's top-k: the
+    fused Triton path equals ``core.attend`` (the CPU path)."""
+    g = torch.Generator().manual_seed(2)
+    n, h, hq, d = 100, 2, 4, 16
+    k_all, v_all = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    from sglang_vc.compress.kivi1 import KIVI1
+
+    qkv = KIVI1(group_size=32, residual_length=16).compress(0, k_all[:80], v_all[:80], 1)
+    n_q = qkv.num_quantized
+    k_buf, v_buf = torch.zeros(300, h, d), torch.zeros(300, h, d)
+    tail = torch.arange(150, 150 + n - n_q)
+    k_buf[tail], v_buf[tail] = k_all[n_q:], v_all[n_q:]
+    positions = torch.stack([torch.randperm(n_q, generator=g)[:6].sort().values for _ in range(h)])
+    rows = core.gather_rows(k_all[:n_q], v_all[:n_q], positions)
+    q = torch.randn(2, hq, d, generator=g)
+    kq, vq = KIVI.dequantize(qkv)
+    want = core.attend(q, kq, vq, k_all[n_q:n - 1], v_all[n_q:n - 1], q_start=n - 2, scale=0.25, rows=rows)
+    payload = KVRuntime.packed_payload(None, types.SimpleNamespace(payload=QuantPayload({0: qkv}, n_q)), 0)
+    launches = stand_in_cuda()
+    got = fused.attend(q, payload, k_buf, v_buf, tail[:-1], q_start=n - 2, scale=0.25, rows=rows)
+    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=1e-5)
+    for t in (0, 1):
+        torch.testing.assert_close(got.head_scores(t, h), want.head_scores(t, h), atol=1e-6, rtol=1e-4)
+        assert torch.equal(ext.select_topk(got.head_scores(t, h), 8), core.select_topk(want.probs[t], h, 8))
+    assert launches["kivi_attention"] == 1 and launches["specache_scores"] == 2
+
+
+def test_vericache_reload_assembly(stand_in_cuda):
+    from sglang_vc.vericache.reload import Span
+
+    g = torch.Generator().manual_seed(3)
+    n, h, d = 20, 2, 8
+    full = torch.randn(n, h, d, generator=g)
+    kept = torch.stack([torch.randperm(n, generator=g)[:7].sort().values for _ in range(h)])
+    dropped = torch.stack([torch.tensor(sorted(set(range(n)) - set(kept[i].tolist()))) for i in range(h)])
+    pool = torch.zeros(30, h, d)
+    pool[10:17] = full.gather(0, kept.t().unsqueeze(-1).expand(-1, -1, d))
+    rows = full.gather(0, dropped.t().unsqueeze(-1).expand(-1, -1, d))
+    span = Span(0, n, rows, rows, kept, dropped)
+    launches = stand_in_cuda()
+    assert torch.equal(span.full(pool, pool, torch.arange(10, 30))[0], full)
+    assert launches["scatter_head_rows"] == 4  # kept and dropped, for K and V
