@@ -9,6 +9,7 @@ same counters are Prometheus counters ``sglang_vc:<mechanism>_<key>`` on ``/metr
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import defaultdict
@@ -22,12 +23,20 @@ _prometheus: dict[tuple[str, str], object] = {}
 
 
 def add(mechanism: str, **increments: float) -> None:
+    """Count. Cheap enough for the decode loop: a dict update, plus with ``--enable-metrics``
+    a Prometheus counter increment (a write to SGLang's multiprocess files, which
+    ``/metrics`` reads from every process; the scheduler is never asked at read time)."""
     with _lock:
         bucket = _counters[mechanism]
         for key, value in increments.items():
             bucket[key] += value
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by SGLang for --enable-metrics
+        if _metrics_enabled():
             _export(mechanism, increments)
+
+
+@functools.cache
+def _metrics_enabled() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))  # set by SGLang for --enable-metrics
 
 
 def _export(mechanism: str, increments: dict[str, float]) -> None:

@@ -6,7 +6,7 @@ on CUDA tensors and the torch reference elsewhere (:mod:`.dispatch`).
 * :func:`paged_attention` -- decode/extend attention over paged rows, causal by position;
 * :func:`kivi_attention` -- KIVI 2/1-bit dequantization fused with attention;
 * :func:`payload_scores`, :func:`select_topk` -- SpeCache's top-k over the low-bit keys;
-* :func:`merge_state` -- two partial attentions into one (FlashInfer's on CUDA);
+* :func:`merge_state` -- two partial attentions into one (torch);
 * :func:`copy_rows`, :func:`scatter_head_rows` -- SpecCache's gather/scatter and
   VeriCache's reload scatter;
 * :func:`position_mask` -- the selective prefill's mask.
