@@ -2,14 +2,22 @@
 embedded model under a few concurrency levels, for plain ``python -m sglang.launch_server``
 and for ``python -m sglang_vc.launch_server`` in the same run.
 
-Both launchers get the same model and flags and the same prompts. Both servers are up
-for the whole run (idle, a CPU server sleeps), and each measurement is a pair: one level on
-one launcher, then the same level on the other, the order alternating between repeats. A
-pair's two runs are neighbours in time, so the drift of a shared machine (measured here:
-the same launcher's throughput at concurrency 16 moved from 62 to 37 tok/s between
-repeats minutes apart) affects both alike. The report gives, per level, the median of the
-pairs' throughput ratios with their spread, and the same for the servers' CPU seconds per
-generated token (all their processes; less sensitive to the machine's load than time).
+The baseline is SGLang with none of sglang-vc's general plugin: ``SGLANG_PLUGINS`` admits
+only the CPU platform (``sglang_vc_cpu``, without which SGLang does not run on a CPU; on a
+CUDA machine it stands aside and SGLang's own platform serves). So the ratio covers all
+that sglang-vc adds to a server that uses no mechanism: its launcher, routes and hooks.
+``--baseline-plugins all`` loads the plugin in the baseline too (the launcher alone).
+
+Both launchers get the same model and flags and the same prompts, and both servers are up
+for the whole run (idle, a CPU server sleeps). Each measured run starts from an empty
+radix cache (``/flush_cache``), so every run of a level does the same work. A repeat of a
+level is an ABBA block -- one launcher, the other twice, the first again, the first
+alternating between repeats -- whose ratio is the sum of one launcher's two runs over the
+other's: the order, and a drift of the shared machine that is linear over the block
+(measured here: the same launcher's throughput at concurrency 16 moved from 62 to 37 tok/s
+between runs minutes apart), cancel. The report gives, per level, the median of the
+repeats' throughput ratios with their spread, and the same for the servers' CPU seconds
+per generated token (all their processes).
 
 ``--profile`` then samples every process of each server with py-spy during one more run
 at the highest level (outside the timed runs) and reports which share of the samples is
@@ -32,6 +40,8 @@ import psutil
 from sglang_vc.testing.server import ServerProcess
 
 LAUNCHERS = ("sglang", "sglang-vc")
+# SGLANG_PLUGINS for the baseline: the CPU platform plugin only (SGLang's plugin whitelist)
+PLATFORM_ONLY = "sglang_vc_cpu"
 
 
 async def _one_request(session, url, input_ids, max_new_tokens) -> dict:
@@ -116,12 +126,12 @@ def plot(report: dict, path: Path) -> None:
         med = [r[f"{key}_median"] for r in ratios]
         axes[2].errorbar(levels, med, yerr=[[m - min(p) for m, p in zip(med, per_repeat)],
                                             [max(p) - m for m, p in zip(med, per_repeat)]],
-                         marker="o", capsize=4, label=f"{label} (median, pair range)")
+                         marker="o", capsize=4, label=f"{label} (median, range of ABBA blocks)")
     for bound in (0.98, 1.02):
         axes[2].axhline(bound, color="grey", linestyle="--", linewidth=0.8)
     axes[0].set(xlabel="concurrent requests", ylabel="generated tokens/s", title="Throughput (mean of repeats)")
     axes[1].set(xlabel="concurrent requests", ylabel="CPU ms per generated token", title="Server CPU time")
-    axes[2].set(xlabel="concurrent requests", ylabel="sglang-vc / sglang", title="Paired ratios")
+    axes[2].set(xlabel="concurrent requests", ylabel="sglang-vc / sglang", title="Ratios per ABBA block")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.legend()
@@ -144,7 +154,19 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def flush_cache(server: ServerProcess) -> None:
+    """Empty the server's radix cache (SGLang answers 200 once nothing is running)."""
+    import requests
+
+    for _ in range(60):
+        if requests.post(server.url + "/flush_cache", timeout=30).status_code == 200:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{server.url}/flush_cache kept failing: the server is not idle")
+
+
 def measure(server: ServerProcess, prompts, level: int, max_new_tokens: int) -> dict:
+    flush_cache(server)
     cpu_before = cpu_seconds(server.proc.pid)
     row = asyncio.run(run_level(server.url, prompts, level, max_new_tokens))
     out_tokens = row["output_token_throughput"] * row["elapsed_s"]
@@ -160,16 +182,19 @@ def _role(cmdline: list[str]) -> str:
     return "launcher" if "launch_server" in joined else "other"
 
 
-def profile_servers(servers: dict, prompts, level: int, max_new_tokens: int, seconds: int) -> dict:
+def find_py_spy() -> str | None:
+    import shutil
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return spy if Path(spy).exists() else None
+
+
+def profile_servers(servers: dict, prompts, level: int, max_new_tokens: int, seconds: int, spy: str) -> dict:
     """py-spy samples of every process of each server while it serves ``level``
     concurrent requests: total samples and the share with a ``sglang_vc`` frame."""
-    import shutil
     import subprocess
     import tempfile
 
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(spy).exists():
-        sys.exit("python -m sglang_vc.bench.serving: error: --profile needs py-spy (pip install py-spy)")
     report = {}
     for name, server in servers.items():
         root = psutil.Process(server.proc.pid)
@@ -186,14 +211,15 @@ def profile_servers(servers: dict, prompts, level: int, max_new_tokens: int, sec
             asyncio.run(run_level(server.url, prompts, level, max_new_tokens))
             roles = {}
             for role, path, proc in spies:
-                if proc.wait() != 0 or not path.exists():
-                    sys.exit(f"python -m sglang_vc.bench.serving: error: py-spy could not sample the {role} "
-                             "(it needs ptrace permission)")
+                if proc.wait() != 0 or not path.exists():  # reported, and the timed results kept
+                    roles[role] = {"error": "py-spy could not sample it (it needs ptrace permission)"}
+                    print(f"[serving] profile {name}: py-spy could not sample the {role}", file=sys.stderr)
+                    continue
                 roles[role] = _sample_shares(path)
         report[name] = roles
         print(f"[serving] profile {name}: " + ", ".join(
-            f"{role} {r['sglang_vc_share']:.2%} of {r['samples']} samples in sglang_vc" for role, r in roles.items()),
-            file=sys.stderr)
+            f"{role} {r['sglang_vc_share']:.2%} of {r['samples']} samples in sglang_vc"
+            for role, r in roles.items() if "error" not in r), file=sys.stderr)
     return report
 
 
@@ -215,13 +241,19 @@ def _sample_shares(path: Path) -> dict:
             "top_sglang_vc_frames": [{"frame": f, "samples": n} for f, n in top]}
 
 
+def _block_ratio(vc_rows: list[dict], sg_rows: list[dict], key: str) -> float:
+    """One ABBA block's ratio: the sum of sglang-vc's runs over the sum of sglang's."""
+    return sum(r[key] for r in vc_rows) / sum(r[key] for r in sg_rows)
+
+
 def _ratios(runs: dict, levels: list[int]) -> list[dict]:
+    """``runs[launcher][repeat][level index]``: the list of that block's runs."""
     out = []
     for i, level in enumerate(levels):
-        pairs = list(zip(runs["sglang"], runs["sglang-vc"]))
-        tput = [vc[i]["output_token_throughput"] / sg[i]["output_token_throughput"] for sg, vc in pairs]
-        cpu = [vc[i]["cpu_s_per_output_token"] / sg[i]["cpu_s_per_output_token"] for sg, vc in pairs]
-        ttft = [vc[i]["ttft_mean_s"] / sg[i]["ttft_mean_s"] for sg, vc in pairs]
+        blocks = [(sg[i], vc[i]) for sg, vc in zip(runs["sglang"], runs["sglang-vc"])]
+        tput = [_block_ratio(vc, sg, "output_token_throughput") for sg, vc in blocks]
+        cpu = [_block_ratio(vc, sg, "cpu_s_per_output_token") for sg, vc in blocks]
+        ttft = [_block_ratio(vc, sg, "ttft_mean_s") for sg, vc in blocks]
         out.append({
             "concurrency": level,
             "throughput_ratio_median": statistics.median(tput),
@@ -244,7 +276,9 @@ def main(argv=None) -> None:
                         help="requests per level (default: 4 waves of the level, at least 16)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="measured pairs per level")
+    parser.add_argument("--repeats", type=int, default=3, help="ABBA blocks per level (4 runs each)")
+    parser.add_argument("--baseline-plugins", choices=("platform", "all"), default="platform",
+                        help="the baseline's sglang-vc plugins: the CPU platform only (default), or all")
     parser.add_argument("--server-args", default="--dtype float32 --max-total-tokens 16384",
                         help="flags given to both launchers")
     parser.add_argument("--profile", type=int, default=0, metavar="SECONDS",
@@ -260,6 +294,9 @@ def main(argv=None) -> None:
         parser.error("--requests, --prompt-tokens, --max-new-tokens and --repeats must be positive")
     if args.profile < 0:
         parser.error("--profile must be a number of seconds")
+    spy = find_py_spy() if args.profile else None
+    if args.profile and spy is None:
+        parser.error("--profile needs py-spy (pip install py-spy)")
 
     from sglang_vc import models
 
@@ -270,34 +307,41 @@ def main(argv=None) -> None:
     prompts = build_prompts(model_dir, max(per_level.values()), args.prompt_tokens)
     common = ["--model-path", model_dir, "--device", "cpu", *args.server_args.split()]
 
-    runs: dict[str, list[list[dict]]] = {name: [[] for _ in range(args.repeats)] for name in LAUNCHERS}
+    # runs[launcher][repeat][level index] = that ABBA block's two runs of the launcher
+    runs: dict[str, list[list[list[dict]]]] = {
+        name: [[[] for _ in levels] for _ in range(args.repeats)] for name in LAUNCHERS}
+    baseline_env = {"SGLANG_PLUGINS": PLATFORM_ONLY} if args.baseline_plugins == "platform" else {}
     servers: dict[str, ServerProcess] = {}
     try:
         for launcher in LAUNCHERS:
             print(f"[serving] starting {launcher}", file=sys.stderr)
-            servers[launcher] = ServerProcess(common, launcher=launcher)
+            servers[launcher] = ServerProcess(common, launcher=launcher,
+                                              env=baseline_env if launcher == "sglang" else None)
             asyncio.run(run_level(servers[launcher].url, prompts[:2], 2, 4))  # warm-up, not measured
+        if baseline_env and "sglang_vc" in servers["sglang"].server_info():
+            sys.exit("python -m sglang_vc.bench.serving: error: the baseline loaded sglang-vc's plugin")
         for rep in range(args.repeats):
-            for level in levels:
-                order = LAUNCHERS if rep % 2 == 0 else LAUNCHERS[::-1]
-                for launcher in order:
+            first, second = LAUNCHERS if rep % 2 == 0 else LAUNCHERS[::-1]
+            for i, level in enumerate(levels):
+                for launcher in (first, second, second, first):
                     row = measure(servers[launcher], prompts[: per_level[level]], level, args.max_new_tokens)
-                    runs[launcher][rep].append(row)
+                    runs[launcher][rep][i].append(row)
                     print(f"[serving] repeat {rep + 1}/{args.repeats} {launcher} c={level}: "
                           f"{row['output_token_throughput']:.1f} tok/s, TTFT {row['ttft_mean_s']:.3f}s, "
                           f"{row['cpu_s_per_output_token'] * 1e3:.1f} CPU ms/token", file=sys.stderr)
-        profile = (profile_servers(servers, prompts, max(levels), args.max_new_tokens, args.profile)
+        profile = (profile_servers(servers, prompts, max(levels), args.max_new_tokens, args.profile, spy)
                    if args.profile else None)
     finally:
         for server in servers.values():
             server.stop()
 
-    def mean_rows(reps: list[list[dict]]) -> list[dict]:
-        return [
-            {k: (statistics.mean(r[i][k] for r in reps) if isinstance(reps[0][i][k], float) else reps[0][i][k])
-             for k in reps[0][i]}
-            for i in range(len(levels))
-        ]
+    def mean_rows(reps: list[list[list[dict]]]) -> list[dict]:
+        out = []
+        for i in range(len(levels)):
+            rows = [row for rep in reps for row in rep[i]]
+            out.append({k: statistics.mean(r[k] for r in rows) if isinstance(v, float) else v
+                        for k, v in rows[0].items()})
+        return out
 
     ratios = _ratios(runs, levels)
     report = {
@@ -317,7 +361,7 @@ def main(argv=None) -> None:
     plot(report, out.with_suffix(".png"))
     for r in ratios:
         print(f"[serving] c={r['concurrency']}: throughput ratio {r['throughput_ratio_median']:.3f} "
-              f"(pairs {r['throughput_ratio_min']:.3f}-{r['throughput_ratio_max']:.3f}), "
+              f"(blocks {r['throughput_ratio_min']:.3f}-{r['throughput_ratio_max']:.3f}), "
               f"CPU per token ratio {r['cpu_per_token_ratio_median']:.3f}, TTFT ratio {r['ttft_ratio_median']:.3f}",
               file=sys.stderr)
     print(f"[serving] wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
