@@ -129,3 +129,67 @@ def test_vericache_reload_assembly(stand_in_cuda):
     launches = stand_in_cuda()
     assert torch.equal(span.full(pool, pool, torch.arange(10, 30))[0], full)
     assert launches["scatter_head_rows"] == 4  # kept and dropped, for K and V
+
+
+def test_decode_batch_is_one_launch_per_layer(stand_in_cuda):
+    """A decode batch mixing a KIVI-compressed request, a token-dropped one (null slots in
+    its row) and an uncompressed one: on the Triton path the index lists are built once
+    per forward and each layer is one paged attention launch over all three (plus the
+    quantized request's payload kernel); the output equals vc_torch's per-request loop."""
+    from sglang_vc.kvruntime import make_spec
+    from sglang_vc.kvruntime.index import CompressedKVIndex
+    from sglang_vc.kvruntime.names import NULL_SLOT
+
+    g = torch.Generator().manual_seed(4)
+    h, hq, d, layers = 2, 6, 16, 2
+    k_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
+    v_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
+    req_to_token = torch.zeros(8, 160, dtype=torch.int32)
+    seq_lens = [100, 70, 40]
+    rows = [5, 2, 6]
+    slots = torch.randperm(399, generator=g)[:210] + 1
+    req_to_token[5, 64:100] = slots[:36].to(torch.int32)  # quantized: payload for [0, 64)
+    req_to_token[2, :70] = slots[36:106].to(torch.int32)  # token-dropped: [30, 50) null
+    req_to_token[2, 30:50] = NULL_SLOT
+    req_to_token[6, :40] = slots[106:146].to(torch.int32)  # uncompressed
+    k_all = torch.randn(100, h, d, generator=g)
+    payload = {lid: KIVI(group_size=32, residual_length=16).compress(lid, k_all[:80], k_all[:80].flip(0), 2)
+               for lid in range(layers)}
+    n_q = payload[0].num_quantized
+    assert n_q == 64
+    kivi = CompressedKVIndex("a", 5, make_spec("kivi", bits=2), 100, 0, row_start=n_q, attend_from=n_q,
+                             payload=QuantPayload(payload, n_q), quantized_tokens=n_q)
+    dropped = CompressedKVIndex("b", 2, make_spec("snapkv", ratio=0.7), 70, 0, row_start=0, attend_from=70,
+                                tokens_kept=50)
+    runtime = object.__new__(KVRuntime)
+    runtime.kv_pool = types.SimpleNamespace(get_key_buffer=lambda lid: k_buf[lid], get_value_buffer=lambda lid: v_buf[lid])
+    runtime.req_to_token = req_to_token
+    runtime.index = {5: kivi, 2: dropped}
+    backend = object.__new__(VCTorchAttnBackend)
+    backend.runtime = runtime
+    backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
+    backend.token_to_kv_pool = runtime.kv_pool
+    backend.use_sliding_window_kv_pool = False
+    fb = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False,
+                                           is_target_verify=lambda: False),
+        rids=["a", "b", "c"], req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=torch.tensor(seq_lens), out_cache_loc=None)
+    q = [torch.randn(3, hq * d, generator=g) for _ in range(layers)]
+    layer = [types.SimpleNamespace(layer_id=lid, tp_q_head_num=hq, tp_k_head_num=h, qk_head_dim=d, v_head_dim=d,
+                                   scaling=0.25, is_cross_attention=False) for lid in range(layers)]
+    runtime.last_layer = layers  # no end_forward in this test
+
+    backend.init_forward_metadata(fb)
+    assert backend.decode_index is None  # the CPU: the per-request torch loop
+    want = [backend.forward_decode(q[lid], None, None, layer[lid], fb, save_kv_cache=False) for lid in range(layers)]
+    launches = stand_in_cuda()
+    backend.init_forward_metadata(fb)
+    assert backend.decode_index is not None
+    got = [backend.forward_decode(q[lid], None, None, layer[lid], fb, save_kv_cache=False) for lid in range(layers)]
+    for lid in range(layers):
+        torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5)
+    # the index kernel (count + write) once for the forward; per layer one attention
+    # launch for the three requests and one payload kernel for the quantized one
+    assert launches["build_kv_indices"] == 2
+    assert launches["paged_attention"] == layers and launches["kivi_attention"] == layers

@@ -3,8 +3,11 @@ request's KV right after its prefill and attends over compressed KV afterwards.
 
 Batches without compressed requests run exactly SGLang's ``TorchNativeAttnBackend`` code;
 batches with some run a per-request loop over :func:`.kernels.attend` (same SDPA call).
-On CUDA a compressed request's decode reads the pool through its index list and its
-quantized payload inside ``sgl_kernel_ext``'s Triton attention (:func:`.kernels.attend_pool`).
+On CUDA (``sgl_kernel_ext``'s Triton kernels) a decode batch with compressed requests is
+one attention launch per layer over every request's live pool rows, read through index
+lists built on the device once per forward, plus the packed payload of each quantized
+request dequantized inside its own kernel and merged by log-sum-exp
+(:meth:`VCTorchAttnBackend._forward_decode_batched`).
 Compression happens inside the prefill forward, layer by layer, after the layer's
 attention: the prefill itself (and so the first output token) always sees the full KV.
 """
@@ -18,10 +21,13 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from . import kernels
+from .names import NULL_SLOT
 from .runtime import get_runtime
 
 
 class VCTorchAttnBackend(TorchNativeAttnBackend):
+    decode_index: "ext.KVIndices | None" = None  # this decode forward's index lists (Triton path)
+
     def __init__(self, model_runner):
         super().__init__(model_runner)
         pool = self.token_to_kv_pool
@@ -35,7 +41,26 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self.runtime.begin_forward(forward_batch)
+        batch = self.runtime.begin_forward(forward_batch)
+        self.decode_index = None
+        if (forward_batch.forward_mode.is_decode() and batch.any_compressed and not batch.online
+                and ext.backend_for(forward_batch.seq_lens) is ext.Backend.TRITON
+                and not any(e is not None and self._decodes_own(e) for e in batch.entries)):
+            self.decode_index = self._build_decode_index(forward_batch, batch)
+
+    def _build_decode_index(self, forward_batch, batch) -> ext.KVIndices:
+        """Every request's live pool rows, ``[row_start, seq_len)`` of a compressed one and
+        ``[0, seq_len)`` of the others: one index kernel for all layers of the forward
+        (``req_to_token`` and the entries do not change between layers)."""
+        dev = forward_batch.seq_lens.device
+        starts = torch.tensor([0 if e is None else e.row_start for e in batch.entries], device=dev)
+        return ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                    starts, forward_batch.seq_lens, NULL_SLOT)
+
+    def _decodes_own(self, entry) -> bool:
+        """Whether a subclass decodes this compressed request its own way
+        (:meth:`_attend_compressed`), which keeps the batch on the per-request loop."""
+        return False
 
     def _after_layer(self, layer) -> None:
         if layer.layer_id == self.runtime.last_layer:
@@ -62,12 +87,37 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         batch = self.runtime.batch
         if batch is None or not batch.any_compressed or layer.is_cross_attention:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        elif self.decode_index is not None:
+            o = self._forward_decode_batched(q, k, v, layer, forward_batch, save_kv_cache)
         else:
             q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
             o = self._forward_per_request(q, k, v, layer, forward_batch, save_kv_cache, extend=False)
         if batch is not None:
             self._after_layer(layer)
         return o
+
+    def _forward_decode_batched(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """One decode layer of the whole batch on the Triton path: one paged attention
+        launch over the index lists of :meth:`_build_decode_index`, then each quantized
+        request's payload attended from its packed codes and merged into its row. Equal to
+        the per-request loop (the same rows, the same payload)."""
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        lid, idx = layer.layer_id, self.decode_index
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        bs = q_.shape[0]
+        out, lse = ext.paged_attention(
+            q_, self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
+            torch.arange(bs, device=q_.device), forward_batch.seq_lens.to(torch.int64) - 1,
+            idx.indptr, idx.indices, idx.positions, layer.scaling)
+        for i, entry in enumerate(self.runtime.batch.entries):
+            payload = None if entry is None else self.runtime.packed_payload(entry, lid)
+            if payload is not None and payload.num_tokens:
+                p_out, p_lse = ext.kivi_attention(q_[i : i + 1], payload, layer.scaling)
+                out[i : i + 1], lse[i : i + 1] = ext.merge_state(p_out, p_lse, out[i : i + 1], lse[i : i + 1])
+        return out.to(q.dtype).reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     # ------------------------------------------------------------------ per request
 

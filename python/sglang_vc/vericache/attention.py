@@ -33,9 +33,12 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
     reload: "Optional[LayerwiseReload]" = None
     drafter: "Optional[SpeCacheDrafter]" = None  # set by the worker
 
-    def _attend_compressed(self, q, entry, layer, seq_len: int):
+    def _decodes_own(self, entry) -> bool:
         # a request compressed with SpeCache's device copy drafts with its attention
-        if self.drafter is not None and self.runtime.compressor(entry.spec.compressor).needs_full_rows:
+        return self.drafter is not None and self.runtime.compressor(entry.spec.compressor).needs_full_rows
+
+    def _attend_compressed(self, q, entry, layer, seq_len: int):
+        if self._decodes_own(entry):
             return self.drafter.attend(q, entry, layer, seq_len)
         return super()._attend_compressed(q, entry, layer, seq_len)
 

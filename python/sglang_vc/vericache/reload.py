@@ -230,6 +230,46 @@ class _FaultInjector:
 _faults = _FaultInjector()
 
 
+class CopyStream:
+    """Where the copy thread's host-to-device copies run. On an accelerator: a stream of
+    their own, so that a layer's copy overlaps the attention of the layer before it on the
+    compute stream instead of queuing behind it (a thread that names no stream uses the
+    default one, the compute stream's); the consumer's stream waits on the copy's event
+    before it reads the rows. On the CPU there is no stream: a copy is done when it returns.
+    """
+
+    def __init__(self, device, module=None):
+        dev = torch.device(device)
+        self.module = module if module is not None else (
+            None if dev.type in ("cpu", "meta") else torch.get_device_module(dev))
+        self.stream = None if self.module is None else self.module.Stream(dev)
+
+    def copy(self, fn: Callable[[], dict]):
+        """``(fn(), event)``: run ``fn``'s copies on the copy stream; the event marks their end."""
+        if self.stream is None:
+            return fn(), None
+        with self.module.stream(self.stream):
+            out = fn()
+            event = self.stream.record_event()
+        return out, event
+
+    def wait(self, event, staged: dict) -> None:
+        """Make the consumer's stream wait for the copies, and keep their memory from being
+        reused by the copy stream while the consumer still reads it."""
+        if event is None:
+            return
+        current = self.module.current_stream()
+        current.wait_event(event)
+        for span in staged.values():
+            for t in (span.k, span.v, span.kept, span.dropped):
+                if t is not None:
+                    self.keep_alive(t, current)
+
+    @staticmethod
+    def keep_alive(t: torch.Tensor, stream) -> None:
+        t.record_stream(stream)
+
+
 class ReloadFailed(RuntimeError):
     """A layer's staged copy failed the first time and every synchronous retry."""
 
@@ -240,9 +280,11 @@ class LayerwiseReload:
 
     def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry],
                  layer_ids: list[int], device, depth: int = 2,
-                 on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None):
+                 on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None,
+                 copy_stream: Optional[CopyStream] = None):
         self.entries = entries
         self.device = device
+        self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
         self.layer_ids = layer_ids
         self.failures = 0
         self.on_failure = on_failure
@@ -256,14 +298,16 @@ class LayerwiseReload:
         for layer_id in layer_ids:
             self._futures[layer_id] = executor.submit(self._stage_async, layer_id)
 
-    def _stage(self, layer_id: int) -> dict[int, Span]:
+    def _stage(self, layer_id: int):
+        """``(spans, event)``: the layer's rows copied to the device (see :class:`CopyStream`)."""
         if self._doomed:
             raise RuntimeError(f"injected reload failure ({FAIL_WHOLE_RELOADS_ENV})")
         _faults.check()
-        out = {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()}
+        out, event = self.copy_stream.copy(
+            lambda: {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()})
         with self._lock:
             self.staged_bytes += sum(span.nbytes() for span in out.values())
-        return out
+        return out, event
 
     def _stage_async(self, layer_id: int):
         self._slots.acquire()  # at most ``depth`` staged layers wait for the consumer
@@ -292,7 +336,11 @@ class LayerwiseReload:
                     self.on_failure(self.entries)
                 staged = None
         self._slots.release()
-        return {} if self.gave_up or staged is None else staged
+        if self.gave_up or staged is None:
+            return {}
+        spans, event = staged
+        self.copy_stream.wait(event, spans)
+        return spans
 
     def _retry(self, layer_id: int, exc: Exception):
         self.failures += 1

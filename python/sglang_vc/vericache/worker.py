@@ -65,7 +65,7 @@ from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
 from .names import META_INFO_KEY
-from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
+from .reload import CopyStream, HostKVStore, LayerwiseReload, measure_bandwidth
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
@@ -96,6 +96,7 @@ class VeriCacheWorker(ChainSpecWorker):
         self.window = window
         self.trace_path = flags.trace_path(settings)
         self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
+        self.copy_stream = CopyStream(self.device)  # the copy thread's own stream on an accelerator
         self.per_request: dict[str, dict] = {}
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
@@ -303,7 +304,7 @@ class VeriCacheWorker(ChainSpecWorker):
             return None
         layers = self._layer_ids()
         return LayerwiseReload(self.copy_thread, {0: entry}, layers, self.device, depth=len(layers),
-                               on_failure=self._restore_full_kv)
+                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
 
     @torch.inference_mode()
     def _staggered_round(self, batch):
@@ -447,7 +448,8 @@ class VeriCacheWorker(ChainSpecWorker):
             return None
         kv_pool = self.runtime.kv_pool
         layers = list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
-        return LayerwiseReload(self.copy_thread, entries, layers, self.device, on_failure=self._restore_full_kv)
+        return LayerwiseReload(self.copy_thread, entries, layers, self.device, on_failure=self._restore_full_kv,
+                               copy_stream=self.copy_stream)
 
     def _restore_full_kv(self, entries) -> None:
         """A staged reload failed every retry (called from the verify forward, before the
