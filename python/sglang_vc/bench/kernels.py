@@ -4,7 +4,8 @@ kernels on a GPU against the torch path the CPU runs (the same call with
 over the same number of rows, per context length; JSON and a plot.
 
 Needs CUDA: the Triton interpreter that runs the kernels on a CPU says nothing about their
-speed. Cases (one decode query row per request, ``--batch`` requests, Llama-like heads):
+speed. Each case also records the compiled kernel's largest deviation from the torch path
+(``max_abs_err``); the run writes its figures and then fails if one exceeds ``ERR_BOUND``. Cases (one decode query row per request, ``--batch`` requests, Llama-like heads):
 
 * ``paged``: decode attention over a compressed node's kept rows through its index list;
 * ``kivi2``/``kivi1``: the payload dequantized inside the attention vs dequantize + attend;
@@ -22,6 +23,9 @@ from pathlib import Path
 import torch
 
 
+ERR_BOUND = 2e-2  # float16 inputs, float32 accumulation in both paths
+
+
 def _time(fn, repeats: int) -> float:
     for _ in range(3):
         fn()
@@ -33,6 +37,12 @@ def _time(fn, repeats: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats * 1e3  # microseconds
+
+
+def _err(a, b) -> float:
+    """The compiled kernel's largest deviation from the torch path (the interpreter tests
+    prove the kernel code on a CPU; this checks what CUDA compiled)."""
+    return float((a.float() - b.float()).abs().max())
 
 
 def _backend(name: str):
@@ -57,10 +67,12 @@ def run_case(case: str, n: int, batch: int, hq: int, hkv: int, d: int, repeats: 
         pos = torch.arange(n, device=dev).repeat(batch)
         args = (q, k_buf, v_buf, torch.arange(batch, device=dev), torch.full((batch,), n, device=dev),
                 indptr, indices, pos, scale)
-        timings = {}
+        timings, outs = {}, {}
         for name in ("triton", "torch"):
             _backend(name)
+            outs[name] = ext.paged_attention(*args)[0]
             timings[name] = _time(lambda: ext.paged_attention(*args), repeats)
+        row["max_abs_err"] = _err(outs["triton"], outs["torch"])
         try:
             import flashinfer
 
@@ -89,14 +101,17 @@ def run_case(case: str, n: int, batch: int, hq: int, hkv: int, d: int, repeats: 
                 q1.transpose(0, 1), kq.transpose(0, 1), vq.transpose(0, 1), enable_gqa=True, scale=scale)
 
         _backend("triton")
+        row["max_abs_err"] = _err(ext.kivi_attention(q1, payload, scale)[0], torch_path().transpose(0, 1))
         timings["triton"] = _time(lambda: ext.kivi_attention(q1, payload, scale), repeats)
         timings["torch"] = _time(torch_path, repeats)
     else:
         _backend("triton")
         _, lse = ext.kivi_attention(q1, payload, scale)
+        scores = ext.payload_scores(q1[0], lse[0], payload, scale)
         timings["triton"] = _time(lambda: ext.select_topk(ext.payload_scores(q1[0], lse[0], payload, scale), 64),
                                   repeats)
         _backend("torch")
+        row["max_abs_err"] = _err(scores, ext.payload_scores(q1[0], lse[0], payload, scale))
         timings["torch"] = _time(lambda: ext.select_topk(ext.payload_scores(q1[0], lse[0], payload, scale), 64),
                                  repeats)
     row["us"] = timings
@@ -123,8 +138,8 @@ def main(argv=None) -> None:
     for case in ("paged", "kivi2", "kivi1", "specache_topk"):
         for n in lengths:
             row = run_case(case, n, args.batch, hq, hkv, d, args.repeats)
-            print(f"[kernels] {case} n={n}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row["us"].items() if v),
-                  file=sys.stderr)
+            print(f"[kernels] {case} n={n}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row["us"].items() if v)
+                  + f", max abs error vs torch {row['max_abs_err']:.2e}", file=sys.stderr)
             rows.append(row)
     report = {"benchmark": "kernels", "device": torch.cuda.get_device_name(), "settings": vars(args), "rows": rows,
               "command": " ".join(["python -m sglang_vc.bench.kernels", *(argv or sys.argv[1:])])}
@@ -150,6 +165,10 @@ def main(argv=None) -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     print(f"[kernels] wrote {out}", file=sys.stderr)
+    wrong = [r for r in rows if not r["max_abs_err"] <= ERR_BOUND]
+    if wrong:  # the figures are written, and the run fails
+        sys.exit(f"python -m sglang_vc.bench.kernels: error: {len(wrong)} case(s) differ from the torch path by "
+                 f"more than {ERR_BOUND}: " + ", ".join(f"{r['case']}@{r['tokens']}" for r in wrong))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from sglang_vc.bench import default_device
 from sglang_vc.testing.server import ServerProcess
 
 LAUNCHERS = ("sglang", "sglang-vc")
@@ -270,6 +271,8 @@ def _ratios(runs: dict, levels: list[int]) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
+    parser.add_argument("--device", default=default_device(), choices=("cpu", "cuda"),
+                        help="where the servers run (default: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     parser.add_argument("--requests", type=int, default=None,
@@ -305,7 +308,7 @@ def main(argv=None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     prompts = build_prompts(model_dir, max(per_level.values()), args.prompt_tokens)
-    common = ["--model-path", model_dir, "--device", "cpu", *args.server_args.split()]
+    common = ["--model-path", model_dir, "--device", args.device, *args.server_args.split()]
 
     # runs[launcher][repeat][level index] = that ABBA block's two runs of the launcher
     runs: dict[str, list[list[list[dict]]]] = {
@@ -347,7 +350,7 @@ def main(argv=None) -> None:
     report = {
         "benchmark": "serving",
         "model": args.model,
-        "device": "cpu",
+        "device": args.device,
         "command": " ".join(["python -m sglang_vc.bench.serving", *(argv if argv is not None else sys.argv[1:])]),
         "settings": vars(args),
         "results": {name: mean_rows(reps) for name, reps in runs.items()},

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import requests
 
+from sglang_vc.bench import default_device
 from sglang_vc.testing.server import ServerProcess
 
 
@@ -401,6 +402,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.throughput",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
+    parser.add_argument("--device", default=default_device(), choices=("cpu", "cuda"),
+                        help="where the servers run (default: cuda where torch sees a GPU, else cpu)")
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
                         "vericache:streamingllm@0.25:4",
@@ -466,7 +469,7 @@ def main(argv=None) -> int:
     prompts = build_prompts(model_dir, args.requests, args.prompt_tokens)
     if prompts is None:
         parser.error(f"not enough text on this machine for {args.requests} prompts of {args.prompt_tokens} tokens")
-    common = ["--model-path", model_dir, "--device", "cpu", "--enable-metrics",
+    common = ["--model-path", model_dir, "--device", args.device, "--enable-metrics",
               "--max-total-tokens", str(budget), "--max-running-requests", str(args.requests),
               *args.server_args.split()]
     out = Path(args.json)
@@ -493,7 +496,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "throughput",
         "model": args.model,
-        "device": "cpu",
+        "device": args.device,
         "command": " ".join(["python -m sglang_vc.bench.throughput", *(argv if argv is not None else sys.argv[1:])]),
         "settings": {**vars(args), "max_total_tokens": budget, "server_flags": common[3:]},
         "measured_parameters": {"weights_bytes": weights, "kv_bytes_per_token": kv_per_token,
