@@ -82,6 +82,21 @@ def reference(q: Tensor, p: Payload, scale: float, exclude: Optional[Tensor] = N
 
 
 @triton.jit
+def dequantize_keys(kp, ks, kz, n, d, kvh, mask, skp0, skp1, sks0, sks1, G, BITS: tl.constexpr):
+    """Float32 keys of rows ``n``, channels ``d`` of KV head ``kvh`` from their packed codes
+    (KIVI's keys: per channel, groups of ``G`` tokens share a scale and a zero point),
+    rounded through the scales' dtype as the reference dequantizes them."""
+    PER: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    byte = tl.load(kp + n[:, None] * skp0 + kvh * skp1 + d[None, :] // PER, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((d[None, :] % PER) * BITS)) & MASK
+    grp = n // G
+    sc = tl.load(ks + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mask, other=0.0)
+    zr = tl.load(kz + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mask, other=0.0)
+    return (code.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)).to(sc.dtype).to(tl.float32)
+
+
+@triton.jit
 def _kernel(q, kp, ks, kz, vp, vs, vz, excl, out, lse, scale, n_q,
             sq0, sq1, skp0, skp1, sks0, sks1, svp0, svp1, svs0, svs1, so0, so1, sx0, group, G, GV,
             BITS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -107,12 +122,7 @@ def _kernel(q, kp, ks, kz, vp, vs, vz, excl, out, lse, scale, n_q,
             ex = tl.load(excl + kvh * sx0 + n, mask=inb, other=0)
             vis = inb & (ex == 0)
         mk = vis[:, None] & dm[None, :]
-        byte = tl.load(kp + n[:, None] * skp0 + kvh * skp1 + d[None, :] // PER, mask=mk, other=0).to(tl.int32)
-        code = (byte >> ((d[None, :] % PER) * BITS)) & MASK
-        grp = n // G
-        sc = tl.load(ks + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mk, other=0.0)
-        zr = tl.load(kz + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mk, other=0.0)
-        k = (code.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)).to(sc.dtype).to(tl.float32)
+        k = dequantize_keys(kp, ks, kz, n, d, kvh, mk, skp0, skp1, sks0, sks1, G, BITS)
         s = tl.sum(k * qv[None, :], axis=1) * scale
         s = tl.where(vis, s, -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))

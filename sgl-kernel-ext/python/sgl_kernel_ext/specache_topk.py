@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import Backend, backend_for, block, launch
-from .kivi_attention import Payload, check, dequantize
+from .kivi_attention import Payload, check, dequantize, dequantize_keys
 
 
 def reference(q_row: Tensor, lse_row: Tensor, p: Payload, scale: float, exclude: Optional[Tensor] = None) -> Tensor:
@@ -40,17 +40,10 @@ def _kernel(q, lse, kp, ks, kz, excl, out, scale, n_q, sq0, skp0, skp1, sks0, sk
             HAS_EXCL: tl.constexpr):
     kvh = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     d = tl.arange(0, BLOCK_D)
     inb = n < n_q
     mk = inb[:, None] & (d[None, :] < D)
-    byte = tl.load(kp + n[:, None] * skp0 + kvh * skp1 + d[None, :] // PER, mask=mk, other=0).to(tl.int32)
-    code = (byte >> ((d[None, :] % PER) * BITS)) & MASK
-    grp = n // G
-    sc = tl.load(ks + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mk, other=0.0)
-    zr = tl.load(kz + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mk, other=0.0)
-    k = (code.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)).to(sc.dtype).to(tl.float32)
+    k = dequantize_keys(kp, ks, kz, n, d, kvh, mk, skp0, skp1, sks0, sks1, G, BITS)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(0, group):
         h = kvh * group + g
