@@ -137,7 +137,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{report['model']} on {report['device']}: sglang vs sglang-vc launcher")
+    baseline = ("SGLang with the CPU platform plugin only" if report["settings"]["baseline_plugins"] == "platform"
+                else "SGLang's launcher with sglang-vc's plugin")
+    fig.suptitle(f"{report['model']} on {report['device']}: sglang = {baseline}, vs sglang-vc's launcher")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
