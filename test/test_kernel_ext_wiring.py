@@ -193,3 +193,40 @@ def test_decode_batch_is_one_launch_per_layer(stand_in_cuda):
     # launch for the three requests and one payload kernel for the quantized one
     assert launches["build_kv_indices"] == 2
     assert launches["paged_attention"] == layers and launches["kivi_attention"] == layers
+
+
+def test_speccache_reused_rows_fill(stand_in_cuda):
+    """SpecCache's prefill fills a request's slots with its chunks' cached rows (the
+    unselected ones, keys re-rotated to the chunk's position) through the row-copy kernel;
+    the result equals the torch path's."""
+    from sglang_vc.speccache import rope
+    from sglang_vc.speccache.store import ChunkHit, ChunkStore, ServerPlan
+
+    g = torch.Generator().manual_seed(5)
+    h, d, layers = 2, 8, 2
+    pool = {lid: (torch.randn(64, h, d, generator=g), torch.randn(64, h, d, generator=g)) for lid in range(layers)}
+    angles = torch.rand(d // 2, generator=g)
+    rotary = (lambda offset: (torch.cos(angles * offset), torch.sin(angles * offset)), True)
+    selected = torch.zeros(20, dtype=torch.bool)
+    selected[[1, 9, 12]] = True
+    hits = [ChunkHit(0, 8, 8, indices=torch.arange(40, 48)), ChunkHit(8, 10, 7, indices=torch.arange(50, 57))]
+    plan = ServerPlan("r", 20, (0, 8), (8, 18), selected, "speccache", 0.15, {}, [], hits=hits)
+    row = torch.arange(1, 21)  # the request's slots for positions 0..19
+
+    def fill():
+        bufs = {lid: (k.clone(), v.clone()) for lid, (k, v) in pool.items()}
+        reuse = ChunkStore._fill(plan, 0, 20, row, lambda l: bufs[l][0], lambda l: bufs[l][1], range(layers),
+                                     rotary)
+        return reuse, bufs
+
+    want_reuse, want = fill()
+    launches = stand_in_cuda()
+    got_reuse, got = fill()
+    assert torch.equal(got_reuse, want_reuse) and int(want_reuse.sum()) == 8 + 7 - 3
+    for lid in range(layers):
+        torch.testing.assert_close(got[lid][0], want[lid][0])
+        assert torch.equal(got[lid][1], want[lid][1])
+    # the second chunk's reused keys are its cached keys moved to position 8
+    k_moved = rope.shift(pool[0][0][torch.tensor([50, 52, 53, 55, 56])], 8, *rotary)
+    torch.testing.assert_close(got[0][0][row[[8, 10, 11, 13, 14]]], k_moved)
+    assert launches["copy_rows"] == 2 * 2 * layers  # K and V, two chunks, each layer
