@@ -5,7 +5,8 @@ over the same number of rows, per context length; JSON and a plot.
 
 Needs CUDA: the Triton interpreter that runs the kernels on a CPU says nothing about their
 speed. Each case also records the compiled kernel's largest deviation from the torch path
-(``max_abs_err``); the run writes its figures and then fails if one exceeds ``ERR_BOUND``. Cases (one decode query row per request, ``--batch`` requests, Llama-like heads):
+(``max_abs_err``); the run writes its figures and then fails if one exceeds ``ERR_BOUND``.
+Cases (one decode query row per request, ``--batch`` requests, Llama-like heads):
 
 * ``paged``: decode attention over a compressed node's kept rows through its index list;
 * ``kivi2``/``kivi1``: the payload dequantized inside the attention vs dequantize + attend;

@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from sglang_vc.bench import default_device
+from sglang_vc.bench import add_device_argument
 from sglang_vc.testing.server import ServerProcess
 
 LAUNCHERS = ("sglang", "sglang-vc")
@@ -273,8 +273,7 @@ def _ratios(runs: dict, levels: list[int]) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
-    parser.add_argument("--device", default=default_device(), choices=("cpu", "cuda"),
-                        help="where the servers run (default: cuda where torch sees a GPU, else cpu)")
+    add_device_argument(parser)
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     parser.add_argument("--requests", type=int, default=None,

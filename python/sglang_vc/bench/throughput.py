@@ -33,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_vc.bench import default_device
+from sglang_vc.bench import add_device_argument
 from sglang_vc.testing.server import ServerProcess
 
 
@@ -402,8 +402,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.throughput",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
-    parser.add_argument("--device", default=default_device(), choices=("cpu", "cuda"),
-                        help="where the servers run (default: cuda where torch sees a GPU, else cpu)")
+    add_device_argument(parser)
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
                         "vericache:streamingllm@0.25:4",

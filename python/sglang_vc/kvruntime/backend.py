@@ -14,6 +14,8 @@ attention: the prefill itself (and so the first output token) always sees the fu
 
 from __future__ import annotations
 
+import dataclasses
+
 import sgl_kernel_ext as ext
 import torch
 
@@ -25,8 +27,17 @@ from .names import NULL_SLOT
 from .runtime import get_runtime
 
 
+@dataclasses.dataclass
+class DecodeIndex:
+    """What every layer of one decode forward reads on the Triton path, built once."""
+
+    kv: ext.KVIndices  # each request's live pool rows
+    q_req: torch.Tensor  # [B] the request of each query row (0 .. B-1)
+    q_pos: torch.Tensor  # [B] each query's position (seq_len - 1)
+
+
 class VCTorchAttnBackend(TorchNativeAttnBackend):
-    decode_index: "ext.KVIndices | None" = None  # this decode forward's index lists (Triton path)
+    decode_index: "DecodeIndex | None" = None  # this decode forward's index lists (Triton path)
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -48,14 +59,15 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
                 and not any(e is not None and self._decodes_own(e) for e in batch.entries)):
             self.decode_index = self._build_decode_index(forward_batch, batch)
 
-    def _build_decode_index(self, forward_batch, batch) -> ext.KVIndices:
+    def _build_decode_index(self, forward_batch, batch) -> DecodeIndex:
         """Every request's live pool rows, ``[row_start, seq_len)`` of a compressed one and
         ``[0, seq_len)`` of the others: one index kernel for all layers of the forward
         (``req_to_token`` and the entries do not change between layers)."""
-        dev = forward_batch.seq_lens.device
-        starts = torch.tensor([0 if e is None else e.row_start for e in batch.entries], device=dev)
-        return ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                    starts, forward_batch.seq_lens, NULL_SLOT)
+        seq_lens = forward_batch.seq_lens
+        starts = torch.tensor([0 if e is None else e.row_start for e in batch.entries], device=seq_lens.device)
+        kv = ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                  starts, seq_lens, NULL_SLOT)
+        return DecodeIndex(kv, torch.arange(seq_lens.numel(), device=seq_lens.device), seq_lens.to(torch.int64) - 1)
 
     def _decodes_own(self, entry) -> bool:
         """Whether a subclass decodes this compressed request its own way
@@ -110,8 +122,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         bs = q_.shape[0]
         out, lse = ext.paged_attention(
             q_, self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
-            torch.arange(bs, device=q_.device), forward_batch.seq_lens.to(torch.int64) - 1,
-            idx.indptr, idx.indices, idx.positions, layer.scaling)
+            idx.q_req, idx.q_pos, idx.kv.indptr, idx.kv.indices, idx.kv.positions, layer.scaling)
         for i, entry in enumerate(self.runtime.batch.entries):
             payload = None if entry is None else self.runtime.packed_payload(entry, lid)
             if payload is not None and payload.num_tokens:

@@ -446,10 +446,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 entries[i] = entry
         if not entries:
             return None
-        kv_pool = self.runtime.kv_pool
-        layers = list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
-        return LayerwiseReload(self.copy_thread, entries, layers, self.device, on_failure=self._restore_full_kv,
-                               copy_stream=self.copy_stream)
+        return LayerwiseReload(self.copy_thread, entries, self._layer_ids(), self.device,
+                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
 
     def _restore_full_kv(self, entries) -> None:
         """A staged reload failed every retry (called from the verify forward, before the
