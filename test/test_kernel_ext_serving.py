@@ -10,7 +10,7 @@ import pytest
 
 from sglang_vc.kvruntime.reference import lossy_greedy_reference
 from sglang_vc.testing.client import generate
-from sglang_vc.testing.reference import compare
+from sglang_vc.testing.reference import compare, finish_type
 from sglang_vc.testing.server import ServerProcess
 
 pytestmark = pytest.mark.slow  # about 2 minutes: the interpreter runs every kernel in numpy
@@ -30,5 +30,5 @@ def test_kivi_serving_through_triton_kernels_equals_torch_path(model_dir, tokeni
     info = out["meta_info"]["sglang_vc_compression"][0]
     assert info["tokens_quantized"] > 0  # decoded from the 2-bit payload
     ref = lossy_greedy_reference(model_dir, ids, 8, "kivi", 2)
-    result = compare(ref, out["output_ids"])
+    result = compare(ref, out["output_ids"], finish_type(out))
     assert result.identical, f"wrong token at {result.wrong_token_at}: {out['output_ids']} vs {ref.tokens}"

@@ -21,7 +21,7 @@ from conftest import real_text_passages
 from sglang_vc.compress import num_kept
 from sglang_vc.compress.kivi import kivi_split
 from sglang_vc.testing.client import concurrently, generate
-from sglang_vc.testing.reference import compare
+from sglang_vc.testing.reference import compare, finish_type
 from sglang_vc.testing.server import ServerProcess
 
 RATIO = 0.25
@@ -246,7 +246,7 @@ def test_lossy_decoding_matches_offline_reference(lossy_server, model_dir, token
     key = "vc_compression_ratio" if isinstance(amount, float) else "vc_kv_bits"
     out = generate(lossy_server, ids, max_new, {"vc_compressor": method, key: amount})
     ref = lossy_greedy_reference(model_dir, ids, max_new, method, amount)
-    result = compare(ref, out["output_ids"])
+    result = compare(ref, out["output_ids"], finish_type(out))
     assert result.identical, f"wrong token at {result.wrong_token_at}: {out['output_ids']} vs {ref.tokens}"
     info = meta_of(out)
     if key == "vc_compression_ratio":

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from conftest import real_text_passages
-from sglang_vc.testing.reference import compare, greedy_reference
+from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 
 MAX_NEW = 32
 
@@ -21,7 +21,7 @@ def test_greedy_matches_transformers(server, model_dir, tokenizer):
         ids = tokenizer(text)["input_ids"]
         out = server.generate(input_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True)
         ref = greedy_reference(model_dir, ids, MAX_NEW)
-        result = compare(ref, out["output_ids"])
+        result = compare(ref, out["output_ids"], finish_type(out))
         assert result.identical, (
             f"wrong token at step {result.wrong_token_at}: server {out['output_ids']} "
             f"vs reference {ref.tokens}"

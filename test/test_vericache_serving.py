@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from conftest import real_text_passages
-from sglang_vc.testing.client import concurrently, generate, stream_with_pool_snapshot
-from sglang_vc.testing.reference import compare, greedy_reference
+from sglang_vc.testing.client import concurrently, generate, stream_generate, stream_with_pool_snapshot
+from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
 
 RATIO = 0.25
@@ -125,15 +125,24 @@ def test_vericache_rejects_online_compressor():
 
 
 def _check_identical(server, vc, model_dir, ids_list, max_new, custom=None):
-    """Same tokens as the plain (full-KV) server; where they differ, the divergence must
-    be at a near-tie of the full-KV reference (docs/architecture.md, "identical output")."""
-    full = concurrently(lambda ids: generate(server, ids, max_new)["output_ids"], [(i,) for i in ids_list])
+    """VERICACHE's outputs on ``ids_list``, sent concurrently, checked by
+    :func:`_assert_identical`."""
     outs = concurrently(lambda ids: generate(vc, ids, max_new, custom), [(i,) for i in ids_list])
-    for ids, ref, out in zip(ids_list, full, outs):
-        if out["output_ids"] != ref:
-            result = compare(greedy_reference(model_dir, ids, max_new), out["output_ids"])
-            assert result.identical, (len(ids), custom, result, out["output_ids"], ref)
+    _assert_identical(server, model_dir, ids_list, outs, max_new, custom)
     return outs
+
+
+def _assert_identical(server, model_dir, ids_list, outs, max_new, custom=None):
+    """Same tokens, length and finish reason as the plain (full-KV) server; where the
+    tokens differ, the divergence must be at a near-tie of the full-KV reference
+    (docs/architecture.md, "identical output")."""
+    full = concurrently(lambda ids: generate(server, ids, max_new), [(i,) for i in ids_list])
+    for ids, ref, out in zip(ids_list, full, outs):
+        assert finish_type(out) == finish_type(ref) == "length", (out["meta_info"], ref["meta_info"])
+        assert len(out["output_ids"]) == len(ref["output_ids"]) == max_new, (len(out["output_ids"]), max_new)
+        if out["output_ids"] != ref["output_ids"]:
+            result = compare(greedy_reference(model_dir, ids, max_new), out["output_ids"], finish_type(out))
+            assert result.identical, (len(ids), custom, result, out["output_ids"], ref["output_ids"])
 
 
 # A token-dropping drafter and KIVI 2-bit, in the default run: prompts of 300 and 400
@@ -188,6 +197,51 @@ def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4,
 
 def _trace(server) -> list[dict]:
     return [json.loads(line) for line in server.trace_path.read_text().splitlines()]
+
+
+def test_full_kv_requests_before_drafters_in_one_batch(server, model_dir, tokenizer, vc4):
+    """Two requests that opt out of compression (``vc_compressor: none``: they decode
+    from their full KV, role ``full``) are decoding when two compressed ones join the
+    batch behind them, so iterations have full-KV requests *before* drafting ones and,
+    with X = 4, often no verifier. Every output equals the plain server's (tokens, length,
+    finish reason), and the trace shows such an iteration: the one-token forward of
+    drafters and full-KV requests must keep each request's own token, position and slot."""
+    import threading
+
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    full_ids = [stream[0:200], stream[1000:1250]]
+    spec_ids = [stream[2000:2300], stream[3000:3350]]
+    assert [len(ids) for ids in full_ids + spec_ids] == [200, 250, 300, 350]
+    started = [threading.Event() for _ in full_ids]
+    full_outs: dict[int, dict] = {}
+    start = len(_trace(vc4))
+
+    def run_full(k):
+        full_outs[k] = stream_generate(vc4, full_ids[k], 64, {"vc_compressor": "none"}, started[k])
+
+    threads = [threading.Thread(target=run_full, args=(k,)) for k in range(len(full_ids))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(600) for e in started)  # both decode before the compressed ones arrive
+    spec_outs = concurrently(lambda ids: generate(vc4, ids, 24), [(ids,) for ids in spec_ids])
+    for t in threads:
+        t.join(900)
+    _assert_identical(server, model_dir, full_ids, [full_outs[k] for k in range(len(full_ids))], 64)
+    _assert_identical(server, model_dir, spec_ids, spec_outs, 24)
+
+    full_rids = {full_outs[k]["meta_info"]["id"] for k in full_outs}
+    spec_rids = {out["meta_info"]["id"] for out in spec_outs}
+    ordered = 0
+    for rec in _trace(vc4)[start:]:
+        roles = [(r["rid"], r["role"]) for r in rec["requests"]]
+        if any(role == "verify" for _, role in roles):
+            continue
+        first_draft = next((i for i, (rid, role) in enumerate(roles) if role == "draft" and rid in spec_rids), None)
+        if first_draft is not None and any(rid in full_rids and role == "full" for rid, role in roles[:first_draft]):
+            ordered += 1
+    assert ordered >= 1, "no iteration had a full-KV request before a drafter and no verifier"
+    infos = [out["meta_info"][META][-1] for out in spec_outs]
+    assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos  # really lossy drafts
 
 
 @pytest.mark.slow  # the default run's VERICACHE identity test already runs staggered
@@ -367,10 +421,7 @@ def vc_constrained(tmp_path_factory):
 
 
 def _identical_to_full(server, model_dir, ids, out, n):
-    ref = generate(server, ids, n)["output_ids"]
-    if out["output_ids"] != ref:
-        cmp = compare(greedy_reference(model_dir, ids, n), out["output_ids"])
-        assert cmp.identical, (cmp, out["output_ids"], ref)
+    _assert_identical(server, model_dir, [ids], [out], n)
 
 
 @pytest.mark.slow  # a server of its own

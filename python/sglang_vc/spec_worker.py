@@ -91,8 +91,17 @@ class ChainSpecWorker(BaseSpecWorker):
                                 accept_tokens=accept_tokens, accept_lens=accept_lens)
 
     def sub_batch(self, batch, indices: list[int]):
-        """The requests ``indices`` of the batch, as a batch of their own (SGLang's
-        ``filter_batch`` on a shallow copy; the sampling info is copied, not shared)."""
+        """The requests ``indices`` of the batch, as a batch of their own, in batch order
+        (SGLang's ``filter_batch`` on a shallow copy; the sampling info is copied, not
+        shared).
+
+        ``indices`` must be strictly increasing: ``filter_batch`` returns the batch
+        unchanged when asked to keep as many requests as it has, so a whole-batch
+        permutation would silently come back in batch order, each request then forwarded
+        with another's token, position and slot. Callers order their rows by batch index."""
+        indices = list(indices)
+        if any(a >= b for a, b in zip(indices, indices[1:])) or (indices and not 0 <= indices[0] <= indices[-1] < len(batch.reqs)):
+            raise ValueError(f"sub_batch indices must be strictly increasing batch indices, got {indices}")
         sub = copy.copy(batch)
         sub.sampling_info = copy.copy(batch.sampling_info)
         if sub.sampling_info is not None and sub.sampling_info.penalizer_orchestrator is None:
@@ -100,7 +109,7 @@ class ChainSpecWorker(BaseSpecWorker):
             # refuse penalties at the API), so there is nothing to filter there
             sub.sampling_info.penalizer_orchestrator = _NoPenalties()
         sub.spec_info = None
-        sub.filter_batch(keep_indices=list(indices))
+        sub.filter_batch(keep_indices=indices)
         return sub
 
     def forward_sub(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info) -> torch.Tensor:

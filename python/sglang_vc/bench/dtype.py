@@ -35,13 +35,13 @@ def log(msg: str) -> None:
 
 
 def agreement(server: ServerProcess, model_dir: str, prompts: list[list[int]], max_new: int) -> dict:
-    from sglang_vc.testing.reference import compare, greedy_reference
+    from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 
     matched = compared = 0
     first_divergence = []
     for ids in prompts:
         out = server.generate(input_ids=ids, max_new_tokens=max_new, ignore_eos=True)
-        result = compare(greedy_reference(model_dir, ids, max_new), out["output_ids"])
+        result = compare(greedy_reference(model_dir, ids, max_new), out["output_ids"], finish_type(out))
         matched += result.matched
         compared += max_new
         first_divergence.append(None if result.matched == max_new else result.matched)

@@ -129,7 +129,8 @@ def generate(url: str, ids: list[int], max_new: int) -> dict:
     r.raise_for_status()
     out = r.json()
     return {"output_ids": out["output_ids"], "latency_s": time.perf_counter() - start,
-            "completion_tokens": out["meta_info"]["completion_tokens"]}
+            "completion_tokens": out["meta_info"]["completion_tokens"],
+            "finish_reason": out["meta_info"]["finish_reason"]["type"]}
 
 
 def counters(url: str) -> dict:
@@ -176,6 +177,7 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
         "mean_latency_s": statistics.mean(o["latency_s"] for o in outs),
         **sampler.summary(), "counters": got,
         "output_ids": [o["output_ids"] for o in outs],
+        "finish_reasons": [o["finish_reason"] for o in outs],
     }
     vc = got.get("vericache", {})
     if vc.get("verify_rounds"):
@@ -483,7 +485,9 @@ def main(argv=None) -> int:
     base = rows[0]
     for row in rows:
         row["ratio_to_full"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["identical_to_full"] = sum(a == b for a, b in zip(row["output_ids"], base["output_ids"]))
+        # the same tokens (so the same length) and the same finish reason
+        row["identical_to_full"] = sum(a == b for a, b in zip(zip(row["output_ids"], row["finish_reasons"]),
+                                                              zip(base["output_ids"], base["finish_reasons"])))
         row["identical"] = row["identical_to_full"]
         row["requests"] = len(row["output_ids"])
         row["batch_mean"], row["batch_max"] = row["mean_running"], row["max_running"]
@@ -501,13 +505,13 @@ def main(argv=None) -> int:
         "measured_parameters": {"weights_bytes": weights, "kv_bytes_per_token": kv_per_token,
                                 "kv_full_bytes_per_request": ctx * kv_per_token,
                                 "memory_bandwidth_bytes_per_s": bw},
-        "results": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows],
+        "results": [{k: v for k, v in r.items() if k not in ("output_ids", "finish_reasons")} for r in rows],
         "appendix_b1_prediction": pred,
         "gpu_prediction": gpu_prediction(rows, args.predict_gpu) if args.predict_gpu else None,
         "definitions": {
             "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
             "mean_running": "mean of sglang:num_running_reqs over /metrics samples (every 0.25 s) while non-zero",
-            "identical_to_full": "requests whose output_ids equal the full-KV server's exactly",
+            "identical_to_full": "requests whose output_ids (so length) and finish reason equal the full-KV server's exactly",
             "appendix_b1_prediction": "perf_model.predict_from_hardware with the measured acceptance length, "
             "memory bandwidth as both BW_hbm and BW_inter, GPU_mem = weights + KV pool; memory-bound model",
         },

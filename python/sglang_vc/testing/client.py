@@ -64,3 +64,30 @@ def stream_with_pool_snapshot(server, ids, max_new, custom_params=None, after_to
                 gauge = info["sglang_vc"]["counters"]["kv_pool"]
     assert last is not None and gauge is not None, "the stream ended before the gauge was read"
     return last, gauge
+
+
+def stream_generate(server, ids, max_new, custom_params=None, first_token=None, timeout: float = 900) -> dict:
+    """A streamed greedy ``/generate`` (EOS ignored); sets the ``first_token`` event once
+    the first token has come out (the request is then decoding). Returns the last chunk,
+    which holds every output id and the finish reason."""
+    import json
+
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    if custom_params is not None:
+        params["custom_params"] = custom_params
+    last = None
+    try:
+        with requests.post(server.url + "/generate", json={"input_ids": ids, "stream": True,
+                           "sampling_params": params}, stream=True, timeout=timeout) as r:
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                last = json.loads(line[5:])
+                if first_token is not None:
+                    first_token.set()
+    finally:
+        if first_token is not None:
+            first_token.set()
+    assert last is not None, "the stream ended before its first token"
+    return last

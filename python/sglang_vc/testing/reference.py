@@ -1,5 +1,6 @@
 """Full-KV reference decoding with HF transformers, and the token-by-token comparison
-that the project calls *identical output* (docs/architecture.md, "Definitions").
+that the project calls *identical output* (docs/architecture.md, "Definitions"): the same
+tokens, the same length and the same finish reason.
 
 A divergence from the reference is allowed only at a near-tie of the reference: the
 top-2 logit gap at that step is below ``NEAR_TIE_REL`` of the top logit. It is counted
@@ -22,6 +23,7 @@ class Reference:
     tokens: list[int]
     top2_gaps: list[float]  # logit(top1) - logit(top2) at each step
     top_logits: list[float]
+    finish_reason: str = "length"  # decoded to max_new_tokens, EOS ignored (as the server is asked)
 
     def is_near_tie(self, step: int) -> bool:
         return self.top2_gaps[step] < NEAR_TIE_REL * abs(self.top_logits[step])
@@ -33,10 +35,21 @@ class Comparison:
     compared: int
     near_tie_divergence: bool  # diverged, at a near-tie of the reference
     wrong_token_at: int | None  # diverged NOT at a near-tie: a real error
+    length: tuple[int, int] = (0, 0)  # (reference, output) token counts
+    finish_reason: tuple[str, str | None] = ("length", "length")  # (reference, output)
 
     @property
     def identical(self) -> bool:
-        return self.wrong_token_at is None
+        """Same tokens (up to a counted near-tie divergence), same length, same finish
+        reason: a truncated or aborted output that is a prefix of the reference is not."""
+        return (self.wrong_token_at is None and self.length[0] == self.length[1]
+                and self.finish_reason[0] == self.finish_reason[1])
+
+
+def finish_type(out: dict) -> str | None:
+    """The finish reason's type (``length``, ``stop``, ``abort``) of a ``/generate`` reply."""
+    reason = out.get("meta_info", {}).get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else reason
 
 
 @lru_cache(maxsize=2)
@@ -70,10 +83,12 @@ def greedy_reference(model_dir: str, input_ids: list[int], max_new_tokens: int,
     return Reference(tokens, gaps, tops)
 
 
-def compare(reference: Reference, tokens: list[int]) -> Comparison:
+def compare(reference: Reference, tokens: list[int], finish_reason: str | None) -> Comparison:
+    """``tokens`` (an output that finished with ``finish_reason``) against the reference."""
     n = min(len(reference.tokens), len(tokens))
+    shape = {"length": (len(reference.tokens), len(tokens)), "finish_reason": (reference.finish_reason, finish_reason)}
     for i in range(n):
         if reference.tokens[i] != tokens[i]:
             near_tie = reference.is_near_tie(i)
-            return Comparison(i, n, near_tie, None if near_tie else i)
-    return Comparison(n, n, False, None)
+            return Comparison(i, n, near_tie, None if near_tie else i, **shape)
+    return Comparison(n, n, False, None, **shape)

@@ -330,7 +330,7 @@ class VeriCacheWorker(ChainSpecWorker):
             if slot.track.full or self._fall_back(slot.track):
                 full.append(slot)
         drafters = plan.of(Role.DRAFT)
-        verifiers = plan.of(Role.VERIFY)
+        verifiers = plan.of(Role.VERIFY)  # in batch order, as plan.slots
 
         phases = {"plan_s": time.perf_counter() - started}
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)
@@ -340,7 +340,7 @@ class VeriCacheWorker(ChainSpecWorker):
 
         # 1. one decode forward: a draft token for the speculating requests, the next
         # (exact) token for those decoding from their full device KV
-        one = drafters + full
+        one = sorted(drafters + full, key=lambda s: s.index)  # batch order: see sub_batch
         mark = time.perf_counter()
         if one:
             idx = [s.index for s in one]
