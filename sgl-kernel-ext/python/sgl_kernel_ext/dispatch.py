@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +23,29 @@ ENV = "SGL_KERNEL_EXT_BACKEND"
 
 # Triton launches per kernel name (tests read it to prove the kernel path was taken).
 launches: Counter = Counter()
+
+
+class Launch(NamedTuple):
+    """One kernel launch as a wrapper made it: what :mod:`.aot` compiles for a GPU."""
+
+    name: str
+    kernel: object  # the @triton.jit function
+    args: tuple
+    kwargs: dict
+
+
+_recorders: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect every :func:`launch` made inside the block (they still run)."""
+    out: list[Launch] = []
+    _recorders.append(out)
+    try:
+        yield out
+    finally:
+        _recorders.remove(out)
 
 
 class Backend(enum.Enum):
@@ -73,6 +97,8 @@ def _interpreted_fn(fn):
 def launch(name: str, kernel, grid, *args, **kwargs) -> None:
     """Launch a ``@triton.jit`` kernel; on CPU tensors through Triton's interpreter."""
     launches[name] += 1
+    for out in _recorders:
+        out.append(Launch(name, kernel, args, dict(kwargs)))
     device_tensor = next(a for a in args if isinstance(a, torch.Tensor))
     if launches[name] == 1:
         logger.info("sgl-kernel-ext: Triton kernel %s on %s", name,

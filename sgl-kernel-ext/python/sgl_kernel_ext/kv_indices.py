@@ -45,13 +45,15 @@ def _count_kernel(req_to_token, stride_row, rows, starts, ends, counts, null_slo
     row = tl.load(rows + b).to(tl.int64)
     start = tl.load(starts + b)
     end = tl.load(ends + b)
-    total = 0
+    # per-lane int64 counts, summed once (a loop-carried scalar must keep one type: an
+    # int32 ``0`` plus an int64 sum does not compile)
+    live = tl.zeros([BLOCK], dtype=tl.int64)
     for n0 in range(start, end, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         mask = offs < end
         slot = tl.load(req_to_token + row * stride_row + offs, mask=mask, other=null_slot)
-        total += tl.sum((slot != null_slot).to(tl.int64), axis=0)
-    tl.store(counts + b, total)
+        live += (slot != null_slot).to(tl.int64)
+    tl.store(counts + b, tl.sum(live, axis=0))
 
 
 @triton.jit
