@@ -185,6 +185,39 @@ def test_late_prefetch_is_waited_for_and_counted(monkeypatch):
     assert torch.equal(rows.v[0, 2], v[9, 2]) and {"prefetch_stalls": 1} in seen
 
 
+def test_prefetch_copies_on_its_own_stream_and_the_step_waits():
+    """On an accelerator a prefetch copies on the copy stream, after the step that picked
+    its rows (the copy stream waits on an event recorded on the compute stream), and the
+    step that reads the rows waits on the copy's event first; the rows are
+    ``record_stream``ed on the reading stream."""
+    from sglang_vc.kvruntime import CopyStream
+    from sglang_vc.testing.streams import StandInStreams
+
+    host, k, v = _store()
+    fake = StandInStreams()
+    stream = CopyStream("cpu", module=fake)
+    kept = []
+    stream.keep_alive = lambda t, s: kept.append(t)
+    copied_on = []
+
+    def fetch(*args):
+        copied_on.append(fake.inside())
+        return host.gather(*args)
+
+    pre = Prefetcher(host, "cpu", fetch=fetch, copy_stream=stream)
+    pos = torch.tensor([[7], [8], [9]])
+    pre.start("r", 5, pos)
+    rows = pre.take("r", 5)
+    assert copied_on == ["copy"]
+    kinds = [kind for kind, _ in fake.log]
+    assert kinds == ["record", "copy-wait", "record", "wait"], fake.log
+    (_, mark), (_, waited_by_copy), (_, done), (_, waited_by_step) = fake.log
+    assert mark.stream == "compute" and waited_by_copy is mark  # the copy follows the top-k
+    assert done.stream == "copy" and waited_by_step is done  # the step follows the copy
+    assert any(t is rows.k for t in kept) and any(t is rows.v for t in kept)
+    assert torch.equal(rows.v[0, 2], v[9, 2])
+
+
 def test_per_request_settings(sc, model_dir, tokenizer):
     """A request may take the other bit width and its own top-k (served as the lab
     simulates that configuration), or opt out (full-KV tokens); any other compression,

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from sglang_vc.kvruntime import CopyStream
+from sglang_vc.testing.streams import StandInStreams
 from sglang_vc.vericache import reload as reload_mod
 from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
 
@@ -150,47 +152,13 @@ def test_kept_rows_before_the_span_leave_the_full_rows():
     assert store.get("a", 5).span(0).kept is None and store.get("a", 5).k[0].shape[0] == 8
 
 
-class _StandInStreams:
-    """A stand-in for ``torch.cuda`` (no GPU here): records which thread copied under
-    which stream, which events the consumer waited on, and which tensors it kept alive."""
-
-    def __init__(self):
-        import threading
-
-        self.local = threading.local()
-        self.log = []
-
-    def Stream(self, device):  # noqa: N802 - the torch.cuda name
-        return types.SimpleNamespace(name="copy", record_event=lambda: self._event())
-
-    def _event(self):
-        event = types.SimpleNamespace(layer_copied=getattr(self.local, "inside", None))
-        self.log.append(("record", event))
-        return event
-
-    def stream(self, s):
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
-            self.local.inside = s.name
-            try:
-                yield
-            finally:
-                self.local.inside = None
-        return ctx()
-
-    def current_stream(self):
-        return types.SimpleNamespace(wait_event=lambda e: self.log.append(("wait", e)))
-
-
 def test_reload_copies_on_its_own_stream_and_the_consumer_waits():
     """On an accelerator each layer is copied on the copy stream and the consumer's
     stream waits on that layer's event before the rows are returned."""
     store, full = _filled_store()
-    fake = _StandInStreams()
+    fake = StandInStreams()
     kept = []
-    stream = reload_mod.CopyStream("cpu", module=fake)
+    stream = CopyStream("cpu", module=fake)
     stream.keep_alive = lambda t, s: kept.append(t)
     with ThreadPoolExecutor(1) as pool:
         rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu", copy_stream=stream)
@@ -203,4 +171,4 @@ def test_reload_copies_on_its_own_stream_and_the_consumer_waits():
     waits = [e for kind, e in fake.log if kind == "wait"]
     records = [e for kind, e in fake.log if kind == "record"]
     assert len(waits) == len(LAYERS) and all(any(w is r for r in records) for w in waits)
-    assert reload_mod.CopyStream("cpu").stream is None  # the CPU: no stream, no wait
+    assert CopyStream("cpu").stream is None  # the CPU: no stream, no wait

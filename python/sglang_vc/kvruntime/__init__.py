@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 from .names import ATTENTION_BACKEND, META_INFO_KEY, NULL_SLOT, RADIX_CACHE_BACKEND, REQUEST_KEYS
 
 if TYPE_CHECKING:  # the heavy modules load when SGLang builds a backend
+    from .copy_stream import CopyStream
     from .index import CompressedKVIndex, QuantPayload
     from .plan import CompressionSpec, RequestPlan
     from .runtime import KVRuntime
@@ -67,6 +68,7 @@ __all__ = [
     "REQUEST_KEYS",
     "CompressedKVIndex",
     "CompressionSpec",
+    "CopyStream",
     "KVRuntime",
     "QuantPayload",
     "RequestPlan",
@@ -78,6 +80,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "CopyStream": ".copy_stream",
     "CompressedKVIndex": ".index",
     "QuantPayload": ".index",
     "CompressionSpec": ".plan",

@@ -4,7 +4,9 @@ thread that prefetches the rows each step picked.
 A request's host copy holds, per layer, the full-precision K/V of every row position its
 device copy has quantized (``[0, n_q)``; the prompt's part arrives at the prefill, each
 tail group as decode quantizes it). On CUDA the tensors are pinned so that the copy is
-asynchronous; the copy thread plays the role of the paper's copy stream.
+asynchronous; the copy thread issues it on a stream of its own (the paper's copy stream,
+:class:`~sglang_vc.kvruntime.CopyStream`), after the step that picked the rows, and the
+step that reads them waits on the copy's event.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from sglang_vc import stats
+from sglang_vc.kvruntime import CopyStream
 
 from .core import Rows
 from .names import STATS
@@ -116,15 +119,20 @@ class Prefetcher:
     layer attends over the low-bit copy alone (``fetch_failures``): still SpeCache's
     output, without that layer's correction, and the request goes on."""
 
-    def __init__(self, host: HostKVStore, device, fetch: Optional[Callable] = None):
+    def __init__(self, host: HostKVStore, device, fetch: Optional[Callable] = None,
+                 copy_stream: Optional[CopyStream] = None):
         self.host = host
         self.device = device
         self.fetch = fetch or host.gather  # tests inject failures here
+        self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-prefetch")
         self.pending: dict[tuple[str, int], tuple[Future, torch.Tensor]] = {}
 
     def start(self, rid: str, layer_id: int, positions: torch.Tensor) -> None:
-        fut = self.thread.submit(self.fetch, rid, layer_id, positions, self.device)
+        # the copy reads ``positions``, computed by the work queued so far on this stream
+        ready = self.copy_stream.mark()
+        fut = self.thread.submit(self.copy_stream.copy,
+                                 lambda: self.fetch(rid, layer_id, positions, self.device), ready)
         self.pending[(rid, layer_id)] = (fut, positions)
 
     def take(self, rid: str, layer_id: int) -> Optional[Rows]:
@@ -136,8 +144,8 @@ class Prefetcher:
         if not fut.done():
             stats.add(STATS, prefetch_stalls=1)
         try:
-            return fut.result()
-        except Exception as exc:  # a failed copy: the slower correct path
+            rows, event = fut.result()
+        except Exception as exc:  # a failed copy: the slower correct path (on this stream)
             logger.warning("SPECACHE: prefetch of request %s layer %d failed (%s); fetching synchronously",
                            rid, layer_id, exc)
             stats.add(STATS, sync_fetches=1)
@@ -148,6 +156,8 @@ class Prefetcher:
                                "low-bit copy alone this step", exc2, layer_id)
                 stats.add(STATS, fetch_failures=1)
                 return None
+        self.copy_stream.wait(event, (rows.k, rows.v))  # landed before this step reads them
+        return rows
 
     def forget(self, rid: str) -> None:
         for key in [k for k in self.pending if k[0] == rid]:

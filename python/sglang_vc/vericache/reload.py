@@ -27,6 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
+from sglang_vc.kvruntime import CopyStream
+
 logger = logging.getLogger(__name__)
 
 SYNC_RETRIES = 2
@@ -184,10 +186,6 @@ class HostKVStore:
         for rid in [r for r in self.entries if r not in live_rids]:
             self.reserved_bytes -= self.entries.pop(rid).reserved
 
-    def nbytes(self) -> int:
-        """Bytes staged so far (each layer once, retries included)."""
-        return self.staged_bytes
-
 
 def measure_bandwidth(device, nbytes: int = 32 << 20, repeats: int = 3) -> float:
     """Host-to-device copy bandwidth (bytes/s), the best of ``repeats`` copies of
@@ -228,46 +226,6 @@ class _FaultInjector:
 
 
 _faults = _FaultInjector()
-
-
-class CopyStream:
-    """Where the copy thread's host-to-device copies run. On an accelerator: a stream of
-    their own, so that a layer's copy overlaps the attention of the layer before it on the
-    compute stream instead of queuing behind it (a thread that names no stream uses the
-    default one, the compute stream's); the consumer's stream waits on the copy's event
-    before it reads the rows. On the CPU there is no stream: a copy is done when it returns.
-    """
-
-    def __init__(self, device, module=None):
-        dev = torch.device(device)
-        self.module = module if module is not None else (
-            None if dev.type in ("cpu", "meta") else torch.get_device_module(dev))
-        self.stream = None if self.module is None else self.module.Stream(dev)
-
-    def copy(self, fn: Callable[[], dict]):
-        """``(fn(), event)``: run ``fn``'s copies on the copy stream; the event marks their end."""
-        if self.stream is None:
-            return fn(), None
-        with self.module.stream(self.stream):
-            out = fn()
-            event = self.stream.record_event()
-        return out, event
-
-    def wait(self, event, staged: dict) -> None:
-        """Make the consumer's stream wait for the copies, and keep their memory from being
-        reused by the copy stream while the consumer still reads it."""
-        if event is None:
-            return
-        current = self.module.current_stream()
-        current.wait_event(event)
-        for span in staged.values():
-            for t in (span.k, span.v, span.kept, span.dropped):
-                if t is not None:
-                    self.keep_alive(t, current)
-
-    @staticmethod
-    def keep_alive(t: torch.Tensor, stream) -> None:
-        t.record_stream(stream)
 
 
 class ReloadFailed(RuntimeError):
@@ -339,7 +297,8 @@ class LayerwiseReload:
         if self.gave_up or staged is None:
             return {}
         spans, event = staged
-        self.copy_stream.wait(event, spans)
+        self.copy_stream.wait(event, (t for span in spans.values()
+                                      for t in (span.k, span.v, span.kept, span.dropped)))
         return spans
 
     def _retry(self, layer_id: int, exc: Exception):

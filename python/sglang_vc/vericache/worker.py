@@ -60,12 +60,12 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import get_runtime
+from sglang_vc.kvruntime import CopyStream, get_runtime
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
 from .names import META_INFO_KEY
-from .reload import CopyStream, HostKVStore, LayerwiseReload, measure_bandwidth
+from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
