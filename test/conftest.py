@@ -33,3 +33,33 @@ def server(model_dir, tmp_path_factory):
     proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", "20000"], log_path=log)
     yield proc
     proc.stop()
+
+
+def bad_token_requests(vocab_size: int) -> dict[str, tuple[str, dict, str]]:
+    """Requests whose token ids are not tokens of the model (or whose ``custom_params`` is
+    not an object), each ``(path, body, text the 400 must name)``: every server mode
+    refuses them before the scheduler sees them."""
+    greedy = {"max_new_tokens": 2, "temperature": 0}
+    return {
+        "huge-id": ("/generate", {"input_ids": [1, 2, 1_000_000_000], "sampling_params": greedy}, "1000000000"),
+        "negative-id": ("/generate", {"input_ids": [-3, 5], "sampling_params": greedy}, "-3"),
+        "vocab-size-id": ("/generate", {"input_ids": [5, vocab_size], "sampling_params": greedy}, str(vocab_size)),
+        "batch-id": ("/generate", {"input_ids": [[5, 6], [7, vocab_size + 9]], "sampling_params": greedy},
+                     str(vocab_size + 9)),
+        "completion-token-prompt": ("/v1/completions", {"model": "default", "prompt": [5, 6, -1], "max_tokens": 2},
+                                    "-1"),
+        "custom-params-not-object": ("/generate", {"text": "Hello", "sampling_params": {
+            **greedy, "custom_params": "vc_compressor=none"}}, "custom_params"),
+    }
+
+
+def assert_refused_then_serves(server, path: str, body: dict, needle: str) -> None:
+    """The request gets a 400 that names ``needle``, and the server answers the next one."""
+    import requests
+
+    r = requests.post(server.url + path, json=body, timeout=120)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert needle in r.text, r.text
+    ok = requests.post(server.url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, timeout=300)
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3, ok.text

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import real_text_passages
+from conftest import assert_refused_then_serves, bad_token_requests, real_text_passages
 from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 
 MAX_NEW = 32
@@ -159,3 +160,15 @@ def test_bad_request_gets_4xx_and_server_keeps_serving(server, payload, raw):
     assert r.text.strip(), "the error must carry a message"
     ok = server.generate(text="The capital of France is", max_new_tokens=4)
     assert len(ok["output_ids"]) == 4
+
+
+VOCAB = 49152  # smollm2-135m
+
+
+@pytest.mark.parametrize("case", list(bad_token_requests(VOCAB)))
+def test_token_ids_outside_the_vocabulary_are_http_400(server, model_dir, case):
+    """An id outside ``[0, vocab_size)`` used to reach the embedding lookup and kill the
+    scheduler; it is refused with a 400 naming it, and the server keeps serving."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    assert cfg["vocab_size"] == VOCAB
+    assert_refused_then_serves(server, *bad_token_requests(VOCAB)[case])

@@ -19,7 +19,7 @@ from sglang_vc.speccache import layout
 from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
 from sglang_vc.testing.server import ServerProcess
 
-from conftest import real_text_passages
+from conftest import assert_refused_then_serves, real_text_passages
 
 N = 8  # answer tokens compared
 
@@ -176,6 +176,14 @@ def test_bad_chunk_requests_are_400(rag, text, custom, message):
     r = _generate(rag, {"text": text}, n=1, **custom)
     assert r.status_code == 400, r.text
     assert message in r.text
+
+
+def test_chunked_prompt_with_an_id_outside_the_vocabulary_is_400(rag, tokenizer):
+    """A SpecCache prompt given as token ids is decoded to find its chunks: an id that is
+    not a token of the model is refused before that, naming it."""
+    ids = tokenizer(_prompt(*_pieces("oov")))["input_ids"] + [len(tokenizer) + 10**6]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert_refused_then_serves(rag, "/generate", body, str(len(tokenizer) + 10**6))
 
 
 def test_logprobs_and_bad_registrations_are_400(rag):

@@ -17,7 +17,7 @@ import sys
 import pytest
 import requests
 
-from conftest import real_text_passages
+from conftest import assert_refused_then_serves, bad_token_requests, real_text_passages
 from sglang_vc.testing.client import concurrently, generate, stream_generate, stream_with_pool_snapshot
 from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
@@ -500,6 +500,11 @@ def test_unsupported_parameter_is_http_400(server, vc4, name):
     assert name in r.text and "VERICACHE" in r.text, r.text
     if name in ("frequency_penalty", "return_logprob"):  # VERICACHE's refusal, not SGLang's
         assert requests.post(server.url + "/generate", json=body, timeout=120).status_code == 200
+
+
+@pytest.mark.parametrize("case", ["huge-id", "negative-id", "completion-token-prompt", "custom-params-not-object"])
+def test_token_ids_outside_the_vocabulary_are_http_400(vc4, case):
+    assert_refused_then_serves(vc4, *bad_token_requests(49152)[case])
 
 
 def test_unsupported_parameter_is_http_400_on_the_openai_api(vc4):

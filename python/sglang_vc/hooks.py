@@ -73,9 +73,11 @@ def _check_sampling_params(result, *args, **kwargs):
     not read, would reach the scheduler, which cannot
     reject a request, and be served with something else than asked."""
     from sglang_vc.kvruntime.admission import check_sampling_params
+    from sglang_vc.request_checks import check_custom_params
     from sglang_vc.specache.requests import check_sampling_params as check_specache
     from sglang_vc.vericache.requests import check_sampling_params as check_vericache
 
+    check_custom_params(getattr(args[0], "custom_params", None))
     check_sampling_params(args[0])
     check_vericache(args[0])
     check_specache(args[0])
@@ -83,12 +85,17 @@ def _check_sampling_params(result, *args, **kwargs):
 
 
 def _check_request(result, *args, **kwargs):
-    """The request-level options (``return_logprob``, a custom logit processor) are not
-    sampling parameters; ``_validate_one_request`` is where SGLang refuses a request
-    with a 400, and where VERICACHE refuses those it cannot honour."""
+    """``_validate_one_request`` is where SGLang refuses a request with a 400, once its
+    prompt is token ids; it checks their number but not their values, and an id outside
+    the vocabulary kills the scheduler (:mod:`sglang_vc.request_checks`). The
+    request-level options (``return_logprob``, a custom logit processor) are not sampling
+    parameters; VERICACHE refuses here those it cannot honour."""
+    from sglang_vc.request_checks import check_token_ids
     from sglang_vc.vericache.requests import check_request
 
-    check_request(args[1])  # (self, obj, input_ids)
+    tokenizer_manager, obj, input_ids = args[:3]
+    check_token_ids(input_ids, tokenizer_manager.model_config.vocab_size)
+    check_request(obj)
     return result
 
 

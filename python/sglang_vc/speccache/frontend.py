@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from sglang_vc import stats
+from sglang_vc.request_checks import check_token_ids
 
 from . import layout
 from .align import align
@@ -104,6 +105,8 @@ class Frontend:
         if isinstance(obj.text, str):
             return obj.text
         if obj.input_ids is not None and self.tm.tokenizer is not None and obj.input_embeds is None:
+            # ids are decoded to find the chunk marks: refuse what is not a token first
+            check_token_ids(obj.input_ids, self.tm.model_config.vocab_size)
             return self.tm.tokenizer.decode(obj.input_ids)
         return None
 
