@@ -535,3 +535,45 @@ def test_monotone_profile_pools_violators_per_method():
     for fam in ("knorm", "kivi"):
         cfgs = sorted((c for c in m if c.method == fam), key=lambda c: c.size_fraction)
         assert all(m[a] <= m[b] for a, b in zip(cfgs, cfgs[1:]))
+
+
+def test_digest_of_kv_in_any_dtype():
+    """``device_digest`` hashes the raw bytes of K and V: bfloat16 (which numpy lacks)
+    works, equal tensors agree and one changed element does not."""
+    import torch
+
+    from sglang_vc.evicpress.codec import FullKV
+    from sglang_vc.evicpress.radix import _digest
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        k = torch.randn(2, 5, 3, 4).to(dtype)
+        v = torch.randn(2, 5, 3, 4).to(dtype)
+        assert _digest(FullKV(k, v)) == _digest(FullKV(k.clone(), v.clone()))
+        v2 = v.clone()
+        v2[1, 4, 2, 3] += 1
+        assert _digest(FullKV(k, v2)) != _digest(FullKV(k, v))
+
+
+def test_failed_lookup_is_counted_and_served_without_evicpress(monkeypatch):
+    """A lookup that raises is logged, counted (``lookup_failures``, which bench.evicpress
+    reports as a server failure) and the request is matched by the plain tree."""
+    import types
+
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from sglang_vc.evicpress.radix import EvicPressRadixCache
+
+    seen = []
+    monkeypatch.setattr(UnifiedRadixCache, "match_prefix", lambda self, params: "plain match")
+    cache = object.__new__(EvicPressRadixCache)
+    # the manager's count() adds to its own counters and the server's sglang_vc counters
+    cache.evicpress = types.SimpleNamespace(count=lambda **kw: seen.append(kw))
+    cache.disable, cache._dropped = False, {}
+
+    def broken(params):
+        raise RuntimeError("store unreachable")
+
+    cache._before_match = broken
+    params = types.SimpleNamespace(req=types.SimpleNamespace(rid="r"))
+    assert cache.match_prefix(params) == "plain match"
+    assert seen == [{"lookup_failures": 1}]

@@ -4,7 +4,9 @@ tier consistent (no partial file; its entries serve the next server started on i
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -35,9 +37,15 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def _stop_with_request_in_flight(server: ServerProcess, sig: int, payload: dict) -> tuple[float, dict]:
-    """Send ``sig`` while ``payload`` is being generated; (seconds until every process of
-    the server is gone, the in-flight request's answer)."""
+CRASH_LINES = ("crashed with exit code", "SIGQUIT received", "crash diagnostics")
+
+
+def _stop_with_request_in_flight(server: ServerProcess, sig: int, payload: dict,
+                                 group: bool = False) -> tuple[float, dict]:
+    """Send ``sig`` (to the launcher, or to its whole process group as a supervisor or a
+    terminal does) while ``payload`` is being generated; (seconds until every process of
+    the server is gone, the in-flight request's answer). The launcher must be the last
+    of them to exit, and the log must read as a stop, not a crash."""
     family = _family(server)
     assert len(family) >= 3, "launcher, scheduler and detokenizer expected"
     answer: dict = {}
@@ -57,20 +65,33 @@ def _stop_with_request_in_flight(server: ServerProcess, sig: int, payload: dict)
     while decode_lines() == seen and time.time() < deadline:  # SGLang logs every 40 decode steps
         time.sleep(0.2)
     t = time.monotonic()
-    server.proc.send_signal(sig)
+    if group:
+        os.killpg(server.proc.pid, sig)
+    else:
+        server.proc.send_signal(sig)
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    at_launcher_exit = _alive(family[1:])  # the launcher is reaped by wait(): not in the list
     while _alive(family) and time.monotonic() - t < 30:
         time.sleep(0.1)
     took = time.monotonic() - t
     left = _alive(family)
     thread.join(30)
     server.stop(signal.SIGKILL)
-    assert not left, f"processes left behind after {signal.Signals(sig).name}: {left}\n{server.log_tail()}"
+    name = signal.Signals(sig).name
+    assert not left, f"processes left behind after {name}: {left}\n{server.log_tail()}"
+    assert not at_launcher_exit, f"the launcher exited before {at_launcher_exit} ({name})"
+    log = server.log_path.read_text(errors="replace")
+    assert not [line for line in CRASH_LINES if line in log], f"a stop logged as a crash:\n{server.log_tail()}"
     return took, answer
 
 
 def test_sigterm_with_a_request_in_flight(model_dir, tokenizer, tmp_path):
-    """An EvicPress server with a context on its disk tier gets SIGTERM while it decodes a
-    long answer: every process is gone within 10 s, the client got an aborted answer, the
+    """An EvicPress server with a context on its disk tier gets SIGTERM (its whole process
+    group, as systemd sends it) while it decodes a long answer: every process is gone
+    within 10 s, the launcher last, the log reads as a stop (no crash report), the client got an aborted answer, the
     disk holds no partial file, and a new server on the same disk answers the context from
     it as the first one did."""
     disk = tmp_path / "disk"
@@ -92,7 +113,7 @@ def test_sigterm_with_a_request_in_flight(model_dir, tokenizer, tmp_path):
         assert epx.placement(server, "doc")["tier"] == "disk"
         long = {"text": real_text_passages(3, words=100)[2],
                 "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
-        took, answer = _stop_with_request_in_flight(server, signal.SIGTERM, long)
+        took, answer = _stop_with_request_in_flight(server, signal.SIGTERM, long, group=True)
     finally:
         server.stop(signal.SIGKILL)
     assert took < STOP_S, f"stopped in {took:.1f} s"

@@ -62,6 +62,8 @@ class VCConfig:
     # What SGLang's argument resolution decided, per mechanism (lossy serving, VeriCache);
     # shown in /server_info.
     resolved: dict = dataclasses.field(default_factory=dict)
+    # SGLang capabilities the mechanisms switched off, with the reason (sglang_vc.notices).
+    switched_off: list = dataclasses.field(default_factory=list)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -254,7 +254,26 @@ def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_o
         off += max(n, 0)
 
 
+def _leave_stopping_to_the_launcher() -> None:
+    """A supervisor stops a service by signalling its whole process group (systemd's
+    control group, a terminal's Ctrl-C), not only the launcher. SGLang's scheduler and
+    detokenizer die of that SIGTERM at once: the launcher's watchdog then reports a
+    crash, raises SIGQUIT and sleeps 5 s for crash diagnostics, and the requests in
+    flight lose their answers. In SGLang's child processes the two stop signals are
+    ignored instead: the launcher gets them too, aborts what is in flight, shuts down and
+    kills its children itself (a launcher killed outright still takes them along: SGLang
+    sets their parent-death signal). Not a HookRegistry patch: a signal disposition of
+    this process, set when SGLang loads the plugin in it."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:  # the launcher (or a process of its own)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def install() -> None:
+    _leave_stopping_to_the_launcher()
     HookRegistry.register(
         "sglang.srt.managers.scheduler_components.internal_state."
         "SchedulerInternalStateController.get_internal_state",

@@ -12,9 +12,11 @@ Every SGLang flag keeps its meaning. On top of SGLang this launcher
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
+from sglang_vc import notices
 from sglang_vc.config import FLAG_PREFIXES, SERVER_ARGS_ATTR, ConfigError, VCConfig
 from sglang_vc.kvruntime.select import BackendChoice, flag_value
 
@@ -116,6 +118,7 @@ def parse_args(argv: list[str]):
     if flag_value(sglang_argv, "--dtype")[0] < 0 and flag_value(sglang_argv, "--device")[1] == "cpu":
         sglang_argv += ["--dtype", cpu_default_dtype()]  # an explicit --dtype always wins
     server_args = prepare_server_args(sglang_argv)
+    vc_config.switched_off = [dataclasses.asdict(n) for n in notices.all_switched_off()]
     setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
     return vc_config, server_args
 
@@ -159,11 +162,13 @@ def backend_flags(vc_config: VCConfig, argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     from sglang.launch_server import run_server
-    from sglang.srt.utils import kill_process_tree
+    from sglang.srt.utils import configure_logger
 
     from sglang_vc.server_info import install_server_info_routes
 
     vc_config, server_args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    configure_logger(server_args)  # SGLang's own format; it configures the same again later
+    notices.flush()  # what the flags switched off, as warnings
     install_server_info_routes(vc_config)
     from sglang_vc.evicpress.service import install as install_evicpress
 
@@ -176,7 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:  # a project check run while SGLang resolves its args
         build_vc_parser().error(str(exc))  # usage error, exit 2
     finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+        stop_children()
+
+
+def stop_children() -> None:
+    """Kill SGLang's processes (waiting until they are reaped), then stop
+    multiprocessing's resource tracker the way Python itself does at a clean exit
+    (closing its pipe: it releases what the children left registered, and is waited
+    for). Killed with the rest, it would be relaunched by the launcher's own exit and
+    outlive it: a supervisor waiting for the launcher would see a stop not finished."""
+    from multiprocessing import resource_tracker
+
+    from sglang.srt.utils import kill_process_tree
+
+    tracker = resource_tracker._resource_tracker  # stdlib: the process-wide tracker
+    kill_process_tree(os.getpid(), include_parent=False, skip_pid=tracker._pid)
+    tracker._stop()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ def static_section(vc_config: VCConfig) -> dict[str, Any]:
         "platform": type(current_platform).__name__,
         "device": current_platform.device_type,
         "mechanisms": vc_config.enabled_mechanisms(),
+        "switched_off": vc_config.switched_off,
     }
 
 

@@ -65,7 +65,19 @@ def check_raw_flags(server_args, attention_backend: str) -> Optional[str]:
 def resolve_flags(server_args, attention_backend: str) -> None:
     """The SGLang flags every project algorithm runs with: a synchronous worker (no
     overlap schedule, no mixed chunks), one chain, its attention backend over the ``vc``
-    radix cache, page size 1 (compressed rows are token slots)."""
+    radix cache, page size 1 (compressed rows are token slots). Turning off what was on
+    is a warning users see (:mod:`sglang_vc.notices`)."""
+    from sglang_vc.notices import switched_off
+
+    algorithm = f"--speculative-algorithm {server_args.speculative_algorithm}"
+    if not server_args.disable_overlap_schedule:
+        switched_off("the overlap scheduler", algorithm,
+                     "its worker runs each decode iteration's forwards synchronously and commits "
+                     "tokens the next iteration's plan depends on")
+    if server_args.enable_mixed_chunk:
+        switched_off("mixed chunks (--enable-mixed-chunk)", algorithm,
+                     "its decode iterations are draft and verify forwards of their own, not mixable "
+                     "with a prefill chunk")
     server_args.speculative_eagle_topk = 1
     server_args.disable_overlap_schedule = True
     server_args.enable_mixed_chunk = False

@@ -201,14 +201,16 @@ def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict
     # stores or moves the server failed (warm pass included): never silent
     row["server_failures"] = sum(c1.get(k, 0) - start.get(k, 0) for k in FAILURE_COUNTERS)
     if row["server_failures"]:
-        log(f"  WARNING: {name}: the server failed {row['server_failures']:g} stores or moves "
+        log(f"  WARNING: {name}: the server failed {row['server_failures']:g} stores, moves or lookups "
             "(its log has the tracebacks)")
+    row["lookup_failures"] = c1.get("lookup_failures", 0) - start.get("lookup_failures", 0)
     if not full_prefill:
         row["placements"] = _placements(cl)
     return row, recs
 
 
-FAILURE_COUNTERS = ("deferred_failures", "put_errors")
+# a failed lookup serves the request without EvicPress (a plain miss): counted as a failure
+FAILURE_COUNTERS = ("deferred_failures", "put_errors", "lookup_failures")
 
 
 def _placements(cl: Client) -> dict:

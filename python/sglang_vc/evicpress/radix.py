@@ -429,6 +429,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 self._before_match(params)
             except Exception:  # never fail a request because of EvicPress
                 logger.exception("EvicPress: lookup failed; serving without it")
+                self.evicpress.count(lookup_failures=1)  # the benchmarks report it
             drop = self._dropped.get(params.req.rid)
             if drop is not None:
                 key = params.key
@@ -761,8 +762,8 @@ def _digest(kv: FullKV) -> str:
     import xxhash
 
     h = xxhash.xxh3_64()
-    h.update(kv.k.contiguous().numpy().tobytes())
-    h.update(kv.v.contiguous().numpy().tobytes())
+    for t in (kv.k, kv.v):  # the raw bytes, whatever the dtype (numpy has no bfloat16)
+        h.update(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

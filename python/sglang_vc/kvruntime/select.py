@@ -10,7 +10,8 @@ platform here, SGLang's CUDA platform on a GPU):
   (EvicPress serving token-dropped contexts, VERICACHE's ``vc_verify``).
 
 Each choice also sets ``--page-size 1`` and turns CUDA graphs off (the backends attend
-per request over compressed rows and do not capture graphs), saying so in the log. An
+per request over compressed rows and do not capture graphs), a warning users see
+(:mod:`sglang_vc.notices`). An
 explicit SGLang flag that contradicts the choice is a usage error, not silently
 replaced.
 """
@@ -110,8 +111,12 @@ def sglang_flags(choice: BackendChoice, argv: list[str]) -> list[str]:
                               f"does not capture CUDA graphs; got {flag} {value}")
         if value is None:
             extra += [flag, "disabled"]
-    logger.info("%s: attention backend %s%s, page size 1, CUDA graphs disabled (%s does not "
-                "capture graphs)", choice.reason, choice.attention_backend,
-                f", radix cache {choice.radix_cache_backend}" if choice.radix_cache_backend else "",
-                choice.attention_backend)
+    logger.info("%s: attention backend %s%s, page size 1", choice.reason, choice.attention_backend,
+                f", radix cache {choice.radix_cache_backend}" if choice.radix_cache_backend else "")
+    if any(flag_value(argv, flag)[1] is None for flag in GRAPH_FLAGS):
+        from sglang_vc.notices import switched_off
+
+        switched_off("CUDA graphs", choice.reason,
+                     f"the {choice.attention_backend} attention backend attends per request over "
+                     "compressed rows and does not capture graphs")
     return extra
