@@ -154,9 +154,7 @@ DEFAULT_DRAFTERS = {"snapkv": (None, 0.75), "kivi2": (DRAFTERS["kivi2"], 0.6),
                     "specache1": (SPECACHE_DRAFTER, 0.75)}
 
 
-@pytest.mark.parametrize("drafter", [
-    "snapkv", pytest.param("kivi2", marks=pytest.mark.slow),  # a quantized copy: specache1
-    "specache1"])
+@pytest.mark.parametrize("drafter", ["snapkv", "kivi2", "specache1"])  # each drafter family
 def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4, drafter):
     """VERICACHE at X = 4 gives the plain (full-KV) server's tokens, and the drafter was
     really lossy: some drafts were rejected, and while a request decodes the device pool
@@ -424,7 +422,6 @@ def _identical_to_full(server, model_dir, ids, out, n):
     _assert_identical(server, model_dir, [ids], [out], n)
 
 
-@pytest.mark.slow  # a server of its own
 def test_failed_reload_and_full_host_store_keep_output_identical(server, model_dir, tokenizer, vc_constrained):
     """1. A compressed 150-token prompt whose first reload fails every retry: its full KV
     is restored on the device from the host store and it decodes from it (counted as a

@@ -6,15 +6,16 @@ and so does a GPU at the first launch. ``triton.compile`` with a ``GPUTarget`` l
 kernel to PTX and, through the ``ptxas`` Triton ships, to a cubin, with no driver: what
 a launch on that GPU would compile.
 
-The compiles run in a fresh process (``python -m sgl_kernel_ext.aot``, specs as JSON
-on stdin): a process that has run kernels in the interpreter is left with parts of
-``triton.language`` that the compiler cannot use.
+The compiles run in fresh processes, one a core (``python -m sgl_kernel_ext.aot``, jobs
+as JSON on stdin): a process that has run kernels in the interpreter is left with parts
+of ``triton.language`` that the compiler cannot use.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from typing import NamedTuple
@@ -83,14 +84,24 @@ def unique(launches: list[Launch]) -> list[Spec]:
     return list(out.values())
 
 
-def compile_specs(specs: list[Spec], archs: list[int], timeout: float = 1800) -> list[Compiled]:
-    """Compile every spec for every ``sm_{arch}`` in a fresh Python process."""
-    payload = json.dumps({"archs": list(archs), "specs": [s._asdict() for s in specs]})
-    proc = subprocess.run([sys.executable, "-m", __name__], input=payload, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [Compiled(Spec(**r["spec"]), r["arch"], r["error"]) for r in json.loads(proc.stdout)]
+def compile_specs(specs: list[Spec], archs: list[int], timeout: float = 1800,
+                  processes: int | None = None) -> list[Compiled]:
+    """Compile every spec for every ``sm_{arch}`` in fresh Python processes (one a core)."""
+    jobs = [(s, arch) for s in specs for arch in archs]
+    n = max(1, min(processes or os.cpu_count() or 1, len(jobs)))
+    procs = []
+    for i in range(n):
+        payload = json.dumps([{"spec": s._asdict(), "arch": arch} for s, arch in jobs[i::n]])
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        procs.append((proc, payload))
+    results = []
+    for proc, payload in procs:
+        out, err = proc.communicate(payload, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a compile process failed ({proc.returncode}):\n{err[-4000:]}")
+        results += [Compiled(Spec(**r["spec"]), r["arch"], r["error"]) for r in json.loads(out)]
+    return results
 
 
 def _compile_one(spec: Spec, arch: int) -> Compiled:
@@ -107,8 +118,7 @@ def _compile_one(spec: Spec, arch: int) -> Compiled:
 
 
 def main() -> int:
-    request = json.load(sys.stdin)
-    results = [_compile_one(Spec(**s), arch) for s in request["specs"] for arch in request["archs"]]
+    results = [_compile_one(Spec(**job["spec"]), job["arch"]) for job in json.load(sys.stdin)]
     json.dump([{"spec": r.spec._asdict(), "arch": r.arch, "error": r.error} for r in results], sys.stdout)
     return 0
 
