@@ -605,3 +605,44 @@ def test_staggered_schedule_full_and_waiting_requests():
     roles = [e[1].value for e in log]
     assert roles[:2] == ["wait", "wait"] and "verify" not in roles
     assert roles[-2:] == ["full", "full"]  # fell back after 2X deferrals
+
+
+def test_best_feasible_point_of_eq_11_on_the_papers_example():
+    """Mistral-24B-like (M = 50 GB, KV_full = 4 GB) on a 96 GB GPU, PCIe 64 GB/s, x = 30,
+    c = 0.25: Eq. 6 alone would offload 41 requests, which Eq. 9 forbids (41 > x + 1);
+    the feasible optimum offloads 31, keeps 3 on the device, and is about 2x full KV
+    (11 requests) at the paper's acceptance length of about 19-20 at x = 30."""
+    hw = dict(weights_bytes=50 * GB, kv_full_bytes=4 * GB, compression=0.25, hbm_bw=EX["BW_HBM"],
+              interconnect_bw=64 * GB, gpu_mem_bytes=96 * GB)
+    o = pm.best_feasible(acceptance={30: 19.5}, **hw)
+    assert (o.offloaded, o.on_device, o.batch_size, o.cycles_per_load, o.full_kv_batch) == (31, 3, 34, 1, 11)
+    assert o.ratio_to_full == pytest.approx(2.0, abs=0.15)
+    assert pm.Bound.LINK_CONCURRENCY in o.binding and pm.Bound.MEMORY in o.binding and pm.Bound.HBM in o.binding
+    # the draft length is chosen from the acceptance curve: x = 4 amortizes nothing
+    curve = pm.best_feasible(acceptance={4: 3.7, 15: 12.0, 30: 19.5}, **hw)
+    assert curve.draft_len in (15, 30) and curve.tokens_per_s >= o.tokens_per_s
+    # a slow link: the interconnect binds, and the optimum offloads fewer requests
+    slow = pm.best_feasible(acceptance={30: 19.5}, **{**hw, "interconnect_bw": 2 * GB})
+    assert slow.offloaded < 31 and slow.tokens_per_s < o.tokens_per_s
+
+
+def test_best_feasible_is_never_infeasible():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        c = rng.uniform(0.05, 0.9)
+        m, kv, mem = rng.uniform(1, 60) * GB, rng.uniform(0.1, 10) * GB, rng.uniform(20, 140) * GB
+        if mem <= m + kv:
+            continue
+        curve = {x: 1 + rng.uniform(0, 1) * x for x in rng.sample(range(1, 41), 3)}
+        o = pm.best_feasible(weights_bytes=m, kv_full_bytes=kv, compression=c, acceptance=curve,
+                             hbm_bw=rng.uniform(0.5, 4) * 1e12, interconnect_bw=rng.uniform(1, 100) * GB,
+                             gpu_mem_bytes=mem, max_requests=rng.choice([None, 4, 64]))
+        kv_avg = pm.avg_kv_per_offloaded(kv, c, o.draft_len)
+        assert m + o.on_device * kv + o.offloaded * kv_avg <= mem * (1 + 1e-9)  # Eq. 6
+        assert o.offloaded * o.cycles_per_load <= o.draft_len + 1 and o.cycles_per_load >= 1  # Eq. 9
+        assert o.batch_size >= 1 and o.tokens_per_s > 0
+    with pytest.raises(ValueError):
+        pm.best_feasible(weights_bytes=95 * GB, kv_full_bytes=10 * GB, compression=0.25, acceptance={30: 19},
+                         hbm_bw=1e12, interconnect_bw=GB, gpu_mem_bytes=96 * GB)

@@ -258,12 +258,14 @@ def gpu_prediction(rows: list[dict], gpu: str) -> dict:
             continue
         x, a = row["draft_tokens"], row["mean_acceptance_length"]
         kept = row.get("kept") or parse_config(row["config"].split(" [")[0])["kept"]  # older reports
-        pred = pm.predict_from_hardware(weights_bytes=GPU_MODEL["weights_bytes"], kv_full_bytes=kv_full,
-                                        compression=kept, draft_len=x, accept_len=a, **hw)
+        # Eq. 11's best feasible point (Eqs. 6 and 9 hold) at the measured A(x)
+        best = pm.best_feasible(weights_bytes=GPU_MODEL["weights_bytes"], kv_full_bytes=kv_full,
+                                compression=kept, acceptance={x: a}, **hw)
         out["configs"][row["config"]] = {"draft_tokens": x, "accept_len": a, "kept": kept,
-                                         "batch_size": pred.batch_size, "tokens_per_s": pred.tokens_per_s,
-                                         "ratio_to_full": pred.tokens_per_s / base_tps,
-                                         "bottleneck": pred.bottleneck, "feasible": pred.feasible}
+                                         "batch_size": best.batch_size, "offloaded": best.offloaded,
+                                         "on_device": best.on_device, "cycles_per_load": best.cycles_per_load,
+                                         "tokens_per_s": best.tokens_per_s, "ratio_to_full": best.tokens_per_s / base_tps,
+                                         "binding": [b.value for b in best.binding]}
     return out
 
 
@@ -273,8 +275,9 @@ def print_gpu_prediction(pred: dict) -> None:
         f"{pred['model']['name']} at {pred['model']['context_tokens']} tokens of context")
     log(f"  full KV: batch {pred['full']['batch_size']}, {pred['full']['tokens_per_s']:.0f} tok/s")
     for name, p in pred["configs"].items():
-        log(f"  {name}: A={p['accept_len']:.2f} at X={p['draft_tokens']}: batch {p['batch_size']}, "
-            f"{p['tokens_per_s']:.0f} tok/s, x{p['ratio_to_full']:.2f} ({p['bottleneck']}-bound)")
+        log(f"  {name}: A={p['accept_len']:.2f} at X={p['draft_tokens']}: batch {p['batch_size']} "
+            f"({p['offloaded']} offloaded), {p['tokens_per_s']:.0f} tok/s, x{p['ratio_to_full']:.2f} "
+            f"(bound by {', '.join(p['binding'])})")
 
 
 def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:

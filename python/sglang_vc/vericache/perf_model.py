@@ -17,6 +17,7 @@ Symbols (paper Table 3), all sizes in bytes, bandwidths in bytes/s, times in sec
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, replace
 
@@ -226,3 +227,109 @@ def full_kv_from_hardware(
     b = full_kv_batch(gpu_mem_bytes, weights_bytes, kv_full_bytes) if batch_size is None else batch_size
     t = gpu_time(weights_bytes, b, kv_full_bytes, hbm_bw)
     return full_kv_throughput(batch_size=b, t_iter=t), b, t
+
+
+# ------------------------------------------------------------------------ Eq. 11 solved
+
+
+class Bound(str, enum.Enum):
+    """What limits the optimum of Eq. 11."""
+
+    MEMORY = "memory (Eq. 6)"  # no further request fits on the device
+    LINK_CONCURRENCY = "one reload in flight (Eq. 9)"  # no further offloaded request can reload
+    REQUESTS = "requests available"  # every request is already served
+    HBM = "HBM bandwidth (T_gpu >= T_xfer)"
+    INTERCONNECT = "interconnect (T_xfer > T_gpu)"
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """The best feasible operating point of Eq. 11 (Eqs. 6 and 9 hold)."""
+
+    tokens_per_s: float
+    draft_len: int  # x
+    accept_len: float  # A(x) = gamma x + 1
+    compression: float  # c
+    batch_size: int  # B = B_g + B_c
+    offloaded: int  # B_c: full KV on the host, reloaded to verify
+    on_device: int  # B_g: full KV stays on the device
+    cycles_per_load: int  # ell
+    t_gpu: float
+    t_xfer: float
+    full_kv_tokens_per_s: float  # the baseline at the same memory (B_c = 0, no speculation)
+    full_kv_batch: int
+    binding: tuple[Bound, ...]
+
+    @property
+    def ratio_to_full(self) -> float:
+        return self.tokens_per_s / self.full_kv_tokens_per_s if self.full_kv_tokens_per_s else math.inf
+
+
+def best_feasible(
+    *,
+    weights_bytes: float,
+    kv_full_bytes: float,
+    compression: float,
+    acceptance: dict[int, float],
+    hbm_bw: float,
+    interconnect_bw: float,
+    gpu_mem_bytes: float,
+    max_requests: int | None = None,
+) -> Optimum:
+    """Eq. 11 maximised over ``x`` (the keys of ``acceptance``, each with its measured or
+    predicted acceptance length ``A(x)``), ``B_c``, ``B_g`` and ``ell``, subject to Eq. 6
+    (device memory) and Eq. 9 (``B_c ell <= x + 1``, ``ell >= 1``): never an infeasible
+    point. ``ell`` is the largest whole number of iterations Eq. 9 allows (Eq. 8 falls with
+    it); ``B_g`` fills the memory the offloaded requests leave (throughput grows with the
+    batch at fixed ``x``: the weights are read once per iteration), up to ``max_requests``.
+
+    The baseline is full-KV decoding at the same memory: ``B = floor((GPU_mem - M) /
+    KV_full)`` requests, one token each per ``(M + B KV_full) / BW_hbm``."""
+    if not acceptance:
+        raise ValueError("best_feasible: need the acceptance length of at least one draft length")
+    if not 0 < compression < 1:
+        raise ValueError("best_feasible: the compression fraction c must be in (0, 1)")
+    base_b = full_kv_batch(gpu_mem_bytes, weights_bytes, kv_full_bytes)
+    if max_requests is not None:
+        base_b = min(base_b, max_requests)
+    base_tps = full_kv_from_hardware(weights_bytes=weights_bytes, kv_full_bytes=kv_full_bytes, hbm_bw=hbm_bw,
+                                     gpu_mem_bytes=gpu_mem_bytes, batch_size=base_b)[0] if base_b else 0.0
+    best: Optimum | None = None
+    for x, accept_len in sorted(acceptance.items()):
+        if x < 1:
+            raise ValueError(f"best_feasible: draft lengths are >= 1, got {x}")
+        kv_avg = avg_kv_per_offloaded(kv_full_bytes, compression, x)
+        mem_c = max_offloaded_batch(gpu_mem_bytes, weights_bytes, kv_full_bytes, compression, x)
+        for b_c in range(0, min(mem_c, x + 1) + 1):  # Eq. 9 with ell >= 1: B_c <= x + 1
+            ell = (x + 1) // b_c if b_c else 1
+            room = gpu_mem_bytes - weights_bytes - b_c * kv_avg
+            b_g = max(0, math.floor(room / kv_full_bytes + 1e-9))
+            if max_requests is not None:
+                if b_c > max_requests:
+                    break
+                b_g = min(b_g, max_requests - b_c)
+            b = b_c + b_g
+            if b == 0:
+                continue
+            t_g = gpu_time(weights_bytes, b, kv_avg, hbm_bw)
+            t_x = xfer_time(b_c, (1 - compression) * kv_full_bytes, x, interconnect_bw, ell)
+            tps = b * accept_len / (x + 1) / max(t_g, t_x)
+            if best is None or tps > best.tokens_per_s * (1 + 1e-12):
+                best = Optimum(tps, x, accept_len, compression, b, b_c, b_g, ell, t_g, t_x, base_tps, base_b, ())
+    if best is None:
+        raise ValueError("best_feasible: no request fits in the device memory")
+    return replace(best, binding=_binding(best, weights_bytes, kv_full_bytes, gpu_mem_bytes, max_requests))
+
+
+def _binding(o: Optimum, weights_bytes, kv_full_bytes, gpu_mem_bytes, max_requests) -> tuple[Bound, ...]:
+    kv_avg = avg_kv_per_offloaded(kv_full_bytes, o.compression, o.draft_len)
+    used = weights_bytes + o.on_device * kv_full_bytes + o.offloaded * kv_avg
+    out = []
+    if used + min(kv_avg, kv_full_bytes) > gpu_mem_bytes:
+        out.append(Bound.MEMORY)
+    if o.offloaded + 1 > o.draft_len + 1:  # one more offloaded request breaks Eq. 9 even at ell = 1
+        out.append(Bound.LINK_CONCURRENCY)
+    if max_requests is not None and o.batch_size >= max_requests:
+        out.append(Bound.REQUESTS)
+    out.append(Bound.INTERCONNECT if o.t_xfer > o.t_gpu else Bound.HBM)
+    return tuple(out)
