@@ -23,19 +23,21 @@ def test_each_vericache_config_runs_under_each_schedule():
 
 
 def test_trace_summary_costs_per_drafting_request_and_per_verified_token():
-    """Forward times built from known costs (3 ms per drafting request, 5 ms per
-    verified token) come back out of the summary."""
+    """One forward per iteration whose time is built from known costs (20 ms fixed, 3 ms
+    per drafting request, 5 ms per verified token): the fit gives them back."""
     records = []
     for it in range(20):
         drafting, verifies, drafts = 2 + it % 5, it % 3, 2 + it % 4
         reqs = [{"role": "draft", "verified_drafts": None}] * drafting + \
                [{"role": "verify", "verified_drafts": drafts}] * verifies
-        phases = {"draft_s": 0.003 * drafting, "verify_s": 0.005 * verifies * (drafts + 1)}
+        phases = {"forward_s": 0.02 + 0.003 * drafting + 0.005 * verifies * (drafts + 1)}
         records.append({"iteration": it, "seconds": 0.01 + sum(phases.values()), "phases": phases,
                         "requests": reqs})
     out = tp.trace_summary(records)
+    assert out["cost"]["fixed_s"] == pytest.approx(0.02)
     assert out["cost"]["draft_s_per_request"] == pytest.approx(0.003)
     assert out["cost"]["verify_s_per_token"] == pytest.approx(0.005)
+    assert out["cost"]["fit_iterations"] == 20
     assert out["max_verifies_per_iteration"] == 2 and len(out["verifies_per_iteration"]) == 20
     assert out["mean_verifies_per_iteration"] == pytest.approx(sum(it % 3 for it in range(20)) / 20)
 

@@ -230,7 +230,11 @@ def test_full_kv_requests_before_drafters_in_one_batch(server, model_dir, tokeni
     full_rids = {full_outs[k]["meta_info"]["id"] for k in full_outs}
     spec_rids = {out["meta_info"]["id"] for out in spec_outs}
     ordered = 0
-    for rec in _trace(vc4)[start:]:
+    records = _trace(vc4)[start:]
+    # one model forward per iteration, drafting, full-KV and verifying requests together
+    assert all(rec["phases"]["forwards"] == 1 for rec in records if rec["requests"]), records
+    assert any({"draft", "verify", "full"} <= {r["role"] for r in rec["requests"]} for rec in records)
+    for rec in records:
         roles = [(r["rid"], r["role"]) for r in rec["requests"]]
         if any(role == "verify" for _, role in roles):
             continue

@@ -112,7 +112,10 @@ class ChainSpecWorker(BaseSpecWorker):
         sub.filter_batch(keep_indices=indices)
         return sub
 
+    forwards: int = 0  # model forwards run by forward_sub (the trace reports them per iteration)
+
     def forward_sub(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info) -> torch.Tensor:
+        self.forwards += 1
         self.set_batch(sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info,
                         sub.seq_lens.dtype, sub.seq_lens.device)
         res = self.target_worker.forward_batch_generation(sub, is_verify=True)
@@ -152,42 +155,80 @@ class ChainSpecWorker(BaseSpecWorker):
         spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
         return spec_info
 
+    def ragged_verify_input(self, ids: torch.Tensor, positions: torch.Tensor, starts: list[int],
+                            lens: list[int], dev):
+        """A ``TARGET_VERIFY`` input whose requests verify different numbers of tokens
+        (SGLang's ragged verify layout): request ``i`` forwards ``lens[i]`` tokens at
+        positions ``starts[i] ..``, each seeing its committed prefix and the tokens before
+        it in its own chain. One token (``lens[i] == 1``) is a plain decode step."""
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+        from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
+
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        indptr[1:] = lens_t.cumsum(0)
+        total = int(indptr[-1])
+        mask = torch.cat([torch.cat([torch.ones(n, s, dtype=torch.bool), torch.tril(torch.ones(n, n, dtype=torch.bool))],
+                                    1).flatten() for s, n in zip(starts, lens)])
+        spec_info = NgramVerifyInput(
+            draft_token=ids.to(dev),
+            custom_mask=mask.to(dev),
+            positions=positions.to(dev),
+            retrieve_index=torch.arange(total, device=dev).view(1, total),
+            retrieve_next_token=None,
+            retrieve_next_sibling=None,
+            draft_token_num=max(lens),
+        )
+        spec_info.num_tokens_per_req = spec_info.num_tokens_for_logprob_per_req = 1  # ragged
+        spec_info.ragged_verify_layout = RaggedVerifyLayout(
+            verify_lens=lens_t.to(dev), graph_num_tokens=total, extend_start_loc=indptr[:-1].to(dev),
+            qo_indptr_device=indptr.to(dev), verify_lens_cpu=list(lens), total_verify_tokens=total)
+        spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
+        return spec_info
+
     def targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
-        """The verifier's token at each of the W positions ``[bs, W]``, chosen from the
-        full-KV logits as SGLang's sampler chooses in full-KV decoding: ``logit_bias``
-        added; argmax for greedy requests; otherwise softmax at the request's temperature,
-        then SGLang's own top-k / top-p / min-p sampling, seeded per request and position
-        under deterministic inference. Penalties and grammars are refused at the API
+        """The verifier's token at each of the W positions ``[bs, W]`` of every request
+        (:meth:`targets_flat` on a uniform layout)."""
+        bs, w, vocab = logits.shape
+        rows = torch.arange(bs).repeat_interleave(w)
+        return self.targets_flat(logits.reshape(bs * w, vocab), batch, rows, positions.reshape(-1)).view(bs, w)
+
+    def targets_flat(self, logits: torch.Tensor, batch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The verifier's token at each logits row ``[N]`` (row ``j`` belongs to request
+        ``rows[j]`` of ``batch``, at ``positions[j]``), chosen from the full-KV logits as
+        SGLang's sampler chooses in full-KV decoding: ``logit_bias`` added; argmax for
+        greedy requests; otherwise softmax at the request's temperature, then SGLang's own
+        top-k / top-p / min-p sampling, seeded per request and position under
+        deterministic inference. Penalties and grammars are refused at the API
         (:mod:`.requests`)."""
         from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 
-        bs, w, vocab = logits.shape
+        vocab = logits.shape[-1]
         info = batch.sampling_info
         logits = logits.float()
+        rows = rows.to(logits.device)
         if info is not None and info.logit_bias is not None:
-            logits = logits + info.logit_bias[:, None, : vocab].to(logits.device)
+            logits = logits + info.logit_bias[:, :vocab].to(logits.device)[rows]
         if info is None or info.is_all_greedy:
             return logits.argmax(-1)
 
-        def per_position(t):  # [bs] -> [bs * W]
-            return t.view(-1).repeat_interleave(w)
+        def per_row(t):  # [bs] -> [N]
+            return t.view(-1)[rows.to(t.device)]
 
-        flat = logits.view(bs * w, vocab)
-        probs = torch.softmax(flat / per_position(info.temperatures.float())[:, None], dim=-1)
+        probs = torch.softmax(logits / per_row(info.temperatures.float())[:, None], dim=-1)
         seed = info.sampling_seed
         ids = top_k_top_p_min_p_sampling_from_probs_torch(
             probs,
-            per_position(info.top_ks),
-            per_position(info.top_ps.float()),
-            per_position(info.min_ps.float()),
+            per_row(info.top_ks),
+            per_row(info.top_ps.float()),
+            per_row(info.min_ps.float()),
             bool(info.need_min_p_sampling),
-            None if seed is None else per_position(seed),
+            None if seed is None else per_row(seed),
             positions.reshape(-1).to(probs.device),
-        )
-        targets = ids.view(bs, w).to(torch.int64)
+        ).to(torch.int64)
         # greedy requests of a mixed batch (SGLang gives them top_k = 1): exact argmax
-        greedy = (info.top_ks.view(-1) <= 1).to(targets.device)
-        return torch.where(greedy[:, None], logits.argmax(-1), targets)
+        greedy = per_row(info.top_ks <= 1).to(ids.device)
+        return torch.where(greedy, logits.argmax(-1), ids)
 
 
 class _NoPenalties:

@@ -196,25 +196,32 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
 
 def trace_summary(records: list[dict]) -> dict:
     """Per iteration of a staggered run: verifying, drafting, waiting and full-KV
-    requests; and what the two forwards of an iteration cost, timed by the worker
-    (``phases``): the draft forward per drafting request, the verify forward per
-    verified token (drafts + 1 per verify)."""
+    requests; and what the iteration's one forward costs (``phases.forward_s``, timed by
+    the worker), split by a least-squares fit over the iterations into a fixed part, a
+    cost per one-token request (drafting or full-KV) and a cost per verified token
+    (drafts + 1 per verify)."""
+    import numpy as np
+
     rows = []
     for rec in records:
         roles = [r["role"] for r in rec["requests"]]
-        phases = rec.get("phases", {})
         rows.append({"seconds": rec["seconds"], "verifies": roles.count("verify"),
                      "drafting": roles.count("draft"), "waiting": roles.count("wait"), "full": roles.count("full"),
                      "verify_tokens": sum((r["verified_drafts"] or 0) + 1 for r in rec["requests"]
                                           if r["role"] == "verify"),
-                     "draft_s": phases.get("draft_s", 0.0), "verify_s": phases.get("verify_s", 0.0)})
+                     "forward_s": rec.get("phases", {}).get("forward_s")})
     busy = [r for r in rows if r["verifies"] + r["drafting"] + r["full"] > 0]
-    with_draft = [r for r in rows if r["drafting"] + r["full"]]
-    with_verify = [r for r in rows if r["verifies"]]
 
     def ratio(num, den):
         return num / den if den else None
 
+    cost = {"fixed_s": None, "draft_s_per_request": None, "verify_s_per_token": None, "fit_iterations": 0}
+    timed = [r for r in busy if r["forward_s"] is not None]
+    a = np.array([[1.0, r["drafting"] + r["full"], r["verify_tokens"]] for r in timed]).reshape(-1, 3)
+    if len(timed) >= 3 and np.linalg.matrix_rank(a) == 3:
+        coef = np.linalg.lstsq(a, np.array([r["forward_s"] for r in timed]), rcond=None)[0]
+        cost = {"fixed_s": float(coef[0]), "draft_s_per_request": float(coef[1]),
+                "verify_s_per_token": float(coef[2]), "fit_iterations": len(timed)}
     return {
         "iterations": len(rows),
         "verifies_per_iteration": [r["verifies"] for r in rows],
@@ -224,14 +231,8 @@ def trace_summary(records: list[dict]) -> dict:
         "wait_steps": sum(r["waiting"] for r in rows),
         "full_kv_steps": sum(r["full"] for r in rows),
         "mean_iteration_s": ratio(sum(r["seconds"] for r in rows), len(rows)) or 0.0,
-        "cost": {
-            "draft_forward_s": ratio(sum(r["draft_s"] for r in with_draft), len(with_draft)),
-            "verify_forward_s": ratio(sum(r["verify_s"] for r in with_verify), len(with_verify)),
-            "draft_s_per_request": ratio(sum(r["draft_s"] for r in with_draft),
-                                         sum(r["drafting"] + r["full"] for r in with_draft)),
-            "verify_s_per_token": ratio(sum(r["verify_s"] for r in with_verify),
-                                        sum(r["verify_tokens"] for r in with_verify)),
-        },
+        "mean_forward_s": ratio(sum(r["forward_s"] for r in timed), len(timed)),
+        "cost": cost,
     }
 
 
@@ -532,8 +533,9 @@ def main(argv=None) -> int:
             t = r["trace"]
             log(f"{r['config']}: {t['mean_verifies_per_iteration']:.2f} verifies per iteration "
                 f"(max {t['max_verifies_per_iteration']}), {t['wait_steps']} waits, "
-                f"{t['full_kv_steps']} full-KV steps; measured: "
-                + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t["cost"].items() if v is not None))
+                f"{t['full_kv_steps']} full-KV steps; forward cost fit over {t['cost']['fit_iterations']} "
+                "iterations: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t["cost"].items()
+                                            if k != "fit_iterations" and v is not None))
     if report["gpu_prediction"]:
         print_gpu_prediction(report["gpu_prediction"])
     log(f"wrote {out} and {out.with_suffix('.png')}")

@@ -49,7 +49,6 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
-        w = forward_batch.spec_info.draft_token_num
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
@@ -59,24 +58,52 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
         staged = self.reload.layer(layer.layer_id) if self.reload is not None else {}
-        for i, (row, committed) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens.tolist())):
-            slots = req_to_token[row, : committed + w].to(torch.int64)
-            if i in staged:
+        starts = seq_lens.tolist()
+        lens = _verify_lens(forward_batch.spec_info, len(starts))
+        lo = 0
+        for i, (row, committed) in enumerate(zip(forward_batch.req_pool_indices.tolist(), starts)):
+            w = lens[i]
+            q_r = q_[lo : lo + w]
+            entry = self.runtime.entry_for_row(row)
+            if i in staged:  # verifying: the full KV, its compressed span staged from the host
+                slots = req_to_token[row, : committed + w].to(torch.int64)
                 span = staged[i]
                 p, n = span.p, span.n
                 k_full, v_full = span.full(k_buf, v_buf, slots)
                 k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
                 v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
-            elif self.runtime.entry_for_row(row) is not None:
-                # never verify against the compressed rows: that would not be lossless
-                raise RuntimeError(f"VERICACHE: no full KV staged for compressed row {row}")
-            else:
+            elif entry is not None:  # drafting from the compressed KV
+                o_[lo : lo + w] = self._draft_attention(q_r, entry, layer, committed, w, gqa)
+                lo += w
+                continue
+            else:  # full KV on the device
+                slots = req_to_token[row, : committed + w].to(torch.int64)
                 k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
-            o_[i * w : (i + 1) * w] = kernels.attend(
-                q_[i * w : (i + 1) * w], k_r, v_r, num_prefix=0,
+            o_[lo : lo + w] = kernels.attend(
+                q_r, k_r, v_r, num_prefix=0,
                 key_positions=torch.arange(committed + w, device=k_r.device), q_start=committed,
                 scale=layer.scaling, enable_gqa=gqa,
             )
+            lo += w
         if self.runtime.batch is not None:
             self._after_layer(layer)
         return o
+
+    def _draft_attention(self, q, entry, layer, start: int, w: int, gqa: bool):
+        """A compressed request's queries at positions ``start .. start + w - 1`` over its
+        compressed KV: the decode attention of lossy serving for one query (the SpeCache
+        drafter's where it drafts), the runtime's rows with a causal mask otherwise."""
+        if w == 1 and (out := self._attend_compressed(q, entry, layer, start + 1)) is not None:
+            return out
+        k_r, v_r, num_prefix, positions = self.runtime.request_kv(entry, layer.layer_id, start + w, None)
+        return kernels.attend(q, k_r, v_r, num_prefix=num_prefix, key_positions=positions, q_start=start,
+                              scale=layer.scaling, enable_gqa=gqa)
+
+
+def _verify_lens(spec_info, bs: int) -> list[int]:
+    """Tokens each request forwards in this verify: SGLang's ragged layout, or the
+    uniform draft width."""
+    layout = getattr(spec_info, "ragged_verify_layout", None)
+    if layout is not None and layout.verify_lens_cpu is not None:
+        return list(layout.verify_lens_cpu)
+    return [spec_info.draft_token_num] * bs

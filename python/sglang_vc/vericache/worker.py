@@ -44,8 +44,13 @@ device from the host store (``reload_fallbacks``), from which it verifies and de
 
 A token-dropping drafter's verify reloads only the dropped rows (:class:`.reload.Span`).
 
+Under the staggered schedule an iteration is ONE forward (SGLang's ragged
+``TARGET_VERIFY`` layout): each drafting request forwards its one draft token, each
+full-KV request its next token, each verifying request its whole drafted run, with
+per-request query lengths.
+
 Not built: logprobs of speculative tokens, penalties and grammar-constrained requests
-(refused); one fused forward per staggered iteration (drafts and verifies run as two).
+(refused).
 """
 
 from __future__ import annotations
@@ -313,15 +318,15 @@ class VeriCacheWorker(ChainSpecWorker):
         bs, dev = len(batch.reqs), batch.seq_lens.device
         committed = batch.seq_lens.to("cpu", torch.int64)
         rows = batch.req_pool_indices.to("cpu", torch.int64)
-        req_to_token = self.req_to_token_pool.req_to_token
+        row_list = rows.tolist()
         t0 = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
-        for row in rows.tolist():
+        for row in row_list:
             entry = self.runtime.entry_for_row(row)
             if entry is not None:
                 entry.keep_full_rows = True  # see _decode_round
 
-        plan = sched.plan([r.rid for r in batch.reqs], rows.tolist(), committed.tolist(),
-                          lambda i: self._reload_bytes(batch.reqs[i].rid, int(rows[i])))
+        plan = sched.plan([r.rid for r in batch.reqs], row_list, committed.tolist(),
+                          lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]))
         for slot in plan.reloads_due:
             slot.track.reload = self._reload_one(slot.track)
             slot.track.reload_started_at = plan.iteration
@@ -330,7 +335,7 @@ class VeriCacheWorker(ChainSpecWorker):
             if slot.track.full or self._fall_back(slot.track):
                 full.append(slot)
         drafters = plan.of(Role.DRAFT)
-        verifiers = plan.of(Role.VERIFY)  # in batch order, as plan.slots
+        verifiers = plan.of(Role.VERIFY)
 
         phases = {"plan_s": time.perf_counter() - started}
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)
@@ -338,88 +343,110 @@ class VeriCacheWorker(ChainSpecWorker):
         outcome: dict[str, Outcome] = {}
         reloaded: dict[str, int] = {}
 
-        # 1. one decode forward: a draft token for the speculating requests, the next
-        # (exact) token for those decoding from their full device KV
-        one = sorted(drafters + full, key=lambda s: s.index)  # batch order: see sub_batch
-        mark = time.perf_counter()
-        if one:
-            idx = [s.index for s in one]
-            tokens = torch.tensor([s.track.drafts[-1] if s.track.drafts else t0[s.index] for s in one])
-            pos = torch.tensor([s.track.committed + len(s.track.drafts) for s in one])
-            slots = req_to_token[rows[idx].to(req_to_token.device), pos.to(req_to_token.device)]
-            sub = self.sub_batch(batch, idx)
-            logits = self.forward_sub(sub, ForwardMode.DECODE, tokens, pos + 1, slots, None)
-            bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
-            biased = logits.float() if bias is None else logits.float() + bias[:, : logits.shape[-1]].to(logits.device)
-            draft_ids = biased.argmax(-1).to("cpu", torch.int64)
-            exact = self.targets(logits[:, None, :], sub, pos[:, None]).to("cpu", torch.int64)[:, 0] if full else None
-            for k, s in enumerate(one):
-                if s.role is Role.DRAFT:
-                    s.track.drafts.append(int(draft_ids[k]))
+        # ONE forward (SGLang's ragged TARGET_VERIFY): a draft token from the compressed
+        # KV for each drafting request, the next exact token from the full device KV for
+        # each full-KV request, and the whole drafted run of each verifying request over
+        # its full KV (reloaded); in batch order (see sub_batch)
+        part = sorted(drafters + full + verifiers, key=lambda s: s.index)
+        mark, forwards = time.perf_counter(), self.forwards
+        if part:
+            ids, positions, starts, lens = [], [], [], []
+            for s in part:
+                tr = s.track
+                if s.role is Role.VERIFY:
+                    toks, start = [t0[s.index], *tr.drafts], tr.committed
+                elif s.role is Role.DRAFT:
+                    toks, start = [tr.drafts[-1] if tr.drafts else t0[s.index]], tr.committed + len(tr.drafts)
                 else:
-                    accept_tokens[s.index, 0] = exact[k]
-                    accept_lens[s.index] = 1
-                    sched.verified(s.track, 1)
-                    outcome[s.track.rid] = Outcome(drafts=0, tokens=1)
-
-        phases["draft_s"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-
-        # 2. one verify forward (TARGET_VERIFY over the full KV) for the requests whose
-        # reserved verify is this iteration; shorter draft runs are padded (causal mask)
-        if verifiers:
-            idx = [s.index for s in verifiers]
-            lens = torch.tensor([len(s.track.drafts) for s in verifiers])
-            w = int(lens.max()) + 1
-            drafts = torch.full((len(verifiers), w - 1), -1, dtype=torch.int64)
-            for k, s in enumerate(verifiers):
-                drafts[k, : len(s.track.drafts)] = torch.tensor(s.track.drafts, dtype=torch.int64)
-            ids = torch.cat([torch.tensor([t0[i] for i in idx])[:, None], drafts.clamp(min=0)], 1)
-            base = torch.tensor([s.track.committed for s in verifiers])
-            positions = base[:, None] + torch.arange(w)[None, :]
-            slots = req_to_token[rows[idx][:, None].to(req_to_token.device), positions.to(req_to_token.device)]
+                    toks, start = [t0[s.index]], tr.committed
+                ids += toks
+                positions += range(start, start + len(toks))
+                starts.append(start)
+                lens.append(len(toks))
+            idx = [s.index for s in part]
+            q_req = torch.arange(len(part)).repeat_interleave(torch.tensor(lens))
+            pos_t = torch.tensor(positions, dtype=torch.int64)
+            req_to_token = self.req_to_token_pool.req_to_token
+            slots = req_to_token[rows[idx][q_req].to(req_to_token.device), pos_t.to(req_to_token.device)]
             reloads = {}
-            for k, s in enumerate(verifiers):
+            for k, s in enumerate(part):
+                if s.role is not Role.VERIFY:
+                    continue
                 if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
                     s.track.reload = self._reload_one(s.track)  # not started on time: now
                     s.track.reload_started_at = plan.iteration
                 if s.track.reload is not None:
                     reloads[k] = s.track.reload
-            staging = _Staging(reloads) if reloads else None
+            ids_t = torch.tensor(ids, dtype=torch.int64)
             sub = self.sub_batch(batch, idx)
             attn = self.model_runner.attn_backend
             try:
-                attn.reload = staging
-                logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids.flatten(), base,
-                                       slots.flatten(), self.verify_input(ids, positions, base, dev))
+                attn.reload = _Staging(reloads) if reloads else None
+                logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
+                                          slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
             finally:
                 attn.reload = None
                 for r in reloads.values():
                     r.close()
-            targets = self.targets(logits.view(len(idx), w, -1), sub, positions).to("cpu", torch.int64)
-            verdict = greedy_verify_ids(drafts, targets, draft_lens=lens, pad_id=0)
-            failures = 0
-            for k, s in enumerate(verifiers):
-                n = int(verdict.num_tokens[k])
-                accept_tokens[s.index, :n] = verdict.tokens[k, :n]
-                accept_lens[s.index] = n
-                outcome[s.track.rid] = Outcome(drafts=int(lens[k]), tokens=n)
-                if k in reloads:
-                    reloaded[s.track.rid] = reloads[k].nbytes()
-                    failures += reloads[k].failures
-                self._record(batch.reqs[s.index], int(lens[k]), int(verdict.num_accepted[k]), n)
-                sched.verified(s.track, n)
-            n_acc = int(verdict.num_accepted.sum())
-            stats.add("vericache", verify_rounds=len(idx), drafted=int(lens.sum()), accepted=n_acc,
-                      committed=n_acc + len(idx), bytes_reloaded=sum(reloaded.values()))
-            if failures:
-                stats.add("vericache", reload_failures=failures)
-        phases["verify_s"] = time.perf_counter() - mark
-        stats.add("vericache", iterations=1, draft_steps=len(drafters), waits=len(plan.of(Role.WAIT)) +
-                  len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
+            exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
+            bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
+            # drafts are greedy (with the request's logit_bias: fewer rejections)
+            drafted = logits.float() if bias is None else logits.float() + bias[:, : logits.shape[-1]].to(logits.device)[q_req]
+            draft_ids = drafted.argmax(-1).to("cpu", torch.int64).tolist()
+            offsets = [0]
+            for n in lens:
+                offsets.append(offsets[-1] + n)
+            exact_ids = exact.tolist()
+            for k, s in enumerate(part):
+                if s.role is Role.DRAFT:
+                    s.track.drafts.append(draft_ids[offsets[k]])
+                elif s.role is Role.FULL:
+                    accept_tokens[s.index, 0] = exact_ids[offsets[k]]
+                    accept_lens[s.index] = 1
+                    sched.verified(s.track, 1)
+                    outcome[s.track.rid] = Outcome(drafts=0, tokens=1)
+            vs = [k for k, s in enumerate(part) if s.role is Role.VERIFY]
+            if vs:
+                self._accept(batch, [part[k] for k in vs], [exact[offsets[k] : offsets[k + 1]] for k in vs],
+                             {j: reloads[k] for j, k in enumerate(vs) if k in reloads},
+                             accept_tokens, accept_lens, outcome, reloaded)
+        phases["forward_s"] = time.perf_counter() - mark
+        phases["forwards"] = self.forwards - forwards
+        stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
+                  waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
         sched.finish(plan, time.perf_counter() - started, outcome, reloaded, phases)
 
         return self.result(batch, accept_tokens, accept_lens)
+
+    def _accept(self, batch, verifiers, targets, reloads, accept_tokens, accept_lens, outcome, reloaded) -> None:
+        """Commit each verifier's accepted drafts and the verifier's correction or bonus
+        token (the greedy rule of :func:`greedy_verify_ids` on the verifier's tokens,
+        ``targets[j]`` at its ``len(drafts) + 1`` positions)."""
+        sched = self._staggered
+        lens = torch.tensor([len(s.track.drafts) for s in verifiers])
+        w = int(lens.max()) + 1
+        drafts = torch.full((len(verifiers), w - 1), -1, dtype=torch.int64)
+        padded = torch.zeros(len(verifiers), w, dtype=torch.int64)
+        for j, s in enumerate(verifiers):
+            drafts[j, : len(s.track.drafts)] = torch.tensor(s.track.drafts, dtype=torch.int64)
+            padded[j, : targets[j].numel()] = targets[j]
+        verdict = greedy_verify_ids(drafts, padded, draft_lens=lens, pad_id=0)
+        n_tokens, n_accepted = verdict.num_tokens.tolist(), verdict.num_accepted.tolist()
+        failures = 0
+        for j, s in enumerate(verifiers):
+            n = n_tokens[j]
+            accept_tokens[s.index, :n] = verdict.tokens[j, :n]
+            accept_lens[s.index] = n
+            outcome[s.track.rid] = Outcome(drafts=int(lens[j]), tokens=n)
+            if j in reloads:
+                reloaded[s.track.rid] = reloads[j].nbytes()
+                failures += reloads[j].failures
+            self._record(batch.reqs[s.index], int(lens[j]), n_accepted[j], n)
+            sched.verified(s.track, n)
+        stats.add("vericache", verify_rounds=len(verifiers), drafted=int(lens.sum()), accepted=sum(n_accepted),
+                  committed=sum(n_accepted) + len(verifiers), bytes_reloaded=sum(reloaded.values()))
+        if failures:
+            stats.add("vericache", reload_failures=failures)
 
     def _fall_back(self, track) -> bool:
         """ADMIT gave up on this request (deferred too often, or its reload can never
