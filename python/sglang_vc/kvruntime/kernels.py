@@ -38,6 +38,28 @@ def live_rows(row: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
     return slots[live], positions[live]
 
 
+def live_rows_batch(req_to_token: Tensor, rows: list[int], starts: list[int],
+                    ends: list[int]) -> tuple[Tensor, Tensor, list[int]]:
+    """:func:`live_rows` of many requests at once, ``(slots, positions, indptr)``: request
+    ``b``'s live rows of ``req_to_token[rows[b], starts[b]:ends[b]]`` are entries
+    ``indptr[b] .. indptr[b + 1]``. One host synchronisation (``indptr``), whatever the
+    number of requests; built once per forward, read by every layer."""
+    dev = req_to_token.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
+    ends_t = torch.tensor(ends, dtype=torch.int64, device=dev)
+    if ext.backend_for(req_to_token) is ext.Backend.TRITON:
+        built = ext.build_kv_indices(req_to_token, rows_t, starts_t, ends_t, NULL_SLOT)
+        return built.indices, built.positions, built.indptr.tolist()
+    width = max(ends, default=0)
+    cols = torch.arange(width, device=dev)
+    table = req_to_token[rows_t, :width].to(torch.int64)
+    live = (cols >= starts_t[:, None]) & (cols < ends_t[:, None]) & (table != NULL_SLOT)
+    counts = live.sum(1)
+    indptr = [0] + counts.cumsum(0).tolist()
+    return table[live], cols.expand_as(table)[live], indptr
+
+
 def gather_kv(
     k_buf: Tensor,
     v_buf: Tensor,
@@ -64,12 +86,14 @@ def attend(
     scale: Optional[float],
     enable_gqa: bool,
     q_positions: Optional[Tensor] = None,
+    last_position: Optional[int] = None,
 ) -> Tensor:
     """Softmax attention of one request: ``q [T, Hq, D]`` at positions ``q_start ..``
     over ``k/v [N, Hkv, D]`` whose first ``num_prefix`` rows are visible to every query
     and whose other rows sit at row positions ``key_positions`` (causal); ``q_positions``
     gives the queries' positions where they are not consecutive (SpecCache's selective
-    prefill). Returns
+    prefill); ``last_position``, the last key row's position where the caller knows it
+    (otherwise read from ``key_positions``: a host synchronisation). Returns
     ``[T, Hq, Dv]``. With one query that sees every row (decode) no mask is built, so the
     call is the same as SGLang's torch-native decode on the same rows."""
     t = q.shape[0]
@@ -78,7 +102,10 @@ def attend(
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     mask = None
-    last = int(key_positions[-1]) if key_positions.numel() else -1
+    if last_position is not None:  # known on the host: no synchronisation
+        last = last_position
+    else:
+        last = int(key_positions[-1]) if key_positions.numel() else -1
     if q_positions is not None:
         q_pos = q_positions.to(q.device)
         visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)

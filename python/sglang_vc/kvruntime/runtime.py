@@ -410,15 +410,18 @@ class KVRuntime:
     # ------------------------------------------------------------------ attention
 
     def request_kv(self, entry: CompressedKVIndex, layer_id: int, seq_len: int,
-                   online: Optional[_Online] = None
+                   online: Optional[_Online] = None, live: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """What a compressed request attends to in ``layer_id``: K, V ``[N, H, D]``, the
         number of payload rows first (visible to every query) and the row positions of
-        the pool rows after them."""
+        the pool rows after them. ``live``: its live pool rows ``(slots, positions)`` up
+        to ``seq_len`` where the caller built them for the whole forward."""
         k_buf = self.kv_pool.get_key_buffer(layer_id)
         v_buf = self.kv_pool.get_value_buffer(layer_id)
         if online is not None:
             slots, positions = online.slots, online.positions
+        elif live is not None:
+            slots, positions = live
         else:
             slots, positions = kernels.live_rows(self.req_to_token[entry.req_pool_idx],
                                                  entry.row_start, seq_len)

@@ -55,6 +55,7 @@ Not built: logprobs of speculative tokens, penalties and grammar-constrained req
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +66,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import CopyStream, get_runtime
+from sglang_vc.kvruntime import CopyStream, get_runtime, syncs
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
@@ -105,6 +106,8 @@ class VeriCacheWorker(ChainSpecWorker):
         self.per_request: dict[str, dict] = {}
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
+        if schedule is flags.Schedule.STAGGERED:
+            self._schedule()  # measures the link once, here rather than in the first decode iteration
 
     @property
     def runtime(self):
@@ -313,7 +316,19 @@ class VeriCacheWorker(ChainSpecWorker):
 
     @torch.inference_mode()
     def _staggered_round(self, batch):
+        """One staggered iteration; with ``SGLANG_VC_COUNT_SYNCS`` set, the host
+        synchronisations it made go into the trace (:mod:`sglang_vc.kvruntime.syncs`)."""
         started = time.perf_counter()
+        counter = syncs.SyncCounter() if syncs.enabled() else None
+        with counter if counter is not None else contextlib.nullcontext():
+            plan, result, outcome, reloaded, phases = self._staggered_iteration(batch, started)
+        if counter is not None:
+            phases["host_syncs"] = counter.total
+            phases.update({f"host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
+        self._staggered.finish(plan, time.perf_counter() - started, outcome, reloaded, phases)
+        return result
+
+    def _staggered_iteration(self, batch, started: float):
         sched = self._schedule()
         bs, dev = len(batch.reqs), batch.seq_lens.device
         committed = batch.seq_lens.to("cpu", torch.int64)
@@ -414,17 +429,16 @@ class VeriCacheWorker(ChainSpecWorker):
         phases["forwards"] = self.forwards - forwards
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
-        sched.finish(plan, time.perf_counter() - started, outcome, reloaded, phases)
-
-        return self.result(batch, accept_tokens, accept_lens)
+        return plan, self.result(batch, accept_tokens, accept_lens), outcome, reloaded, phases
 
     def _accept(self, batch, verifiers, targets, reloads, accept_tokens, accept_lens, outcome, reloaded) -> None:
         """Commit each verifier's accepted drafts and the verifier's correction or bonus
         token (the greedy rule of :func:`greedy_verify_ids` on the verifier's tokens,
         ``targets[j]`` at its ``len(drafts) + 1`` positions)."""
         sched = self._staggered
-        lens = torch.tensor([len(s.track.drafts) for s in verifiers])
-        w = int(lens.max()) + 1
+        n_drafts = [len(s.track.drafts) for s in verifiers]
+        lens = torch.tensor(n_drafts)
+        w = max(n_drafts) + 1
         drafts = torch.full((len(verifiers), w - 1), -1, dtype=torch.int64)
         padded = torch.zeros(len(verifiers), w, dtype=torch.int64)
         for j, s in enumerate(verifiers):
@@ -437,13 +451,13 @@ class VeriCacheWorker(ChainSpecWorker):
             n = n_tokens[j]
             accept_tokens[s.index, :n] = verdict.tokens[j, :n]
             accept_lens[s.index] = n
-            outcome[s.track.rid] = Outcome(drafts=int(lens[j]), tokens=n)
+            outcome[s.track.rid] = Outcome(drafts=n_drafts[j], tokens=n)
             if j in reloads:
                 reloaded[s.track.rid] = reloads[j].nbytes()
                 failures += reloads[j].failures
-            self._record(batch.reqs[s.index], int(lens[j]), n_accepted[j], n)
+            self._record(batch.reqs[s.index], n_drafts[j], n_accepted[j], n)
             sched.verified(s.track, n)
-        stats.add("vericache", verify_rounds=len(verifiers), drafted=int(lens.sum()), accepted=sum(n_accepted),
+        stats.add("vericache", verify_rounds=len(verifiers), drafted=sum(n_drafts), accepted=sum(n_accepted),
                   committed=sum(n_accepted) + len(verifiers), bytes_reloaded=sum(reloaded.values()))
         if failures:
             stats.add("vericache", reload_failures=failures)
