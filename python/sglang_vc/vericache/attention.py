@@ -83,6 +83,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
         gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        verifying = self.reload.requests if self.reload is not None else ()
         staged = self.reload.layer(layer.layer_id) if self.reload is not None else {}
         for i, (row, committed, w, entry) in enumerate(zip(vf.rows, vf.starts, vf.lens, vf.entries)):
             lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
@@ -94,6 +95,12 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 k_full, v_full = span.full(k_buf, v_buf, slots)
                 k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
                 v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
+                positions = torch.arange(committed + w, device=k_r.device)
+            elif i in verifying:  # its reload failed every retry: its full KV is back on the device
+                if self.runtime.entry_for_row(row) is not None:
+                    # never verify against the compressed rows: that would not be lossless
+                    raise RuntimeError(f"VERICACHE: no full KV staged for compressed row {row}")
+                k_r, v_r = kernels.gather_kv(k_buf, v_buf, req_to_token[row, : committed + w].to(torch.int64))
                 positions = torch.arange(committed + w, device=k_r.device)
             elif entry is not None:  # drafting from the compressed KV
                 o_[lo:hi] = self._draft_attention(q_[lo:hi], entry, layer, committed, w, live, gqa)

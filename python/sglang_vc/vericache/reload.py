@@ -256,6 +256,11 @@ class LayerwiseReload:
         for layer_id in layer_ids:
             self._futures[layer_id] = executor.submit(self._stage_async, layer_id)
 
+    @property
+    def requests(self) -> set[int]:
+        """The requests (batch indices) whose KV this reload stages."""
+        return set(self.entries)
+
     def _stage(self, layer_id: int):
         """``(spans, event)``: the layer's rows copied to the device (see :class:`CopyStream`)."""
         if self._doomed:

@@ -532,6 +532,11 @@ class _Staging:
     def __init__(self, reloads: dict[int, LayerwiseReload]):
         self.reloads = reloads
 
+    @property
+    def requests(self) -> set[int]:
+        """The verifying requests (their index in the forward)."""
+        return set(self.reloads)
+
     def layer(self, layer_id: int) -> dict:
         out = {}
         for k, reload in self.reloads.items():
