@@ -16,13 +16,17 @@ from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
 LAYERS = [0, 1, 2, 3]
 
 
-def _filled_store(capacity=None, n=10, p=2):
-    store = HostKVStore(capacity)
+def _filled_store(capacity=None, n=10, p=2, flush=True, store=None):
+    """A store holding request "a" (row 5): every layer sunk, and moved to the host whole
+    unless ``flush`` is False (then a compressor's ``kept`` may still select rows)."""
+    store = store if store is not None else HostKVStore(capacity)
     assert store.admit("a", 5, p, n, nbytes=100)
     torch.manual_seed(0)
     full = {l: (torch.randn(n, 2, 4), torch.randn(n, 2, 4)) for l in LAYERS}
     for l, (k, v) in full.items():
         store.sink("a", 5, l, p, k, v)
+    if flush:
+        store.flush()
     return store, full
 
 
@@ -118,11 +122,12 @@ def test_dropped_rows_only_are_staged_and_merged_with_the_kept_ones():
     rows per head), the host keeps the 5 dropped rows; a reload copies only those (and
     their positions), and the span it serves equals the full rows once merged with the
     kept rows still in the pool."""
-    store, full = _filled_store(n=10, p=2)
+    store, full = _filled_store(n=10, p=2, flush=False)
     kept = torch.tensor([[2, 5, 9], [3, 4, 8]])  # absolute positions, per KV head
-    full_bytes = store.get("a", 5).nbytes()
+    full_bytes = _filled_store(n=10, p=2)[0].get("a", 5).nbytes()
     for l in LAYERS:
         store.kept("a", 5, l, kept)
+    store.flush()  # nothing left: every layer's rows were selected
     entry = store.get("a", 5)
     # the pool: row position 2 + j holds, for head h, position kept[h, j]
     slots = torch.arange(10)
@@ -147,9 +152,40 @@ def test_dropped_rows_only_are_staged_and_merged_with_the_kept_ones():
 
 
 def test_kept_rows_before_the_span_leave_the_full_rows():
-    store, full = _filled_store(n=10, p=2)
+    store, full = _filled_store(n=10, p=2, flush=False)
     store.kept("a", 5, 0, torch.tensor([[0, 5, 9], [3, 4, 8]]))  # position 0 < p
+    store.flush()
     assert store.get("a", 5).span(0).kept is None and store.get("a", 5).k[0].shape[0] == 8
+    assert torch.equal(store.get("a", 5).k[0], full[0][0][2:])
+
+
+def test_rows_move_to_the_host_on_the_copy_stream_after_the_forward():
+    """On an accelerator the prompt's rows go to the host by copies on the copy stream
+    (the stream reloads use), queued after an event of the forward that computed them;
+    the selection of a token-dropping compressor's dropped rows happens before, on the
+    device, so only those move; a host reader waits for the last copy's event."""
+    fake = StandInStreams()
+    stream = CopyStream("cpu", module=fake)
+    kept_alive = []
+    stream.keep_alive = lambda t, s: kept_alive.append(t)
+    store, full = _filled_store(n=10, p=0, flush=False, store=HostKVStore(copy_stream=stream, pin=False))
+    assert not fake.log, "nothing moves while the prefill forward runs"
+    store.kept("a", 5, 0, torch.tensor([[2, 5, 9], [3, 4, 8]]))
+    store.flush()
+    kinds = [kind for kind, _ in fake.log]
+    assert kinds == ["record", "copy-wait", "record"] * len(LAYERS), kinds
+    marks, copies = fake.log[0::3], fake.log[2::3]
+    assert all(m[1].stream == "compute" and w[1] is m[1] for m, w in zip(marks, fake.log[1::3]))
+    assert all(c[1].stream == "copy" for c in copies)
+    entry = store.get("a", 5)
+    assert entry.k[0].shape == (7, 2, 4) and entry.k[1].shape == (10, 2, 4)  # layer 0: the 7 dropped rows
+    assert torch.equal(entry.k[0][:, 0], full[0][0][[0, 1, 3, 4, 6, 7, 8], 0])
+    assert len(kept_alive) == 2 * 2 + 2 * (len(LAYERS) - 1)  # the device rows the copies read
+    waited = []
+    entry.event = types.SimpleNamespace(synchronize=lambda: waited.append(1))
+    entry.wait()
+    entry.wait()
+    assert waited == [1]
 
 
 def test_reload_copies_on_its_own_stream_and_the_consumer_waits():

@@ -1,7 +1,9 @@
 """The host copy of the full KV and its layer-wise reload for a verify forward.
 
 :class:`HostKVStore` keeps, per request, the full KV of the prompt positions ``[p, n)``
-whose device rows compression replaced. It has a byte capacity: a request that does not
+whose device rows compression replaced (pinned memory on an accelerator, written by
+asynchronous copies on the copy stream; a token-dropping drafter's dropped rows only,
+selected on the device). It has a byte capacity: a request that does not
 fit is not compressed at all (it decodes from its full device KV, the slower path) rather
 than losing KV that a verify would need.
 
@@ -103,6 +105,16 @@ class HostEntry:
     v: dict = dataclasses.field(default_factory=dict)
     kept: dict = dataclasses.field(default_factory=dict)  # layer_id -> [H, n_keep] (relative)
     dropped: dict = dataclasses.field(default_factory=dict)  # layer_id -> [H, n_drop]
+    # layer_id -> (k, v) [n - p, H, D] on the device, until moved to the host
+    pending: dict = dataclasses.field(default_factory=dict)
+    event: object = None  # the last copy to the host (None: done when issued)
+
+    def wait(self) -> None:
+        """Block until every copy of this entry to the host has landed (a reader on the
+        host; a reload on the copy stream is ordered after them anyway)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
 
     @property
     def num_tokens(self) -> int:
@@ -121,12 +133,22 @@ class HostKVStore:
     """Full KV of the prompt positions whose device rows were replaced by compressed ones.
 
     ``admit`` reserves room before a request's prefill compresses it; ``sink`` (called by
-    the lossy runtime right before it compresses each layer) fills the entry."""
+    the lossy runtime right before it compresses each layer) hands over the layer's rows
+    on the device; ``kept`` (a token-dropping compressor's choice) keeps only the dropped
+    ones, selected on the device; :meth:`flush` (after the prefill forward) moves what is
+    left whole. The move to the host is an asynchronous copy into pinned memory on the
+    copy stream (on an accelerator), after an event of the forward that computed the
+    rows: the prefill does not wait for it, and a reload, queued on the same stream, runs
+    after it. A reader on the host (:meth:`HostEntry.wait`) waits for its event."""
 
-    def __init__(self, capacity_bytes: Optional[int] = None):
+    def __init__(self, capacity_bytes: Optional[int] = None, copy_stream: Optional[CopyStream] = None,
+                 pin: Optional[bool] = None):
         self.capacity_bytes = capacity_bytes
         self.entries: dict[str, HostEntry] = {}
         self.reserved_bytes = 0
+        self.copy_stream = copy_stream if copy_stream is not None else CopyStream("cpu")
+        # pinned host memory where there is a device to copy to (asynchronous copies)
+        self.pin = self.copy_stream.stream is not None if pin is None else pin
 
     def admit(self, rid: str, req_pool_idx: int, p: int, n: int, nbytes: int) -> bool:
         old = self.entries.pop(rid, None)
@@ -140,6 +162,8 @@ class HostKVStore:
 
     def sink(self, rid: str, req_pool_idx: int, layer_id: int, p: int, k: torch.Tensor,
              v: torch.Tensor) -> None:
+        """Rows ``[0, n)`` of one layer (``k``/``v`` on the device, the store's own copies:
+        the runtime gathered them); ``[p, n)`` go to the host."""
         entry = self.entries.get(rid)
         n = k.shape[0]
         if entry is None or entry.req_pool_idx != req_pool_idx or entry.n != n or entry.p != p:
@@ -147,29 +171,55 @@ class HostKVStore:
             # KV anyway, a verify must never lack it.
             self.admit(rid, req_pool_idx, p, n, 0)
             entry = self.entries[rid]
-        entry.k[layer_id] = k[p:].to("cpu", copy=True)
-        entry.v[layer_id] = v[p:].to("cpu", copy=True)
+        entry.pending[layer_id] = (k[p:], v[p:])
 
     def kept(self, rid: str, req_pool_idx: int, layer_id: int, kept_positions: torch.Tensor) -> None:
         """A token-dropping compressor kept ``kept_positions`` (``[H, n_keep]`` of
-        ``[0, n)``) of this layer: the host keeps only the other rows of ``[p, n)``,
-        those a verify cannot find on the device. Left as full rows when a kept position
-        lies before ``p`` (then the heads keep different numbers of rows of the span)."""
+        ``[0, n)``, on the device) of this layer: the host keeps only the other rows of
+        ``[p, n)``, those a verify cannot find on the device, selected on the device. Left
+        as full rows when a kept position lies before ``p`` (then the heads keep different
+        numbers of rows of the span; only a prefix-cache hit has ``p > 0``)."""
         entry = self.entries.get(rid)
-        if entry is None or entry.req_pool_idx != req_pool_idx or layer_id not in entry.k:
+        if entry is None or entry.req_pool_idx != req_pool_idx or layer_id not in entry.pending:
             return
-        rel = kept_positions.to("cpu", torch.int64) - entry.p
-        if bool((rel < 0).any()):
+        k, v = entry.pending[layer_id]
+        rel = kept_positions.to(k.device, torch.int64) - entry.p
+        if entry.p > 0 and bool((rel < 0).any()):
             return
-        h = rel.shape[0]
-        mask = torch.ones(h, entry.num_tokens, dtype=torch.bool)
-        mask.scatter_(1, rel, False)
-        dropped = mask.nonzero()[:, 1].view(h, -1)
-        full_k, full_v = entry.k[layer_id], entry.v[layer_id]
-        idx = dropped.t().unsqueeze(-1).expand(-1, -1, full_k.shape[2])
-        entry.k[layer_id] = full_k.gather(0, idx).contiguous()
-        entry.v[layer_id] = full_v.gather(0, idx).contiguous()
-        entry.kept[layer_id], entry.dropped[layer_id] = rel, dropped
+        h, n_keep = rel.shape
+        mask = torch.ones(h, entry.num_tokens, dtype=torch.int8, device=k.device).scatter_(1, rel, 0)
+        # the dropped positions of each head, ascending: a stable sort puts the 1s first
+        dropped = torch.sort(mask, dim=1, descending=True, stable=True).indices[:, : entry.num_tokens - n_keep]
+        idx = dropped.t().unsqueeze(-1).expand(-1, -1, k.shape[2])
+        del entry.pending[layer_id]
+        self._to_host(entry, layer_id, k.gather(0, idx), v.gather(0, idx), rel, dropped)
+
+    def flush(self) -> None:
+        """Move every layer still on the device whole (no compressor chose its rows)."""
+        for entry in self.entries.values():
+            for layer_id, (k, v) in list(entry.pending.items()):
+                del entry.pending[layer_id]
+                self._to_host(entry, layer_id, k, v, None, None)
+
+    def _to_host(self, entry: "HostEntry", layer_id: int, *tensors) -> None:
+        def copy() -> list:
+            out = []
+            for t in tensors:
+                if t is None:
+                    out.append(None)
+                    continue
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+                host.copy_(t, non_blocking=self.pin)
+                if self.copy_stream.stream is not None:
+                    self.copy_stream.keep_alive(t, self.copy_stream.stream)  # read by the copy stream
+                out.append(host)
+            return out
+
+        (k, v, kept, dropped), event = self.copy_stream.copy(copy, after=self.copy_stream.mark())
+        entry.k[layer_id], entry.v[layer_id] = k, v
+        if kept is not None:
+            entry.kept[layer_id], entry.dropped[layer_id] = kept, dropped
+        entry.event = event if event is not None else entry.event
 
     def get(self, rid: str, req_pool_idx: int) -> Optional[HostEntry]:
         entry = self.entries.get(rid)
@@ -189,7 +239,8 @@ class HostKVStore:
 
 def measure_bandwidth(device, nbytes: int = 32 << 20, repeats: int = 3) -> float:
     """Host-to-device copy bandwidth (bytes/s), the best of ``repeats`` copies of
-    ``nbytes``: the BW ring's link speed, measured at start-up on the link reloads use."""
+    ``nbytes``: the BW ring's link speed, measured at start-up on the link reloads use,
+    from the memory kind they copy (pinned on an accelerator, as :class:`HostKVStore`)."""
     import time
 
     src = torch.empty(nbytes, dtype=torch.uint8)

@@ -79,6 +79,7 @@ class SpeCacheDrafter:
               k_buf: torch.Tensor, v_buf: torch.Tensor) -> core.Rows:
         """Full-precision rows ``positions [H, k]``: from the host copy (``[p, n)``), or
         from the pool for a tree-shared prefix ``[0, p)``."""
+        host_entry.wait()  # its copies to the host have landed
         span = host_entry.span(layer_id)
         p = span.p
         dev = k_buf.device

@@ -97,12 +97,13 @@ class VeriCacheWorker(ChainSpecWorker):
         self.num_drafts: int = num_drafts
         self.width = self.num_drafts + 1  # verify tokens per request: t0 + X drafts
         self.device = get_device().device
-        self.host = HostKVStore(flags.host_kv_bytes(settings))
         self.schedule = schedule
         self.window = window
         self.trace_path = flags.trace_path(settings)
         self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
         self.copy_stream = CopyStream(self.device)  # the copy thread's own stream on an accelerator
+        # the prompt's full KV moves to the host on the same stream its reloads use
+        self.host = HostKVStore(flags.host_kv_bytes(settings), copy_stream=self.copy_stream)
         self.per_request: dict[str, dict] = {}
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
@@ -154,6 +155,7 @@ class VeriCacheWorker(ChainSpecWorker):
                 result = self._decode_round(batch)
         else:
             result = self.prefill_result(batch, pp_proxy_tensors)
+            self.host.flush()  # what no compressor selected moves to the host whole
         self.host.retain(runtime.compressed_rids())
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
@@ -511,6 +513,7 @@ class VeriCacheWorker(ChainSpecWorker):
         """The full KV of the entry's span per layer: the host rows, merged with the kept
         rows still in the pool where the host holds only the dropped ones."""
         pool = self.runtime.kv_pool
+        entry.wait()  # its copies to the host have landed
         slots = self.req_to_token_pool.req_to_token[entry.req_pool_idx, : entry.n].to(torch.int64)
         k, v = {}, {}
         for layer_id in entry.k:
