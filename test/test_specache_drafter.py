@@ -21,6 +21,8 @@ def test_fetched_rows_are_the_full_kv_from_host_and_tree_prefix():
     host = HostKVStore()
     assert host.admit("r", 0, p, n, 0)
     host.sink("r", 0, 2, p, k_full, v_full)
+    assert host.get("r", 0) is None  # still on the device until the prefill's flush
+    host.flush()
     # the pool: the request's row points at scattered slots; only [0, p) is live there
     slots = torch.randperm(100, generator=g)[:n]
     k_buf, v_buf = torch.zeros(100, heads, dim), torch.zeros(100, heads, dim)
