@@ -126,3 +126,23 @@ def test_algorithms_warn_of_what_they_switch_off(caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_vc"):
         notices.flush()
     assert not caplog.records
+
+
+def test_full_kv_attention_is_sglangs_choice_unless_named(model_dir, capsys):
+    """On this CPU SGLang's platform choice (torch_native) runs full-KV attention under
+    the project's backends; the flag names another of SGLang's backends, and anything
+    else (one of the project's own, an unknown name) is a usage error."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_vc.kvruntime.backend import full_kv_backend_name
+    from sglang_vc.launch_server import parse_args
+
+    lossy = ["--model-path", model_dir, "--vc-compressor", "knorm", "--vc-compression-ratio", "0.5"]
+    for extra, want in (([], "torch_native"), (["--vc-full-kv-attention-backend", "triton"], "triton")):
+        vc, sa = parse_args([*lossy, *extra])
+        sa.resolve_once()
+        assert full_kv_backend_name(sa, ModelConfig.from_server_args(sa), False) == want
+    for bad in ("vc_torch", "no-such-backend"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args([*lossy, "--vc-full-kv-attention-backend", bad])
+        assert exc.value.code == 2 and "--vc-full-kv-attention-backend must be one of" in capsys.readouterr().err

@@ -22,6 +22,8 @@ cases = {
     "lossy": ["--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25"],
     "vericache": ["--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
                   "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25"],
+    "lossy_fa3": ["--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25",
+                  "--vc-full-kv-attention-backend", "fa3"],
     "evicpress_drop": ["--enable-hierarchical-cache", "--hicache-ratio", "2",
                        "--radix-cache-backend", "evicpress", "--evicpress-disk-dir", "/tmp/unused",
                        "--evicpress-policy", "fixed", "--evicpress-fixed-config", "knorm@0.5"],
@@ -32,7 +34,11 @@ for name, argv in cases.items():
     vc, sa = parse_args(["--model-path", model, "--device", "cuda", "--mem-fraction-static", "0.5",
                          "--max-total-tokens", "4096", *argv])
     sa.resolve_once()  # SGLang's whole resolution pipeline, as run_server runs it
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang_vc.kvruntime.backend import full_kv_backend_name
+    mc = ModelConfig.from_server_args(sa)
     out[name] = {
+        "full_kv_backend": full_kv_backend_name(sa, mc, False) if sa.attention_backend else None,
         "attention_backend": sa.attention_backend,
         "radix_cache_backend": sa.radix_cache_backend,
         "page_size": sa.page_size,
@@ -56,6 +62,12 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     vc = out["vericache"]
     assert (vc["attention_backend"], vc["radix_cache_backend"], vc["page_size"]) == ("vc_verify", "vc", 1)
     assert vc["graphs"] == ["disabled", "disabled"] and "vericache" in vc["mechanisms"]
+    # full-KV attention under the project's backends is SGLang's own choice for CUDA
+    # (Triton here: FlashInfer is not installed; FlashInfer or FA3 on a GPU install), or
+    # the one the flag names
+    for case in ("lossy", "vericache", "evicpress_drop"):
+        assert out[case]["full_kv_backend"] == "triton", (case, out[case])
+    assert out["lossy_fa3"]["full_kv_backend"] == "fa3"
     ep = out["evicpress_drop"]
     assert (ep["attention_backend"], ep["radix_cache_backend"]) == ("vc_torch", "evicpress")
     assert ep["graphs"] == ["disabled", "disabled"] and "evicpress" in ep["mechanisms"]

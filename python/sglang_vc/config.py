@@ -57,6 +57,9 @@ class VCConfig:
     vc_compressor: Optional[str] = None
     vc_compression_ratio: Optional[float] = None
     vc_kv_bits: Optional[int] = None
+    # SGLang attention backend for full-KV attention under the project's backends (None:
+    # the one SGLang itself would choose for the platform and model).
+    vc_full_kv_attention_backend: Optional[str] = None
     # Validated settings of each registered flag group that is in use (plain data).
     groups: dict = dataclasses.field(default_factory=dict)
     # What SGLang's argument resolution decided, per mechanism (lossy serving, VeriCache);
@@ -87,6 +90,15 @@ class VCConfig:
             default=None,
             help="Bits per KV element for a quantization compressor.",
         )
+        group.add_argument(
+            "--vc-full-kv-attention-backend",
+            type=str,
+            default=None,
+            help="SGLang attention backend that runs full-KV attention (prefills, batches "
+            "without compressed requests) under the project's backends. Default: the one "
+            "SGLang itself chooses for the platform and model (FlashInfer, FA3 or Triton on "
+            "CUDA; torch_native on the CPU).",
+        )
         for flag_group in flag_groups():
             flag_group.add_cli_args(parser)
 
@@ -97,6 +109,7 @@ class VCConfig:
             vc_compressor=args.vc_compressor,
             vc_compression_ratio=args.vc_compression_ratio,
             vc_kv_bits=args.vc_kv_bits,
+            vc_full_kv_attention_backend=args.vc_full_kv_attention_backend,
         )
         for flag_group in flag_groups():
             settings = flag_group.from_cli_args(args)
@@ -111,6 +124,8 @@ class VCConfig:
         return self.groups.get(name)
 
     def validate(self) -> None:
+        if self.vc_full_kv_attention_backend is not None:
+            _validate_full_kv_backend(self.vc_full_kv_attention_backend)
         if self.vc_compression_ratio is not None and not 0 < self.vc_compression_ratio <= 1:
             raise ConfigError(
                 f"--vc-compression-ratio must be in (0, 1] (fraction of KV kept), "
@@ -148,6 +163,17 @@ class VCConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _validate_full_kv_backend(name: str) -> None:
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+
+    from sglang_vc.kvruntime.names import PROJECT_ATTENTION_BACKENDS
+
+    choices = [c for c in ATTENTION_BACKEND_CHOICES if c not in PROJECT_ATTENTION_BACKENDS]
+    if name not in choices:
+        raise ConfigError(f"--vc-full-kv-attention-backend must be one of SGLang's attention backends "
+                          f"({', '.join(choices)}), got {name!r}")
 
 
 def _validate_compressor(name: str, ratio: Optional[float], bits: Optional[int]) -> None:

@@ -15,6 +15,7 @@ attention: the prefill itself (and so the first output token) always sees the fu
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import sgl_kernel_ext as ext
 import torch
@@ -26,6 +27,8 @@ from . import kernels
 from .names import NULL_SLOT
 from .runtime import get_runtime
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class DecodeIndex:
@@ -36,8 +39,26 @@ class DecodeIndex:
     q_pos: torch.Tensor  # [B] each query's position (seq_len - 1)
 
 
+def full_kv_backend_name(server_args, model_config, use_mla_backend: bool) -> str:
+    """The SGLang attention backend that runs full-KV attention: the one
+    ``--vc-full-kv-attention-backend`` names, else the one SGLang itself would choose for
+    this platform and model (its own ``get_default_attn_backend``: FlashInfer, FA3 or
+    Triton on CUDA, the platform's default elsewhere)."""
+    from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
+
+    from sglang_vc.config import get_vc_config
+
+    chosen = get_vc_config(server_args).vc_full_kv_attention_backend
+    return chosen or get_default_attn_backend(server_args, use_mla_backend, model_config)
+
+
 class VCTorchAttnBackend(TorchNativeAttnBackend):
+    """See the module docstring. Forwards in which no request reads compressed rows run
+    ``self.full_kv`` -- the SGLang backend of :func:`full_kv_backend_name` -- unchanged
+    (SGLang's ``torch_native`` is this class's own base)."""
+
     decode_index: "DecodeIndex | None" = None  # this decode forward's index lists (Triton path)
+    delegated: bool = False  # this forward runs the full-KV backend
 
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -47,12 +68,39 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         if self.use_sliding_window_kv_pool:
             raise ValueError("vc_torch: sliding-window (hybrid SWA) models are not supported")
         self.runtime = get_runtime(model_runner)
+        self.full_kv_name = full_kv_backend_name(model_runner.server_args, model_runner.model_config,
+                                                 model_runner.use_mla_backend)
+        self.full_kv = self._make_full_kv_backend(model_runner, self.full_kv_name)
+        logger.info("sglang-vc: full-KV attention runs SGLang's %s backend; requests reading compressed "
+                    "rows run the project's", self.full_kv_name)
+
+    @staticmethod
+    def _make_full_kv_backend(model_runner, name: str):
+        """SGLang's backend ``name`` from its registry (None for ``torch_native``: this
+        class is one)."""
+        if name == "torch_native":
+            return None
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+        return ATTENTION_BACKENDS[name](model_runner)
 
     # ------------------------------------------------------------------ metadata
+
+    def delegates(self, forward_batch, batch) -> bool:
+        """Whether this forward's attention is SGLang's full-KV backend's: no request in
+        it reads compressed rows. ``TARGET_VERIFY`` forwards are the speculative workers'
+        own (their chains read staged or prefetched rows)."""
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify() or batch.any_compressed:
+            return False
+        return not (mode.is_extend() and self.extend_per_request())
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         batch = self.runtime.begin_forward(forward_batch)
+        self.delegated = self.full_kv is not None and self.delegates(forward_batch, batch)
+        if self.delegated:
+            self.full_kv.init_forward_metadata(forward_batch)
         self.decode_index = None
         if (forward_batch.forward_mode.is_decode() and batch.any_compressed and not batch.online
                 and ext.backend_for(forward_batch.seq_lens) is ext.Backend.TRITON
@@ -83,7 +131,9 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         batch = self.runtime.batch
         per_request = batch is not None and (batch.any_compressed or self.extend_per_request())
-        if not per_request or layer.is_cross_attention:
+        if self.delegated:
+            o = self.full_kv.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        elif not per_request or layer.is_cross_attention:
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         else:
             o = self._forward_per_request(q, k, v, layer, forward_batch, save_kv_cache, extend=True)
@@ -97,7 +147,9 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         batch = self.runtime.batch
-        if batch is None or not batch.any_compressed or layer.is_cross_attention:
+        if self.delegated:
+            o = self.full_kv.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        elif batch is None or not batch.any_compressed or layer.is_cross_attention:
             o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         elif self.decode_index is not None:
             o = self._forward_decode_batched(q, k, v, layer, forward_batch, save_kv_cache)

@@ -8,3 +8,5 @@ META_INFO_KEY = "sglang_vc_compression"
 # SGLang's token pools reserve slot 0 for padded writes and never allocate it: a row
 # position whose token was dropped points here, and attention skips it.
 NULL_SLOT = 0
+# Every attention backend the project registers (they wrap SGLang's own; see backend.py).
+PROJECT_ATTENTION_BACKENDS = ("vc_torch", "vc_verify", "specache", "vc_speccache")
