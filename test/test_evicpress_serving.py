@@ -497,7 +497,8 @@ def test_bad_flag_values_rejected(extra, message, capsys):
 
 def test_token_dropping_flags_select_the_lossy_attention_backend():
     """knorm/keydiff candidates or a fixed knorm config are accepted and make the launcher
-    pass --attention-backend vc_torch (page size 1, CUDA graphs off) to SGLang; another
+    pass --attention-backend vc_torch (page size 1, prefill CUDA graphs off; decode graphs
+    stay on for batches without compressed requests) to SGLang; another
     attention backend is refused."""
     from sglang_vc.config import ConfigError, VCConfig
     from sglang_vc.evicpress import flags
@@ -514,7 +515,8 @@ def test_token_dropping_flags_select_the_lossy_attention_backend():
     argv = ["--radix-cache-backend", "evicpress"]
     extra = backend_flags(fixed, argv)
     assert extra[:2] == ["--attention-backend", "vc_torch"] and "--page-size" in extra
-    assert "--cuda-graph-backend-decode" in extra and "--radix-cache-backend" not in extra
+    assert "--cuda-graph-backend-prefill" in extra and "--cuda-graph-backend-decode" not in extra
+    assert "--radix-cache-backend" not in extra
     assert backend_flags(parsed(), argv) == []
     with pytest.raises(ConfigError, match="vc_torch"):
         backend_flags(fixed, argv + ["--attention-backend", "torch_native"])

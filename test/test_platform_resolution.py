@@ -58,7 +58,9 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     assert out["plain"]["attention_backend"] is None and out["plain"]["graphs"] == [None, None]
     lossy = out["lossy"]
     assert (lossy["attention_backend"], lossy["radix_cache_backend"], lossy["page_size"]) == ("vc_torch", "vc", 1)
-    assert lossy["graphs"] == ["disabled", "disabled"] and "lossy_serving" in lossy["mechanisms"]
+    # decode graphs stay SGLang's (None: its default) for batches without compressed
+    # requests; prefill graphs are off (the prefill compresses layer by layer)
+    assert lossy["graphs"] == [None, "disabled"] and "lossy_serving" in lossy["mechanisms"]
     vc = out["vericache"]
     assert (vc["attention_backend"], vc["radix_cache_backend"], vc["page_size"]) == ("vc_verify", "vc", 1)
     assert vc["graphs"] == ["disabled", "disabled"] and "vericache" in vc["mechanisms"]
@@ -70,7 +72,7 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     assert out["lossy_fa3"]["full_kv_backend"] == "fa3"
     ep = out["evicpress_drop"]
     assert (ep["attention_backend"], ep["radix_cache_backend"]) == ("vc_torch", "evicpress")
-    assert ep["graphs"] == ["disabled", "disabled"] and "evicpress" in ep["mechanisms"]
+    assert ep["graphs"] == [None, "disabled"] and "evicpress" in ep["mechanisms"]
 
 
 def test_platform_plugin_steps_aside_on_a_cuda_machine(monkeypatch):

@@ -510,14 +510,14 @@ def test_token_ids_outside_the_vocabulary_are_http_400(vc4, case):
 
 def test_switched_off_capabilities_are_warnings_users_see(vc4):
     """What VERICACHE switches off in SGLang is in the server's log with the reason, and
-    in ``/server_info``: CUDA graphs here (the overlap scheduler is already off on this
-    CPU platform; ``test_cli`` checks that warning where it is on)."""
+    in ``/server_info``: decode and prefill CUDA graphs here (the overlap scheduler is
+    already off on this CPU platform; ``test_cli`` checks that warning where it is on)."""
     log = vc4.log_path.read_text(errors="replace")
-    line = "CUDA graphs disabled by --speculative-algorithm VERICACHE: the vc_verify attention backend"
+    line = "decode CUDA graphs disabled by --speculative-algorithm VERICACHE: the vc_verify attention backend"
     assert line in log
     off = {n["capability"]: n for n in vc_counters(vc4)["switched_off"]}
-    assert set(off) == {"CUDA graphs"}, off
-    assert off["CUDA graphs"]["reason"]
+    assert set(off) == {"decode CUDA graphs", "prefill CUDA graphs"}, off
+    assert all(n["reason"] for n in off.values())
 
 
 def test_unsupported_parameter_is_http_400_on_the_openai_api(vc4):

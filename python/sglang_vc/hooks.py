@@ -1,7 +1,8 @@
 """Every patch sglang-vc applies to SGLang, in one place, each with the reason for it.
 
 Patches are a last resort: the project extends SGLang through its registries. These are
-the spots where SGLang 0.5.23 has no seam for a device without CUDA.
+the spots where SGLang 0.5.23 has no seam: mostly for a device without CUDA, plus request
+checks, stopping, and the decode graphs' can-run gate.
 """
 
 import logging
@@ -216,6 +217,18 @@ def _readmit_after_compression(*args, **kwargs):
     return None
 
 
+def _no_graph_for_compressed_batches(original, runner, forward_batch) -> bool:
+    """SGLang's decode graphs replay its own backend's kernels over every request's whole
+    row; a request reading compressed rows (dropped positions null, a quantized payload
+    beside the pool) needs the project's attention, which runs eagerly. SGLang's can-run
+    gate has no seam for an attention backend to refuse a batch, so the project's
+    backends answer here; batches without such a request keep their graphs."""
+    if not original(runner, forward_batch):
+        return False
+    holds_compressed = getattr(runner.attn_backend, "holds_compressed", None)
+    return holds_compressed is None or not holds_compressed(forward_batch)
+
+
 def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
@@ -320,6 +333,11 @@ def install() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         _readmit_after_compression,
         HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
+        _no_graph_for_compressed_batches,
+        HookType.AROUND,
     )
     if _on_cpu_platform():
         _install_cpu_shims()

@@ -147,7 +147,7 @@ def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None
     given = flag_value(argv, "--attention-backend")[1]
     if given in (ATTENTION_BACKEND, vericache_flags.ATTENTION_BACKEND, specache_flags.ATTENTION_BACKEND,
                  speccache_flags.ATTENTION_BACKEND):
-        return BackendChoice(given, None, f"--attention-backend {given}")
+        return BackendChoice(given, None, f"--attention-backend {given}", decode_graphs=given == ATTENTION_BACKEND)
     return None
 
 

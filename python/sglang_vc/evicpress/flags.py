@@ -282,7 +282,7 @@ def backend_choice(ep: Optional[dict[str, Any]], argv: list[str]):
 
     if flag_value(argv, "--radix-cache-backend")[1] != "evicpress" or not drops_tokens(ep):
         return None
-    return BackendChoice(ATTENTION_BACKEND, None, "token-dropping EvicPress configs")
+    return BackendChoice(ATTENTION_BACKEND, None, "token-dropping EvicPress configs", decode_graphs=True)
 
 
 DEFAULT_DEVICE_FRACTION = 0.25  # of the device KV pool's bytes, without --evicpress-device-size-gb

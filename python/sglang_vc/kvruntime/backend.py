@@ -1,8 +1,11 @@
-"""Attention backend ``vc_torch``: SGLang's torch-native backend that also compresses a
-request's KV right after its prefill and attends over compressed KV afterwards.
+"""Attention backend ``vc_torch``: SGLang's own attention backend for full KV, plus the
+compression of a request's KV right after its prefill and attention over compressed KV
+afterwards.
 
-Batches without compressed requests run exactly SGLang's ``TorchNativeAttnBackend`` code;
-batches with some run a per-request loop over :func:`.kernels.attend` (same SDPA call).
+Forwards in which no request reads compressed rows run the backend SGLang itself picks
+for the platform and model (FlashInfer, FA3 or Triton on CUDA; ``torch_native``, this
+class's base, on the CPU), decode CUDA graphs included. Batches with compressed requests
+run a per-request loop over :func:`.kernels.attend` (the SDPA call of ``torch_native``).
 On CUDA (``sgl_kernel_ext``'s Triton kernels) a decode batch with compressed requests is
 one attention launch per layer over every request's live pool rows, read through index
 lists built on the device once per forward, plus the packed payload of each quantized
@@ -55,7 +58,9 @@ def full_kv_backend_name(server_args, model_config, use_mla_backend: bool) -> st
 class VCTorchAttnBackend(TorchNativeAttnBackend):
     """See the module docstring. Forwards in which no request reads compressed rows run
     ``self.full_kv`` -- the SGLang backend of :func:`full_kv_backend_name` -- unchanged
-    (SGLang's ``torch_native`` is this class's own base)."""
+    (SGLang's ``torch_native`` is this class's own base), decode CUDA graphs included:
+    the graph protocol is the full-KV backend's, and SGLang's can-run gate skips the
+    graphs for a batch that holds a compressed request (:meth:`holds_compressed`)."""
 
     decode_index: "DecodeIndex | None" = None  # this decode forward's index lists (Triton path)
     delegated: bool = False  # this forward runs the full-KV backend
@@ -83,6 +88,52 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
         return ATTENTION_BACKENDS[name](model_runner)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def holds_compressed(self, forward_batch) -> bool:
+        """Whether a request of this batch reads compressed rows (then it runs eagerly:
+        SGLang's can-run gate asks, see ``hooks._no_graph_for_compressed_batches``). From
+        the host-side request ids, no device read."""
+        compressed = self.runtime.compressed_rids()
+        if not compressed:
+            return False
+        if forward_batch.rids is None:
+            return True  # cannot tell: eager is always correct
+        return not compressed.isdisjoint(forward_batch.rids)
+
+    def _graph_backend(self):
+        if self.full_kv is None:
+            raise ValueError(f"{self.full_kv_name}: SGLang's torch_native backend does not capture CUDA "
+                             "graphs; name another --vc-full-kv-attention-backend or pass "
+                             "--cuda-graph-backend-decode disabled")
+        return self.full_kv
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self._graph_backend().init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self._graph_backend().get_cuda_graph_seq_len_fill_value()
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """A graph's capture or replay (eager forwards go through
+        :meth:`init_forward_metadata`): only batches without compressed requests get
+        here, and they are the full-KV backend's."""
+        self.runtime.batch = None
+        self.decode_index = None
+        self.delegated = True
+        self._graph_backend().init_forward_metadata_out_graph(forward_batch, in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self._graph_backend().init_forward_metadata_in_graph(forward_batch)
+
+    def on_after_cuda_graph_warmup(self):
+        self._graph_backend().on_after_cuda_graph_warmup()
+
+    def shared_read_ends(self, fm):
+        if self.full_kv is None:
+            return super().shared_read_ends(fm)
+        return self.full_kv.shared_read_ends(fm)
 
     # ------------------------------------------------------------------ metadata
 

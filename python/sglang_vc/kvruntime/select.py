@@ -9,11 +9,14 @@ platform here, SGLang's CUDA platform on a GPU):
 * mechanisms ask for the same attention backend through :class:`BackendChoice`
   (EvicPress serving token-dropped contexts, VERICACHE's ``vc_verify``).
 
-Each choice also sets ``--page-size 1`` and turns CUDA graphs off (the backends attend
-per request over compressed rows and do not capture graphs), a warning users see
-(:mod:`sglang_vc.notices`). An
-explicit SGLang flag that contradicts the choice is a usage error, not silently
-replaced.
+Each choice also sets ``--page-size 1`` and turns prefill CUDA graphs off (a prefill
+compresses layer by layer in Python). Decode CUDA graphs stay on where the backend
+delegates full-KV batches to SGLang's own backend (``vc_torch``: lossy serving,
+EvicPress): SGLang's can-run gate skips them only for batches holding a compressed
+request (``VCTorchAttnBackend.holds_compressed``). The speculative mechanisms'
+backends turn decode graphs off too. Each switch is a warning users see
+(:mod:`sglang_vc.notices`). An explicit SGLang flag that contradicts the choice is a
+usage error, not silently replaced.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from .names import ATTENTION_BACKEND, RADIX_CACHE_BACKEND, REQUEST_KEYS
 logger = logging.getLogger(__name__)
 
 ATTENTION_FLAGS = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
-GRAPH_FLAGS = ("--cuda-graph-backend-decode", "--cuda-graph-backend-prefill")
+DECODE_GRAPH_FLAG = "--cuda-graph-backend-decode"
+PREFILL_GRAPH_FLAG = "--cuda-graph-backend-prefill"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,10 @@ class BackendChoice:
     attention_backend: str
     radix_cache_backend: Optional[str]
     reason: str  # what needs it, for messages
+    # Decode CUDA graphs for batches without compressed requests (the backend delegates
+    # them to SGLang's own): lossy serving and EvicPress; not the speculative workers,
+    # which forward their own batches.
+    decode_graphs: bool = False
 
 
 def flag_value(argv: list[str], *names: str) -> tuple[int, Optional[str]]:
@@ -78,7 +86,8 @@ def lossy_choice(config: VCConfig, argv: list[str]) -> Optional[BackendChoice]:
         "radix_cache_backend": RADIX_CACHE_BACKEND,
         "per_request_keys": list(REQUEST_KEYS),  # in sampling_params.custom_params
     }
-    return BackendChoice(ATTENTION_BACKEND, RADIX_CACHE_BACKEND, "--vc-compressor (lossy serving)")
+    return BackendChoice(ATTENTION_BACKEND, RADIX_CACHE_BACKEND, "--vc-compressor (lossy serving)",
+                         decode_graphs=True)
 
 
 def sglang_flags(choice: BackendChoice, argv: list[str]) -> list[str]:
@@ -104,19 +113,28 @@ def sglang_flags(choice: BackendChoice, argv: list[str]) -> list[str]:
         raise ConfigError(f"{choice.reason} needs --page-size 1 (compressed rows are token slots)")
     if page is None:
         extra += ["--page-size", "1"]
-    for flag in GRAPH_FLAGS:
+    graph_flags = [PREFILL_GRAPH_FLAG] if choice.decode_graphs else [DECODE_GRAPH_FLAG, PREFILL_GRAPH_FLAG]
+    for flag in graph_flags:
         value = flag_value(argv, flag)[1]
         if value not in (None, "disabled"):
             raise ConfigError(f"{choice.reason}: the {choice.attention_backend} attention backend "
-                              f"does not capture CUDA graphs; got {flag} {value}")
+                              f"does not capture these CUDA graphs; got {flag} {value}")
         if value is None:
             extra += [flag, "disabled"]
     logger.info("%s: attention backend %s%s, page size 1", choice.reason, choice.attention_backend,
                 f", radix cache {choice.radix_cache_backend}" if choice.radix_cache_backend else "")
-    if any(flag_value(argv, flag)[1] is None for flag in GRAPH_FLAGS):
-        from sglang_vc.notices import switched_off
+    from sglang_vc.notices import switched_off
 
-        switched_off("CUDA graphs", choice.reason,
-                     f"the {choice.attention_backend} attention backend attends per request over "
-                     "compressed rows and does not capture graphs")
+    if flag_value(argv, PREFILL_GRAPH_FLAG)[1] is None:
+        switched_off("prefill CUDA graphs", choice.reason,
+                     f"the {choice.attention_backend} attention backend compresses the prefill's KV "
+                     "layer by layer")
+    if choice.decode_graphs:
+        switched_off("decode CUDA graphs for batches holding a compressed request", choice.reason,
+                     "they attend over compressed rows outside SGLang's backend; batches without one "
+                     "replay SGLang's graphs")
+    elif flag_value(argv, DECODE_GRAPH_FLAG)[1] is None:
+        switched_off("decode CUDA graphs", choice.reason,
+                     f"the {choice.attention_backend} attention backend forwards the mechanism's own "
+                     "batches (drafts, verifies, speculative steps) and does not capture graphs")
     return extra

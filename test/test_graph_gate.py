@@ -1,0 +1,100 @@
+"""Decode CUDA graphs under the project's ``vc_torch`` backend: SGLang's can-run gate
+skips them for a batch holding a compressed request (it runs eagerly, the project's
+attention); every other batch captures and replays the full-KV backend's graph protocol
+(SGLang's own backend). No GPU here: the gate and the protocol are driven the way
+SGLang's ``DecodeCudaGraphRunner`` drives them (``test_platform_resolution`` shows that
+decode graphs stay on under SGLang's CUDA platform)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_vc.hooks import _no_graph_for_compressed_batches
+from sglang_vc.kvruntime.backend import VCTorchAttnBackend
+
+
+class Recorder:
+    """Stands in for SGLang's full-KV backend: records the graph protocol's calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return f"{name}-result"
+        return call
+
+
+class Runtime:
+    def __init__(self, compressed):
+        self.compressed = set(compressed)
+        self.batch = "stale view of the last eager forward"
+
+    def compressed_rids(self):
+        return set(self.compressed)
+
+
+def backend(compressed, full_kv="recorder"):
+    b = object.__new__(VCTorchAttnBackend)  # no model runner: only the gate and the protocol
+    b.runtime = Runtime(compressed)
+    b.full_kv = Recorder() if full_kv == "recorder" else full_kv
+    b.full_kv_name = "triton" if b.full_kv is not None else "torch_native"
+    return b
+
+
+def can_run(attn_backend, rids, sglang_says=True):
+    runner = SimpleNamespace(attn_backend=attn_backend)
+    return _no_graph_for_compressed_batches(lambda r, fb: sglang_says, runner, SimpleNamespace(rids=rids))
+
+
+def test_gate_refuses_only_batches_holding_a_compressed_request():
+    assert can_run(backend(compressed={"c"}), ["a", "b"])
+    assert not can_run(backend(compressed={"b"}), ["a", "b"])
+    assert not can_run(backend(compressed={"b"}), None)  # ids unknown: eager is always correct
+    assert can_run(backend(compressed=()), None)
+    assert not can_run(backend(compressed=()), ["a"], sglang_says=False)  # SGLang's own answer stands
+    assert can_run(SimpleNamespace(), ["a"])  # another backend: SGLang's gate alone
+
+
+def test_graph_protocol_is_the_full_kv_backends():
+    b = backend(compressed={"c"})
+    b.init_cuda_graph_state(8, 8)
+    assert b.get_cuda_graph_seq_len_fill_value() == "get_cuda_graph_seq_len_fill_value-result"
+    # capture / replay: no request of the batch is compressed (the gate said so)
+    b.init_forward_metadata_out_graph(SimpleNamespace(rids=["a"]), in_capture=True)
+    b.init_forward_metadata_in_graph(SimpleNamespace(rids=["a"]))
+    assert b.delegated and b.runtime.batch is None and b.decode_index is None
+    layer = SimpleNamespace(layer_id=0, is_cross_attention=False)
+    assert b.forward_decode("q", "k", "v", layer, SimpleNamespace()) == "forward_decode-result"
+    b.on_after_cuda_graph_warmup()
+    assert b.full_kv.calls == ["init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value",
+                               "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
+                               "forward_decode", "on_after_cuda_graph_warmup"]
+
+
+def test_torch_native_full_kv_backend_refuses_graphs_with_a_message():
+    with pytest.raises(ValueError, match="does not capture CUDA graphs.*--cuda-graph-backend-decode disabled"):
+        backend(compressed=(), full_kv=None).init_cuda_graph_state(8, 8)
+
+
+def test_every_hook_target_resolves():
+    """A hook whose target SGLang renamed is only logged when applied: check them all."""
+    code = (
+        "import pkgutil\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "from sglang_vc import hooks\n"
+        "hooks.install()\n"
+        "targets = sorted(HookRegistry._hooks)\n"
+        "assert any(t.endswith('DecodeCudaGraphRunner.can_run_graph') for t in targets), targets\n"
+        "for t in targets:\n"
+        "    obj, attr = t.rsplit('.', 1)\n"
+        "    assert hasattr(pkgutil.resolve_name(obj), attr), t\n"
+        "print('RESOLVED', len(targets))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "RESOLVED" in r.stdout, r.stderr[-3000:]
