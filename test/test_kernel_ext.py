@@ -125,6 +125,35 @@ def test_paged_attention_matches_reference_and_sdpa(triton_backend, hq, hkv, d):
         torch.testing.assert_close(ref_out[sel], want, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_attention_splits_long_kv_per_gqa_group(triton_backend):
+    """Requests long enough to spread over several KV splits (one short, one empty, one
+    whose visible keys all lie in its first split, one with a prefix of always-visible
+    rows), GQA 4:1 and 2:2 groups: the merged splits equal the reference."""
+    from sgl_kernel_ext.paged_attention import SPLIT_ROWS, num_splits
+
+    g = torch.Generator().manual_seed(3)
+    lens = [1500, 40, 0, 900, 700]
+    n_slots = sum(lens) + 1
+    for hq, hkv, d in ((8, 2, 64), (4, 2, 32)):
+        k_buf, v_buf = torch.randn(n_slots, hkv, d, generator=g), torch.randn(n_slots, hkv, d, generator=g)
+        perm = torch.randperm(n_slots - 1, generator=g) + 1
+        indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        pos = torch.cat([torch.arange(n) for n in lens])
+        pos[indptr[4] : indptr[4] + 30] = -1  # a quantized prefix's rows: visible to every query
+        q_req = torch.tensor([0, 0, 1, 2, 3, 4])
+        q_pos = torch.tensor([1499, 600, 39, 0, 100, 699])  # request 3: only keys 0..100 visible
+        q = torch.randn(q_req.numel(), hq, d, generator=g)
+        args = (q, k_buf, v_buf, q_req, q_pos, indptr, perm, pos, d ** -0.5)
+        assert num_splits(perm.numel(), len(lens)) == -(-(-(-perm.numel() // len(lens))) // SPLIT_ROWS) > 1
+        triton_backend.clear()
+        out, lse = ext.paged_attention(*args)
+        ref_out, ref_lse = paged_reference(*args)
+        assert triton_backend["paged_attention"] == 1 and triton_backend["paged_attention_reduce"] == 1
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        assert torch.isinf(lse[3]).all() and not out[3].any()  # the empty request: no key
+
+
 def test_paged_attention_real_kv(triton_backend, real_kv):
     k, v, config = real_kv
     hq = config.num_attention_heads

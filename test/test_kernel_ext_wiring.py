@@ -167,6 +167,7 @@ def test_decode_batch_is_one_launch_per_layer(stand_in_cuda):
     runtime.index = {5: kivi, 2: dropped}
     backend = object.__new__(VCTorchAttnBackend)
     backend.runtime = runtime
+    backend.full_kv = None  # the CPU's full-KV backend: torch_native, the class's own base
     backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
     backend.token_to_kv_pool = runtime.kv_pool
     backend.use_sliding_window_kv_pool = False
