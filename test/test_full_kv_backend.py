@@ -8,6 +8,7 @@ attention (lossy serving equals its offline reference; VERICACHE equals full KV)
 from __future__ import annotations
 
 import pytest
+import requests
 
 from conftest import real_text_passages
 from sglang_vc.testing.client import concurrently, generate
@@ -24,6 +25,12 @@ def _ids(tokenizer, i: int, n: int) -> list[int]:
     return ids
 
 
+def _full_kv_forwards(server) -> float:
+    """Forwards the project's backend handed to SGLang's full-KV backend (its counter)."""
+    counters = requests.get(server.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]
+    return counters.get("attention", {}).get("full_kv_backend_forwards", 0)
+
+
 def _identical(ref, out) -> None:
     result = compare(ref, out["output_ids"], finish_type(out))
     assert result.identical, (result, out["output_ids"], ref.tokens)
@@ -38,7 +45,10 @@ def test_lossy_server_runs_sglangs_triton_backend_for_full_kv(model_dir, tokeniz
                         "--skip-server-warmup"], log_path=log, env=INTERPRET, timeout=400) as server:
         ids = _ids(tokenizer, 1, 120)
         _identical(greedy_reference(model_dir, ids, 6), generate(server, ids, 6, {"vc_compressor": "none"}))
+        opted_out = _full_kv_forwards(server)
+        assert opted_out >= 6  # its prefill and its decodes
         _identical(lossy_greedy_reference(model_dir, ids, 6, "knorm", 0.5), generate(server, ids, 6))
+        assert _full_kv_forwards(server) == opted_out + 1  # the compressing prefill only
     assert "full-KV attention runs SGLang's triton backend" in log.read_text()
 
 
@@ -50,6 +60,7 @@ def test_vericache_prefills_through_sglangs_triton_backend(model_dir, tokenizer,
                         "--skip-server-warmup"], log_path=log, env=INTERPRET, timeout=400) as server:
         ids_list = [_ids(tokenizer, 1, 150), _ids(tokenizer, 2, 200)]
         outs = concurrently(lambda ids: generate(server, ids, 8), [(ids,) for ids in ids_list])
+        assert _full_kv_forwards(server) >= 1  # the prefills
     for ids, out in zip(ids_list, outs):
         _identical(greedy_reference(model_dir, ids, 8), out)
     info = [out["meta_info"]["sglang_vc_vericache"][-1] for out in outs]

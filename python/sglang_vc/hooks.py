@@ -229,6 +229,25 @@ def _no_graph_for_compressed_batches(original, runner, forward_batch) -> bool:
     return holds_compressed is None or not holds_compressed(forward_batch)
 
 
+GRAPH_GATE_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
+
+
+def graph_gate_in_place() -> bool:
+    """Whether :func:`_no_graph_for_compressed_batches` wraps SGLang's can-run gate now
+    (HookRegistry only logs a patch it failed to apply; a backend relying on the gate
+    asks before it captures graphs)."""
+    import pkgutil
+
+    owner, attr = GRAPH_GATE_TARGET.rsplit(".", 1)
+    fn = getattr(pkgutil.resolve_name(owner), attr)
+    while fn is not None:
+        if any(getattr(c, "cell_contents", None) is _no_graph_for_compressed_batches
+               for c in (getattr(fn, "__closure__", None) or ())):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
@@ -334,11 +353,7 @@ def install() -> None:
         _readmit_after_compression,
         HookType.BEFORE,
     )
-    HookRegistry.register(
-        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
-        _no_graph_for_compressed_batches,
-        HookType.AROUND,
-    )
+    HookRegistry.register(GRAPH_GATE_TARGET, _no_graph_for_compressed_batches, HookType.AROUND)
     if _on_cpu_platform():
         _install_cpu_shims()
 

@@ -157,7 +157,11 @@ def backend_flags(vc_config: VCConfig, argv: list[str]) -> list[str]:
     from sglang_vc.kvruntime.select import sglang_flags
 
     choice = backend_choice(vc_config, argv)
-    return [] if choice is None else sglang_flags(choice, argv)
+    if choice is None:
+        return []
+    if vc_config.vc_full_kv_attention_backend == "torch_native":  # it captures no graphs
+        choice = dataclasses.replace(choice, decode_graphs=False)
+    return sglang_flags(choice, argv)
 
 
 def main(argv: list[str] | None = None) -> None:

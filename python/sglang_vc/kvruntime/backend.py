@@ -26,6 +26,8 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_vc import stats
+
 from . import kernels
 from .names import NULL_SLOT
 from .runtime import get_runtime
@@ -44,9 +46,11 @@ class DecodeIndex:
 
 def full_kv_backend_name(server_args, model_config, use_mla_backend: bool) -> str:
     """The SGLang attention backend that runs full-KV attention: the one
-    ``--vc-full-kv-attention-backend`` names, else the one SGLang itself would choose for
-    this platform and model (its own ``get_default_attn_backend``: FlashInfer, FA3 or
-    Triton on CUDA, the platform's default elsewhere)."""
+    ``--vc-full-kv-attention-backend`` names, else SGLang's platform default for the model
+    (its own ``get_default_attn_backend``: FA3, FlashInfer or Triton on CUDA as the GPU
+    and model allow, ``torch_native`` on the CPU). SGLang's per-model overrides (e.g.
+    Qwen3-VL, Llama 4, GPT-OSS) apply only when ``--attention-backend`` is unset, which
+    the project sets: name their backend with the flag."""
     from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
 
     from sglang_vc.config import get_vc_config
@@ -76,6 +80,12 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         self.full_kv_name = full_kv_backend_name(model_runner.server_args, model_runner.model_config,
                                                  model_runner.use_mla_backend)
         self.full_kv = self._make_full_kv_backend(model_runner, self.full_kv_name)
+        if self.full_kv is not None:
+            # what SGLang reads off the model runner's backend about the one doing the work
+            self.attn_backend_list = [self.full_kv]
+            for name in ("extend_dummy_seqs_capped_by_req_pool", "extend_attention_block_m"):
+                if hasattr(self.full_kv, name):
+                    setattr(self, name, getattr(self.full_kv, name))
         logger.info("sglang-vc: full-KV attention runs SGLang's %s backend; requests reading compressed "
                     "rows run the project's", self.full_kv_name)
 
@@ -110,7 +120,16 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         return self.full_kv
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        self._graph_backend().init_cuda_graph_state(max_bs, max_num_tokens)
+        from sglang_vc.hooks import graph_gate_in_place
+
+        backend = self._graph_backend()
+        if not graph_gate_in_place():
+            # without the gate a compressed batch would replay full-KV graphs over its
+            # null slots: wrong output, so no graphs at all
+            raise RuntimeError("decode CUDA graphs under vc_torch need sglang-vc's can-run gate on "
+                               "DecodeCudaGraphRunner.can_run_graph, which is not applied (see "
+                               "HookRegistry's log); pass --cuda-graph-backend-decode disabled")
+        backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return self._graph_backend().get_cuda_graph_seq_len_fill_value()
@@ -130,10 +149,9 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
     def on_after_cuda_graph_warmup(self):
         self._graph_backend().on_after_cuda_graph_warmup()
 
-    def shared_read_ends(self, fm):
-        if self.full_kv is None:
-            return super().shared_read_ends(fm)
-        return self.full_kv.shared_read_ends(fm)
+    # ``shared_read_ends`` stays SGLang's conservative default, not the full-KV
+    # backend's: a prefill's compression and the per-request attention read
+    # ``req_to_token`` after the full-KV backend's own reads end.
 
     # ------------------------------------------------------------------ metadata
 
@@ -152,6 +170,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         self.delegated = self.full_kv is not None and self.delegates(forward_batch, batch)
         if self.delegated:
             self.full_kv.init_forward_metadata(forward_batch)
+            stats.add("attention", full_kv_backend_forwards=1)
         self.decode_index = None
         if (forward_batch.forward_mode.is_decode() and batch.any_compressed and not batch.online
                 and ext.backend_for(forward_batch.seq_lens) is ext.Backend.TRITON

@@ -113,6 +113,11 @@ def sglang_flags(choice: BackendChoice, argv: list[str]) -> list[str]:
         raise ConfigError(f"{choice.reason} needs --page-size 1 (compressed rows are token slots)")
     if page is None:
         extra += ["--page-size", "1"]
+    if choice.decode_graphs and "--enable-dp-attention" in argv:
+        # SGLang votes on decode graphs across DP ranks; the gate that keeps compressed
+        # batches eager decides per rank, so the ranks would disagree
+        raise ConfigError(f"{choice.reason}: --enable-dp-attention is not supported (the "
+                          f"{choice.attention_backend} backend decides per rank which batches replay CUDA graphs)")
     graph_flags = [PREFILL_GRAPH_FLAG] if choice.decode_graphs else [DECODE_GRAPH_FLAG, PREFILL_GRAPH_FLAG]
     for flag in graph_flags:
         value = flag_value(argv, flag)[1]
@@ -135,6 +140,8 @@ def sglang_flags(choice: BackendChoice, argv: list[str]) -> list[str]:
                      "replay SGLang's graphs")
     elif flag_value(argv, DECODE_GRAPH_FLAG)[1] is None:
         switched_off("decode CUDA graphs", choice.reason,
+                     "its full-KV attention is SGLang's torch_native backend (--vc-full-kv-attention-backend), "
+                     "which captures no graphs" if choice.attention_backend == ATTENTION_BACKEND else
                      f"the {choice.attention_backend} attention backend forwards the mechanism's own "
                      "batches (drafts, verifies, speculative steps) and does not capture graphs")
     return extra
