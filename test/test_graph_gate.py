@@ -106,9 +106,12 @@ def test_graph_protocol_is_the_full_kv_backends(monkeypatch):
     assert b.delegated and b.full_kv.calls[-1] == "init_forward_metadata"
 
 
-def test_graphs_are_refused_without_the_gate():
+def test_graphs_are_refused_without_the_gate(monkeypatch):
     """HookRegistry only logs a patch it could not apply: without the gate a compressed
-    batch would replay a full-KV graph over null slots, so the backend captures none."""
+    batch would replay a full-KV graph over null slots, so the backend captures none.
+    (Whether the gate is in place depends on what this process applied before: pinned
+    here; ``test_every_hook_target_resolves`` checks the real answer in a fresh process.)"""
+    monkeypatch.setattr("sglang_vc.hooks.graph_gate_in_place", lambda: False)
     with pytest.raises(RuntimeError, match="can-run gate"):
         backend(compressed=()).init_cuda_graph_state(8, 8)
 
