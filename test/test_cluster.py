@@ -62,10 +62,21 @@ def cluster(model_dir, tmp_path_factory):
             pass
         time.sleep(1)
     else:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
         pytest.fail("cluster not serving:\n" + (logs / "cluster.log").read_text())
     yield url, [f"http://127.0.0.1:{base + i}" for i in range(2)], proc, logs
-    if proc.poll() is None:
+    _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher, which stops the router and every server (each in a process
+    group of its own: a SIGKILL of the launcher's group would leave them running)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
