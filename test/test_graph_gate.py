@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_vc.hooks import _no_graph_for_compressed_batches
+from sglang_vc.kvruntime.graphs import no_graph_for_compressed_batches
 from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 from sglang_vc.kvruntime.runtime import BatchView
 
@@ -61,7 +61,7 @@ def backend(compressed, full_kv="recorder"):
 
 def can_run(attn_backend, rids, sglang_says=True):
     runner = SimpleNamespace(attn_backend=attn_backend)
-    return _no_graph_for_compressed_batches(lambda r, fb: sglang_says, runner, SimpleNamespace(rids=rids))
+    return no_graph_for_compressed_batches(lambda r, fb: sglang_says, runner, SimpleNamespace(rids=rids))
 
 
 def test_gate_refuses_only_batches_holding_a_compressed_request():
@@ -84,7 +84,7 @@ def test_graph_protocol_is_the_full_kv_backends(monkeypatch):
 
     for name in GRAPH_PROTOCOL:  # SGLang still calls them so
         assert callable(getattr(AttentionBackend, name, None)), name
-    monkeypatch.setattr("sglang_vc.hooks.graph_gate_in_place", lambda: True)
+    monkeypatch.setattr("sglang_vc.kvruntime.graphs.graph_gate_in_place", lambda: True)
     b = backend(compressed={"c"})
     b.init_cuda_graph_state(8, 8)
     assert b.get_cuda_graph_seq_len_fill_value() == "get_cuda_graph_seq_len_fill_value-result"
@@ -111,7 +111,7 @@ def test_graphs_are_refused_without_the_gate(monkeypatch):
     batch would replay a full-KV graph over null slots, so the backend captures none.
     (Whether the gate is in place depends on what this process applied before: pinned
     here; ``test_every_hook_target_resolves`` checks the real answer in a fresh process.)"""
-    monkeypatch.setattr("sglang_vc.hooks.graph_gate_in_place", lambda: False)
+    monkeypatch.setattr("sglang_vc.kvruntime.graphs.graph_gate_in_place", lambda: False)
     with pytest.raises(RuntimeError, match="can-run gate"):
         backend(compressed=()).init_cuda_graph_state(8, 8)
 
@@ -127,10 +127,11 @@ def test_every_hook_target_resolves():
         "import pkgutil\n"
         "from sglang.srt.plugins.hook_registry import HookRegistry\n"
         "from sglang_vc import hooks\n"
-        "assert not hooks.graph_gate_in_place()\n"
+        "from sglang_vc.kvruntime.graphs import graph_gate_in_place\n"
+        "assert not graph_gate_in_place()\n"
         "hooks.install()\n"
         "HookRegistry.apply_hooks()\n"
-        "assert hooks.graph_gate_in_place()\n"
+        "assert graph_gate_in_place()\n"
         "targets = sorted(HookRegistry._hooks)\n"
         "assert any(t.endswith('DecodeCudaGraphRunner.can_run_graph') for t in targets), targets\n"
         "for t in targets:\n"

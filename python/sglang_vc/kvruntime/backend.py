@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
 
-from . import kernels
+from . import graphs, kernels
 from .names import NULL_SLOT
 from .runtime import get_runtime
 
@@ -103,7 +103,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
 
     def holds_compressed(self, forward_batch) -> bool:
         """Whether a request of this batch reads compressed rows (then it runs eagerly:
-        SGLang's can-run gate asks, see ``hooks._no_graph_for_compressed_batches``). From
+        SGLang's can-run gate asks, see :func:`.graphs.no_graph_for_compressed_batches`). From
         the host-side request ids, no device read."""
         compressed = self.runtime.compressed_rids()
         if not compressed:
@@ -120,10 +120,8 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         return self.full_kv
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        from sglang_vc.hooks import graph_gate_in_place
-
         backend = self._graph_backend()
-        if not graph_gate_in_place():
+        if not graphs.graph_gate_in_place():
             # without the gate a compressed batch would replay full-KV graphs over its
             # null slots: wrong output, so no graphs at all
             raise RuntimeError("decode CUDA graphs under vc_torch need sglang-vc's can-run gate on "
