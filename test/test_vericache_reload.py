@@ -143,7 +143,7 @@ def test_dropped_rows_only_are_staged_and_merged_with_the_kept_ones():
         for l in LAYERS:
             span = rl.layer(l)[0]
             assert span.k.shape == (5, 2, 4)
-            k, v = span.full(k_buf[l], v_buf[l], slots)
+            k, v = span.full(k_buf[l], v_buf[l], slots[2:])  # the span [p, n) = [2, 10)
             assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
         rl.close()
     rows = 2 * len(LAYERS) * 5 * 2 * 4 * 4  # k and v, layers, dropped rows, heads, dim, fp32

@@ -7,7 +7,7 @@ Servers started with ``SGLANG_VC_COUNT_SYNCS=1`` count them per iteration
 and ``int``/``float``/``bool``/``index`` of a tensor, on the scheduler thread) and write
 the count into the schedule trace. Two model depths (the embedded model cut to 2 and 4
 layers), batches of 2 and 8 requests, SnapKV and KIVI 2-bit drafters: the count per
-iteration is the same everywhere.
+iteration (drafting only, verifying only, both) is the same everywhere.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _iterations(depth: int, tokenizer, tmp_path) -> dict[int, list[dict]]:
 
 
 def test_host_syncs_per_iteration_do_not_grow_with_batch_or_depth(tokenizer, tmp_path):
-    counts = {}
+    by_roles: dict[frozenset, dict] = {}  # the roles in an iteration -> (depth, bs) -> counts
     for depth in (2, 4):
         for bs, records in _iterations(depth, tokenizer, tmp_path).items():
             busy = [r for r in records if r["requests"]]
@@ -53,9 +53,15 @@ def test_host_syncs_per_iteration_do_not_grow_with_batch_or_depth(tokenizer, tmp
             # the batch really was that large, and verifies happened beside drafts
             assert max(len(r["requests"]) for r in busy) >= bs - 1
             assert any({"draft", "verify"} <= {q["role"] for q in r["requests"]} for r in busy)
-            counts[depth, bs] = {r["phases"]["host_syncs"] for r in busy}
-    everywhere = set.union(*counts.values())
-    # one count for drafting-only iterations and one with verifies, the same at every
-    # depth and batch size: nothing per request, nothing per layer
-    assert len(everywhere) <= 2, counts
-    assert len({max(c) for c in counts.values()}) == 1, counts
+            for r in busy:
+                roles = frozenset(q["role"] for q in r["requests"]) & {"draft", "verify"}
+                by_roles.setdefault(roles, {}).setdefault((depth, bs), set()).add(r["phases"]["host_syncs"])
+                if "verify" in roles:
+                    # the verifies' full-KV attention is SGLang's backend (torch_native on
+                    # this CPU: its own per-request reads, counted apart)
+                    assert r["phases"].get("host_syncs_stand_in", 0) > 0, r["phases"]
+    assert {"draft", "verify"} in by_roles
+    # one count per kind of iteration (drafting only, verifying only, both), the same
+    # at every depth and batch size: nothing per request, nothing per layer
+    for roles, counts in by_roles.items():
+        assert len(set.union(*counts.values())) == 1, (sorted(roles), counts)

@@ -77,6 +77,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         if self.use_sliding_window_kv_pool:
             raise ValueError("vc_torch: sliding-window (hybrid SWA) models are not supported")
         self.runtime = get_runtime(model_runner)
+        self.translator = getattr(model_runner, "kv_index_translator", None)  # SGLang's KV-read plans
         self.full_kv_name = full_kv_backend_name(model_runner.server_args, model_runner.model_config,
                                                  model_runner.use_mla_backend)
         self.full_kv = self._make_full_kv_backend(model_runner, self.full_kv_name)

@@ -602,11 +602,20 @@ class KVRuntime:
         for layer_id in k:
             kernels.write_rows(self.kv_pool.get_key_buffer(layer_id), at, k[layer_id].to(dev))
             kernels.write_rows(self.kv_pool.get_value_buffer(layer_id), at, v[layer_id].to(dev))
-        del self.index[req_pool_idx]
+        self.drop_compressed_index(req_pool_idx)
+        stats.add("compression", slots_restored=int(missing.numel()))
+        return True
+
+    def drop_compressed_index(self, req_pool_idx: int) -> None:
+        """The request in row ``req_pool_idx`` has its full KV in its row's slots again (put
+        there by the caller): forget its compressed index, so it attends to full KV from
+        now on (it still never enters the tree)."""
+        entry = self.index.pop(req_pool_idx, None)
+        if entry is None:
+            return
         if entry.payload is not None:
             self.payload_bytes -= entry.payload.nbytes
-        stats.add("compression", restored=1, slots_restored=int(missing.numel()))
-        return True
+        stats.add("compression", restored=1)
 
     def release(self, rid: str, req_pool_idx: Optional[int]) -> None:
         """Forget a request (finished, aborted or retracted)."""

@@ -12,12 +12,18 @@ with the request's device).
 
 ``SGLANG_VC_COUNT_SYNCS=1`` makes the VERICACHE worker count each decode iteration and
 write the count into its schedule trace (``--vc-schedule-trace``).
+
+Calls made directly by SGLang's ``torch_native`` attention backend are counted apart
+(``by_kind["stand_in"]``, not in :attr:`SyncCounter.total`): it is the full-KV backend
+only on the CPU, where SGLang runs its per-request loop; on CUDA the full-KV backend is
+FlashInfer, FA3 or Triton, whose metadata is built from host-known lengths.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 from typing import Optional
 
@@ -25,6 +31,9 @@ import torch
 
 ENV = "SGLANG_VC_COUNT_SYNCS"
 _READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+# the CPU's full-KV backend (SGLang's own code): see the module docstring
+STAND_IN_FILES = ("sglang/srt/layers/attention/torch_native_backend.py",)
+STAND_IN = "stand_in"
 
 
 def enabled() -> bool:
@@ -48,14 +57,15 @@ class SyncCounter:
 
     @property
     def total(self) -> int:
-        return sum(self.by_kind.values())
+        return sum(n for kind, n in self.by_kind.items() if kind != STAND_IN)
 
     def _wrap(self, name, original):
         counter = self
 
         def counted(tensor, *args, **kwargs):
             if threading.get_ident() == counter._thread and (name != "to" or _to_cpu(args, kwargs)):
-                counter.by_kind[name] += 1
+                caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+                counter.by_kind[STAND_IN if caller.endswith(STAND_IN_FILES) else name] += 1
             return original(tensor, *args, **kwargs)
 
         return counted

@@ -1,38 +1,42 @@
 """Attention backend ``vc_verify``: ``vc_torch`` (prefill + compression, decode over
-the compressed KV) plus VERICACHE's TARGET_VERIFY forward over the full KV, whose
-compressed positions come from the layer the worker staged from the host store (the
-full rows, or the dropped rows merged with the kept ones still in the pool)."""
+the compressed KV) plus VERICACHE's one forward per iteration (a ragged TARGET_VERIFY
+batch): verifying and uncompressed requests attend full KV through SGLang's own backend
+as an ordinary causal extend -- a verifying request's row points at its full KV, staged
+into pool slots layer by layer (:mod:`.staging`) -- and drafting requests attend their
+compressed KV."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING, Optional
 
 import sgl_kernel_ext as ext
 import torch
 
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc.kvruntime import kernels
 from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
 if TYPE_CHECKING:
-    from .reload import LayerwiseReload
+    from .staging import PoolStaging
     from .specache_drafter import SpeCacheDrafter
 
 
 class VeriCacheAttnBackend(VCTorchAttnBackend):
     """``vc_torch`` (prefill + compression, decode over compressed KV) plus the
-    TARGET_VERIFY forward: each request's ``W`` verify queries at positions
-    ``L .. L+W-1`` attend causally to its row ``[0, L+W)`` over the full KV: positions
-    ``[p, n)`` of a compressed request come from ``self.reload`` (staged by the worker),
-    the others from the pool.
+    TARGET_VERIFY forward: each request's ``W`` queries at positions ``L .. L+W-1``
+    attend causally to its row ``[0, L+W)``. Over full KV through SGLang's backend for
+    a verifying request (positions ``[p, n)`` staged in the pool by ``self.staging``)
+    and an uncompressed one; over its compressed KV for a drafting one (``W = 1``).
 
     Draft (decode) forwards of a request compressed with ``specache`` use SpeCache's
     attention over its low-bit copy with its own top-k rows fetched from the host copy
     (:mod:`.specache_drafter`)."""
 
-    reload: "Optional[LayerwiseReload]" = None
     drafter: "Optional[SpeCacheDrafter]" = None  # set by the worker
 
     def _decodes_own(self, entry) -> bool:
@@ -45,6 +49,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         return super()._attend_compressed(q, entry, layer, seq_len)
 
     verify_forward: "Optional[VerifyForward]" = None  # this TARGET_VERIFY forward's metadata
+    staging: "Optional[PoolStaging]" = None  # set by the worker around a verify forward
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
@@ -53,20 +58,71 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             self.verify_forward = self._build_verify_forward(forward_batch)
 
     def _build_verify_forward(self, forward_batch) -> "VerifyForward":
-        """Every request's rows, query lengths and live pool rows, read on the host once
-        for all layers (a fixed number of synchronisations, whatever the batch)."""
+        """Which requests attend full KV (verifying: staged in the pool; uncompressed)
+        and which draft from their compressed KV, read on the host once for all layers
+        (a fixed number of synchronisations, whatever the batch); the full-KV requests'
+        extend view, whose metadata SGLang's backend builds now."""
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         starts = seq_lens.tolist()
         rows = forward_batch.req_pool_indices.tolist()
         lens = _verify_lens(forward_batch.spec_info, len(starts))
-        entries = [self.runtime.entry_for_row(r) for r in rows]
-        ends = [s + w for s, w in zip(starts, lens)]
-        firsts = [0 if e is None else e.row_start for e in entries]
-        slots, positions, indptr = kernels.live_rows_batch(self.req_to_token_pool.req_to_token, rows, firsts, ends)
+        staged = self.staging.requests if self.staging is not None else {}
+        entries = [None if i in staged else self.runtime.entry_for_row(r) for i, r in enumerate(rows)]
         offsets = [0]
         for w in lens:
             offsets.append(offsets[-1] + w)
-        return VerifyForward(rows, starts, lens, offsets, entries, slots, positions, indptr)
+        drafting = [i for i, e in enumerate(entries) if e is not None]
+        unstaged = self.staging.unstaged if self.staging is not None else set()
+        if any(lens[i] > 1 and i not in unstaged for i in drafting):
+            # never verify against the compressed rows: that would not be lossless
+            raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
+        exact = [i for i, e in enumerate(entries) if e is None]
+        slots, positions, indptr = kernels.live_rows_batch(
+            self.req_to_token_pool.req_to_token, [rows[i] for i in drafting],
+            [entries[i].row_start for i in drafting], [starts[i] + lens[i] for i in drafting])
+        view, exact_q = None, None
+        if exact:
+            view = self._extend_view(forward_batch, exact, starts, lens, offsets)
+            if drafting:
+                exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
+            self._full_kv_backend().init_forward_metadata(view)
+        return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, slots, positions, indptr)
+
+    def _full_kv_backend(self):
+        """SGLang's backend for full KV (``torch_native``: this class's own base)."""
+        return self.full_kv if self.full_kv is not None else _TorchNative(self)
+
+    def _extend_view(self, forward_batch, exact: list[int], starts, lens, offsets):
+        """The requests ``exact`` of this verify forward as an ordinary causal extend
+        (prefix = committed tokens, extend = the forwarded window): what every SGLang
+        backend runs. A shallow copy of the forward batch, its own KV-read plan."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        dev = forward_batch.seq_lens.device
+        pre = [starts[i] for i in exact]
+        ext_lens = [lens[i] for i in exact]
+        total = [a + b for a, b in zip(pre, ext_lens)]
+        view = copy.copy(forward_batch)
+        view.forward_mode = ForwardMode.EXTEND
+        view.batch_size = len(exact)
+        view.spec_info = None
+        if len(exact) < len(starts):
+            q_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(dev)
+            view.req_pool_indices = forward_batch.req_pool_indices[torch.tensor(exact, device=dev)]
+            view.out_cache_loc = forward_batch.out_cache_loc[q_rows]
+            view.positions = forward_batch.positions[q_rows]
+        view.seq_lens_cpu = torch.tensor(total, dtype=torch.int64)
+        view.seq_lens = view.seq_lens_cpu.to(dev, forward_batch.seq_lens.dtype)
+        view.seq_lens_sum = sum(total)
+        view.extend_prefix_lens_cpu, view.extend_seq_lens_cpu = pre, ext_lens
+        view.extend_prefix_lens = torch.tensor(pre, dtype=torch.int32).to(dev)
+        view.extend_seq_lens = torch.tensor(ext_lens, dtype=torch.int32).to(dev)
+        view.extend_start_loc = torch.tensor([0, *itertools.accumulate(ext_lens)][:-1], dtype=torch.int32).to(dev)
+        view.extend_num_tokens = sum(ext_lens)
+        view.extend_logprob_start_lens_cpu = ext_lens
+        if self.translator is not None and getattr(forward_batch, "kv_loc_plan", None) is not None:
+            self.translator.own_plan(view).bind(view, self.translator)
+        return view
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not forward_batch.forward_mode.is_target_verify():
@@ -76,41 +132,28 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         vf = self.verify_forward
+        lid = layer.layer_id
+        k_buf = self.token_to_kv_pool.get_key_buffer(lid)
+        v_buf = self.token_to_kv_pool.get_value_buffer(lid)
+        if self.staging is not None:
+            self.staging.write_layer(lid, k_buf, v_buf)  # the verifiers' full rows of this layer
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-        k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        gqa = layer.tp_q_head_num != layer.tp_k_head_num
-        verifying = self.reload.requests if self.reload is not None else ()
-        staged = self.reload.layer(layer.layer_id) if self.reload is not None else {}
-        for i, (row, committed, w, entry) in enumerate(zip(vf.rows, vf.starts, vf.lens, vf.entries)):
-            lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
-            live = (vf.slots[vf.indptr[i] : vf.indptr[i + 1]], vf.positions[vf.indptr[i] : vf.indptr[i + 1]])
-            if i in staged:  # verifying: the full KV, its compressed span staged from the host
-                slots = req_to_token[row, : committed + w].to(torch.int64)
-                span = staged[i]
-                p, n = span.p, span.n
-                k_full, v_full = span.full(k_buf, v_buf, slots)
-                k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
-                v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
-                positions = torch.arange(committed + w, device=k_r.device)
-            elif i in verifying:  # its reload failed every retry: its full KV is back on the device
-                if self.runtime.entry_for_row(row) is not None:
-                    # never verify against the compressed rows: that would not be lossless
-                    raise RuntimeError(f"VERICACHE: no full KV staged for compressed row {row}")
-                k_r, v_r = kernels.gather_kv(k_buf, v_buf, req_to_token[row, : committed + w].to(torch.int64))
-                positions = torch.arange(committed + w, device=k_r.device)
-            elif entry is not None:  # drafting from the compressed KV
-                o_[lo:hi] = self._draft_attention(q_[lo:hi], entry, layer, committed, w, live, gqa)
-                continue
-            else:  # full KV on the device
-                k_r, v_r = kernels.gather_kv(k_buf, v_buf, live[0])
-                positions = live[1]
-            o_[lo:hi] = kernels.attend(q_[lo:hi], k_r, v_r, num_prefix=0, key_positions=positions,
-                                       q_start=committed, scale=layer.scaling, enable_gqa=gqa,
-                                       last_position=committed + w - 1)
+        if vf.view is not None:  # full KV: SGLang's backend
+            full = self._full_kv_backend()
+            if vf.exact_q is None:
+                o = full.forward_extend(q, k, v, layer, vf.view, save_kv_cache=False).reshape(o.shape)
+            else:
+                q_e, k_e, v_e = (None if t is None else t[vf.exact_q] for t in (q, k, v))
+                out = full.forward_extend(q_e, k_e, v_e, layer, vf.view, save_kv_cache=False)
+                o[vf.exact_q] = out.reshape(out.shape[0], -1)
+        if vf.drafting:
+            q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+            gqa = layer.tp_q_head_num != layer.tp_k_head_num
+            for b, i in enumerate(vf.drafting):
+                lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
+                live = (vf.slots[vf.indptr[b] : vf.indptr[b + 1]], vf.positions[vf.indptr[b] : vf.indptr[b + 1]])
+                o_[lo:hi] = self._draft_attention(q_[lo:hi], vf.entries[i], layer, vf.starts[i], hi - lo, live, gqa)
         if self.runtime.batch is not None:
             self._after_layer(layer)
         return o
@@ -136,14 +179,30 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
 class VerifyForward:
     """What every layer of one (ragged) TARGET_VERIFY forward reads, built once."""
 
-    rows: list[int]  # req_pool_idx per request
     starts: list[int]  # committed KV length: the first query's position
     lens: list[int]  # query tokens per request
     q_offsets: list[int]  # request i's queries are rows q_offsets[i] .. q_offsets[i + 1]
-    entries: list  # CompressedKVIndex or None per request
-    slots: torch.Tensor  # live pool rows: of a compressed request from its row_start
+    entries: list  # CompressedKVIndex of a drafting request, None for full KV (staged or not)
+    drafting: list[int]  # the requests that draft from their compressed KV
+    view: object  # ForwardBatch: the full-KV requests as an extend, or None
+    exact_q: Optional[torch.Tensor]  # their query rows, None when every request is one
+    slots: torch.Tensor  # drafting request b's live pool rows: slots[indptr[b] : indptr[b + 1]]
     positions: torch.Tensor
-    indptr: list[int]  # request i's live rows are slots[indptr[i] : indptr[i + 1]]
+    indptr: list[int]
+
+
+class _TorchNative:
+    """SGLang's ``torch_native`` backend (the base of the project's backends) as the
+    full-KV backend object: its extend over the pool, metadata included."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def init_forward_metadata(self, forward_batch):
+        TorchNativeAttnBackend.init_forward_metadata(self.backend, forward_batch)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return TorchNativeAttnBackend.forward_extend(self.backend, q, k, v, layer, forward_batch, save_kv_cache)
 
 
 def _verify_lens(spec_info, bs: int) -> list[int]:

@@ -66,14 +66,13 @@ class Span:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.kept, self.dropped)
                    if t is not None)
 
-    def full(self, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor):
+    def full(self, k_buf: torch.Tensor, v_buf: torch.Tensor, span_slots: torch.Tensor):
         """The full rows ``[n - p, H, D]`` of the span: as staged, or assembled from the
-        kept rows in the pool (``slots``: the request's row of slots) and the dropped
-        rows staged from the host."""
+        kept rows in the pool (``span_slots``: the request's own slots of ``[p, n)``, the
+        kept rows first) and the dropped rows staged from the host."""
         if self.kept is None:
             return self.k, self.v
-        n_keep = self.kept.shape[1]
-        kept_slots = slots[self.p : self.p + n_keep]
+        kept_slots = span_slots[: self.kept.shape[1]]
         return (_assemble(self.n - self.p, k_buf[kept_slots], self.kept, self.k.to(k_buf.dtype), self.dropped),
                 _assemble(self.n - self.p, v_buf[kept_slots], self.kept, self.v.to(v_buf.dtype), self.dropped))
 

@@ -72,6 +72,7 @@ from sglang_vc.spec_worker import ChainSpecWorker
 from . import flags
 from .names import META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
+from .staging import PoolStaging, log_no_room
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
@@ -214,10 +215,18 @@ class VeriCacheWorker(ChainSpecWorker):
             spec_info = self.verify_input(verify_ids, positions, committed, dev)
             self.set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
                             slots.flatten(), spec_info, seq_dtype, dev)
-            attn.reload = reload
+            # each compressed request's full KV into pool slots; one the pool has no room
+            # for now is not verified this round (its verify rows attend its compressed
+            # KV and are discarded: nothing committed)
+            staging = PoolStaging(self.runtime, reload.layer if reload is not None else (lambda layer_id: {}))
+            for i, host in (reload.entries.items() if reload is not None else ()):
+                if not staging.reserve(i, host):
+                    log_no_room(batch.reqs[i].rid, host.num_tokens)
+                    staging.unstaged.add(i)
+            self._verify_forward_with(staging)
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
-            attn.reload = None
+            self._verify_forward_done()
             if reload is not None:
                 reload.close()
         reloaded = reload.nbytes() if reload is not None else 0
@@ -230,6 +239,8 @@ class VeriCacheWorker(ChainSpecWorker):
         verdict = greedy_verify_ids(drafts, targets, pad_id=0)
         accepted = verdict.num_accepted  # [bs]
         accept_lens = verdict.num_tokens.to(torch.int32)
+        for i in staging.unstaged:  # not verified: nothing committed this round
+            accepted[i], accept_lens[i] = 0, 0
         accept_tokens = verdict.tokens.to(torch.int32)  # [bs, W]
         new_seq_lens = (committed + accept_lens).to(device=dev, dtype=seq_dtype)
 
@@ -352,7 +363,23 @@ class VeriCacheWorker(ChainSpecWorker):
             if slot.track.full or self._fall_back(slot.track):
                 full.append(slot)
         drafters = plan.of(Role.DRAFT)
-        verifiers = plan.of(Role.VERIFY)
+        # a verifier's full KV goes into pool slots for its verify; one the pool has no
+        # room for now waits (its drafts kept) and verifies in a later iteration
+        staging = PoolStaging(self.runtime, lambda layer_id: {})
+        verifiers = []
+        for s in plan.of(Role.VERIFY):
+            if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
+                s.track.reload = self._reload_one(s.track)  # not started on time: now
+                s.track.reload_started_at = plan.iteration
+            reload = s.track.reload
+            if reload is None:
+                if self.runtime.entry_for_row(s.track.row) is not None:
+                    # never verify against the compressed rows: that would not be lossless
+                    raise RuntimeError(f"VERICACHE: no full KV on the host for compressed request {s.track.rid}")
+            elif not staging.reserve(s.index, reload.entries[0]):
+                log_no_room(s.track.rid, reload.entries[0].num_tokens)
+                continue
+            verifiers.append(s)
 
         phases = {"plan_s": time.perf_counter() - started}
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)
@@ -385,24 +412,18 @@ class VeriCacheWorker(ChainSpecWorker):
             pos_t = torch.tensor(positions, dtype=torch.int64)
             req_to_token = self.req_to_token_pool.req_to_token
             slots = req_to_token[rows[idx][q_req].to(req_to_token.device), pos_t.to(req_to_token.device)]
-            reloads = {}
-            for k, s in enumerate(part):
-                if s.role is not Role.VERIFY:
-                    continue
-                if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
-                    s.track.reload = self._reload_one(s.track)  # not started on time: now
-                    s.track.reload_started_at = plan.iteration
-                if s.track.reload is not None:
-                    reloads[k] = s.track.reload
+            # staging keyed by the request's index in this forward
+            reloads = {k: s.track.reload for k, s in enumerate(part) if s.index in staging}
+            staging.rekey({s.index: k for k, s in enumerate(part)})
+            staging.layer_spans = _Staging(reloads).layer
             ids_t = torch.tensor(ids, dtype=torch.int64)
             sub = self.sub_batch(batch, idx)
-            attn = self.model_runner.attn_backend
             try:
-                attn.reload = _Staging(reloads) if reloads else None
+                self._verify_forward_with(staging)
                 logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
                                           slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
             finally:
-                attn.reload = None
+                self._verify_forward_done()
                 for r in reloads.values():
                     r.close()
             exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
@@ -427,6 +448,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 self._accept(batch, [part[k] for k in vs], [exact[offsets[k] : offsets[k + 1]] for k in vs],
                              {j: reloads[k] for j, k in enumerate(vs) if k in reloads},
                              accept_tokens, accept_lens, outcome, reloaded)
+        else:
+            staging.restore()  # nothing forwarded: the reserved slots go back
         phases["forward_s"] = time.perf_counter() - mark
         phases["forwards"] = self.forwards - forwards
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
@@ -470,8 +493,7 @@ class VeriCacheWorker(ChainSpecWorker):
         (appendix B.1's ``B_g``). False when the pool has no room yet (it waits)."""
         entry = self.host.get(track.rid, track.row)
         if entry is not None and self.runtime.entry_for_row(track.row) is not None:
-            k, v = self._full_rows(entry)
-            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, k, v):
+            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, *self._full_rows(entry)):
                 return False
             self.host.drop(track.rid)
         self._staggered.fall_back(track)
@@ -492,6 +514,21 @@ class VeriCacheWorker(ChainSpecWorker):
         return LayerwiseReload(self.copy_thread, entries, self._layer_ids(), self.device,
                                on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
 
+    _staging: Optional[PoolStaging] = None  # the verify forward's, while it runs
+
+    def _verify_forward_with(self, staging: PoolStaging) -> None:
+        """Point the verifying requests' rows at their staged slots and hand the staging
+        to the attention backend (before the forward builds its metadata)."""
+        staging.point()
+        self._staging = staging
+        self.model_runner.attn_backend.staging = staging
+
+    def _verify_forward_done(self) -> None:
+        staging, self._staging = self._staging, None
+        self.model_runner.attn_backend.staging = None
+        if staging is not None:
+            staging.restore()
+
     def _restore_full_kv(self, entries) -> None:
         """A staged reload failed every retry (called from the verify forward, before the
         failed layer is attended): the slower correct path. Each request's full KV goes
@@ -499,8 +536,9 @@ class VeriCacheWorker(ChainSpecWorker):
         so it verifies -- from this layer on -- and decodes from its full device KV, like a
         request the host store never admitted. Its output stays the full-KV output."""
         for entry in entries.values():
-            k, v = self._full_rows(entry)
-            if not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, k, v):
+            if self._staging is not None and self._staging.adopt(entry, self._full_rows):
+                pass  # its staged slots now hold its full KV for good
+            elif not self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, *self._full_rows(entry)):
                 # both the host path and the pool failed: nothing correct is left to serve
                 raise RuntimeError(f"VERICACHE: the reload of request {entry.rid} failed and the "
                                    "KV pool has no free slots to restore its full KV")
@@ -509,16 +547,19 @@ class VeriCacheWorker(ChainSpecWorker):
                            "full KV, restored on the device", entry.rid)
             stats.add("vericache", reload_fallbacks=1, fallbacks=1)
 
-    def _full_rows(self, entry) -> tuple[dict, dict]:
+    def _full_rows(self, entry, span_slots: Optional[torch.Tensor] = None) -> tuple[dict, dict]:
         """The full KV of the entry's span per layer: the host rows, merged with the kept
-        rows still in the pool where the host holds only the dropped ones."""
+        rows still in the pool where the host holds only the dropped ones (``span_slots``:
+        the request's own slots of ``[p, n)``; by default its row's)."""
         pool = self.runtime.kv_pool
         entry.wait()  # its copies to the host have landed
-        slots = self.req_to_token_pool.req_to_token[entry.req_pool_idx, : entry.n].to(torch.int64)
+        if span_slots is None:
+            span_slots = self.req_to_token_pool.req_to_token[entry.req_pool_idx, entry.p : entry.n]
+        span_slots = span_slots.to(torch.int64)
         k, v = {}, {}
         for layer_id in entry.k:
             k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-            k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, slots.to(k_buf.device))
+            k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, span_slots.to(k_buf.device))
         return k, v
 
 def _settings(server_args) -> dict:

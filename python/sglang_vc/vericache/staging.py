@@ -1,0 +1,172 @@
+"""A verify forward's full KV in SGLang's KV pool.
+
+A verifying request's prompt rows ``[p, n)`` hold its compressed KV: a token-dropping
+drafter's kept rows (per head, a different position in each) followed by null slots, or
+nothing but null slots where the KV is quantized outside the pool. For its verify,
+:class:`PoolStaging` gives the span ``n - p`` fresh pool slots, points the request's
+``req_to_token`` row at them, and writes each layer's full rows there (reloaded from the
+host copy) right before that layer's attention. The request's row then describes full KV
+like any uncompressed request's, so the verify runs the attention backend SGLang chose
+(FlashInfer, FA3 or Triton on CUDA; ``torch_native`` on the CPU) as an ordinary extend:
+prefix = the committed tokens, extend = the verified window, causal.
+
+After the forward the compressed mapping comes back and the slots go back to the
+allocator. A pool slot holds a token's KV for every layer, so a verifying request holds
+``n - p`` slots for the whole forward (the per-layer device copies it is written from are
+released layer by layer). A request whose reload failed every retry keeps the staged
+slots for good: its full KV (all layers, from the host copy) is written there and its
+compressed index is dropped, so it verifies and decodes from full KV (the slower, correct
+path) while the forward's metadata stays valid.
+
+No host synchronisation: the slots, the row indices and the saved mapping are device
+tensors built from host-known sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from sglang_vc import stats
+from sglang_vc.kvruntime import NULL_SLOT, kernels
+
+if TYPE_CHECKING:
+    from .reload import HostEntry, Span
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StagedRequest:
+    """One verifying request's span ``[p, n)`` of row ``row``: ``slots`` hold its full KV
+    during the forward, ``saved`` is its compressed mapping (restored after)."""
+
+    host: "HostEntry"
+    slots: torch.Tensor  # [n - p] fresh pool slots
+    saved: Optional[torch.Tensor] = None  # [n - p] the row's own slots of [p, n), while pointed
+    adopted: bool = False  # its reload failed: the staged slots are its full KV for good
+
+    @property
+    def row(self) -> int:
+        return self.host.req_pool_idx
+
+
+class PoolStaging:
+    """The staged full KV of one verify forward's verifying requests (forward index ->
+    :class:`StagedRequest`). ``layer_spans(layer_id)`` gives the rows a reload staged on
+    the device for that layer (forward index -> :class:`~.reload.Span`)."""
+
+    def __init__(self, runtime, layer_spans: Callable[[int], dict]):
+        self.runtime = runtime
+        self.req_to_token = runtime.req_to_token
+        self.allocator = runtime.allocator
+        self.layer_spans = layer_spans
+        self.requests: dict[int, StagedRequest] = {}
+        # compressed requests of the forward whose verify rows are not committed (no room
+        # to stage them): the only ones that may forward more than one token over their
+        # compressed KV
+        self.unstaged: set[int] = set()
+        self._pointed = False
+
+    def reserve(self, k: int, host: "HostEntry") -> bool:
+        """Take ``n - p`` pool slots for the request at forward index ``k``; False (nothing
+        taken) when the pool has no room for them now."""
+        slots = self.allocator.alloc(host.n - host.p)
+        if slots is None:
+            return False
+        self.requests[k] = StagedRequest(host, slots.to(torch.int64))
+        return True
+
+    def rekey(self, index: dict[int, int]) -> None:
+        """Key the staged requests by their index in the forward (``index``: old -> new)."""
+        self.requests = {index[k]: r for k, r in self.requests.items()}
+        self.unstaged = {index[k] for k in self.unstaged if k in index}
+
+    def __contains__(self, k: int) -> bool:
+        return k in self.requests
+
+    def point(self) -> None:
+        """Point each staged request's row at its staged slots (before the forward's
+        metadata is built: the backends read ``req_to_token`` then)."""
+        if not self.requests or self._pointed:
+            return
+        rows, cols = PoolStaging._index_of(list(self.requests.values()), self.req_to_token.device)
+        saved = self.req_to_token[rows, cols].to(torch.int64)
+        offset = 0
+        for r in self.requests.values():
+            num = r.host.n - r.host.p
+            r.saved = saved[offset : offset + num]
+            offset += num
+        staged = torch.cat([r.slots for r in self.requests.values()]).to(self.req_to_token.device)
+        self.req_to_token[rows, cols] = staged.to(self.req_to_token.dtype)
+        self._pointed = True
+
+    def write_layer(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """Write this layer's full rows of every staged request into its staged slots
+        (waits, on the device, for the layer's reload copy)."""
+        spans = self.layer_spans(layer_id)
+        for k, span in spans.items():
+            r = self.requests.get(k)
+            if r is None or r.adopted:
+                continue
+            self._write(r, span, k_buf, v_buf)
+
+    def _write(self, r: StagedRequest, span: "Span", k_buf, v_buf) -> None:
+        k_full, v_full = span.full(k_buf, v_buf, r.saved.to(k_buf.device))
+        at = r.slots.to(k_buf.device)
+        kernels.write_rows(k_buf, at, k_full)
+        kernels.write_rows(v_buf, at, v_full)
+
+    def adopt(self, host: "HostEntry", full_rows: Callable[["HostEntry", torch.Tensor], tuple]) -> bool:
+        """The request's reload failed every retry: its full KV of every layer
+        (``full_rows(host, span_slots)``: layer id -> rows, from the host copy) goes into
+        its staged slots, which stay its rows after the forward. False if it is not staged."""
+        r = next((r for r in self.requests.values() if r.host is host), None)
+        if r is None or r.saved is None:
+            return False
+        k, v = full_rows(host, r.saved)
+        pool = self.runtime.kv_pool
+        for layer_id in k:
+            at = r.slots.to(pool.get_key_buffer(layer_id).device)
+            kernels.write_rows(pool.get_key_buffer(layer_id), at, k[layer_id])
+            kernels.write_rows(pool.get_value_buffer(layer_id), at, v[layer_id])
+        r.adopted = True
+        return True
+
+    def restore(self) -> None:
+        """After the forward: the compressed mappings back, the staged slots freed; an
+        adopted request keeps its staged slots and gives its compressed ones back."""
+        if not self._pointed:
+            for r in self.requests.values():
+                self.allocator.free(r.slots)
+            self.requests.clear()
+            return
+        back = [r for r in self.requests.values() if not r.adopted]
+        if back:
+            rows, cols = PoolStaging._index_of(back, self.req_to_token.device)
+            self.req_to_token[rows, cols] = torch.cat([r.saved for r in back]).to(self.req_to_token.dtype)
+            self.allocator.free(torch.cat([r.slots for r in back]))
+        for r in self.requests.values():
+            if r.adopted:
+                own = r.saved[r.saved != NULL_SLOT]  # its kept rows: a rare path, may sync
+                self.allocator.free(own.clone())
+                self.runtime.drop_compressed_index(r.row)
+        self.requests.clear()
+        self._pointed = False
+
+    @staticmethod
+    def _index_of(reqs: list[StagedRequest], dev):
+        rows = torch.cat([torch.full((r.host.n - r.host.p,), r.row, dtype=torch.int64) for r in reqs])
+        cols = torch.cat([torch.arange(r.host.p, r.host.n, dtype=torch.int64) for r in reqs])
+        return rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)
+
+    def staged_slots(self) -> int:
+        return sum(r.host.n - r.host.p for r in self.requests.values())
+
+
+def log_no_room(rid: str, num: int) -> None:
+    stats.add("vericache", staging_waits=1)
+    logger.debug("VERICACHE: no pool room to stage %d rows of %s for its verify; it waits", num, rid)
