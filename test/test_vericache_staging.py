@@ -1,0 +1,115 @@
+"""A verify forward's full KV in SGLang's KV pool (:mod:`sglang_vc.vericache.staging`),
+on SGLang's own token allocator: slots reserved per verifying request, its row pointed
+at them and back, each layer's full rows written there (a token-dropping drafter's kept
+rows merged with the reloaded dropped ones), no room refused without taking anything,
+and a failed reload adopting the staged slots for good."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+from sglang_vc.kvruntime import NULL_SLOT
+from sglang_vc.vericache.reload import HostEntry, Span
+from sglang_vc.vericache.staging import PoolStaging
+
+LAYERS = (0, 1)
+H, D = 2, 4
+
+
+class _Pool:
+    def __init__(self, size):
+        self.k = {l: torch.zeros(size + 1, H, D) for l in LAYERS}
+        self.v = {l: torch.zeros(size + 1, H, D) for l in LAYERS}
+
+    def get_key_buffer(self, l):
+        return self.k[l]
+
+    def get_value_buffer(self, l):
+        return self.v[l]
+
+
+def _runtime(size=40):
+    allocator = TokenToKVPoolAllocator(size, torch.float32, "cpu", None, need_sort=False)
+    dropped = []
+    return types.SimpleNamespace(req_to_token=torch.zeros(4, 32, dtype=torch.int32), allocator=allocator,
+                                 kv_pool=_Pool(size), drop_compressed_index=dropped.append, dropped=dropped)
+
+
+def _compressed_row(rt, row, p, n, n_keep):
+    """A token-dropping drafter's row: [0, p) and [p, p + n_keep) live, the rest of
+    [p, n) null; the full KV of [p, n) per layer, the kept positions per head."""
+    own = rt.allocator.alloc(p + n_keep)
+    rt.req_to_token[row, : p + n_keep] = own.to(torch.int32)
+    rt.req_to_token[row, p + n_keep : n] = NULL_SLOT
+    full = {l: (torch.randn(n - p, H, D), torch.randn(n - p, H, D)) for l in LAYERS}
+    kept = torch.stack([torch.randperm(n - p)[:n_keep].sort().values for _ in range(H)])  # [H, n_keep]
+    dropped = torch.stack([torch.tensor([j for j in range(n - p) if j not in set(kept[h].tolist())]) for h in range(H)])
+    for l in LAYERS:
+        for h in range(H):
+            rt.kv_pool.k[l][own[p:], h] = full[l][0][kept[h], h]
+            rt.kv_pool.v[l][own[p:], h] = full[l][1][kept[h], h]
+    host = HostEntry("r%d" % row, row, p, n)
+    spans = {l: Span(p, n, torch.stack([full[l][0][dropped[h], h] for h in range(H)], 1),
+                     torch.stack([full[l][1][dropped[h], h] for h in range(H)], 1), kept, dropped)
+             for l in LAYERS}
+    return host, full, spans
+
+
+def test_staged_rows_hold_the_full_kv_during_the_forward_and_the_mapping_comes_back():
+    rt = _runtime()
+    host0, full0, spans0 = _compressed_row(rt, 1, p=2, n=10, n_keep=3)
+    host1, full1, spans1 = _compressed_row(rt, 3, p=0, n=6, n_keep=2)
+    before = rt.req_to_token.clone()
+    free = rt.allocator.available_size()
+    staging = PoolStaging(rt, lambda l: {0: spans0[l], 5: spans1[l]})
+    assert staging.reserve(0, host0) and staging.reserve(5, host1)
+    assert rt.allocator.available_size() == free - 8 - 6
+    staging.point()
+    for k, host, full in ((0, host0, full0), (5, host1, full1)):
+        row = rt.req_to_token[host.req_pool_idx]
+        assert torch.equal(row[host.p : host.n].long(), staging.requests[k].slots)
+        assert torch.equal(row[: host.p], before[host.req_pool_idx, : host.p])  # the tree prefix untouched
+    for l in LAYERS:
+        staging.write_layer(l, rt.kv_pool.k[l], rt.kv_pool.v[l])
+        for k, host, full in ((0, host0, full0), (5, host1, full1)):
+            at = rt.req_to_token[host.req_pool_idx, host.p : host.n].long()
+            assert torch.equal(rt.kv_pool.k[l][at], full[l][0]) and torch.equal(rt.kv_pool.v[l][at], full[l][1])
+    staging.restore()
+    assert torch.equal(rt.req_to_token, before)
+    assert rt.allocator.available_size() == free and not rt.dropped
+
+
+def test_no_room_takes_nothing():
+    rt = _runtime(size=12)
+    host, _, spans = _compressed_row(rt, 1, p=0, n=10, n_keep=3)
+    free = rt.allocator.available_size()
+    staging = PoolStaging(rt, lambda l: {0: spans[l]})
+    assert not staging.reserve(0, host)
+    assert rt.allocator.available_size() == free and not staging.requests
+
+
+def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
+    rt = _runtime()
+    host, full, spans = _compressed_row(rt, 2, p=1, n=9, n_keep=3)
+    kept_slots = rt.req_to_token[2, 1:4].long().clone()
+    free = rt.allocator.available_size()
+    staging = PoolStaging(rt, lambda l: {})  # the reload gave up: nothing staged per layer
+    assert staging.reserve(0, host)
+    staging.point()
+    staged = staging.requests[0].slots.clone()
+
+    def full_rows(entry, span_slots):
+        assert torch.equal(span_slots[:3], kept_slots)  # the request's own slots, not the staged ones
+        return {l: full[l][0] for l in LAYERS}, {l: full[l][1] for l in LAYERS}
+
+    assert staging.adopt(host, full_rows)
+    staging.restore()
+    assert torch.equal(rt.req_to_token[2, 1:9].long(), staged)
+    for l in LAYERS:
+        assert torch.equal(rt.kv_pool.k[l][staged], full[l][0])
+    assert rt.dropped == [2]
+    assert rt.allocator.available_size() == free - 8 + 3  # its 3 kept slots back
