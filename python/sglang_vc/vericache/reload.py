@@ -10,11 +10,11 @@ than losing KV that a verify would need.
 :class:`LayerwiseReload` copies that KV back for one verify forward, layer by layer, on a
 copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, and layer 0
 while the batch drafts. The transient region is thus ``depth`` layers of the verifying
-requests, not their whole full KV; it lives outside SGLang's KV pool, so no pool slot is
-borrowed and a full pool cannot fail a verify. A failed copy is retried synchronously on
+requests, not their whole full KV; it lives outside SGLang's KV pool. The verify forward
+writes each staged layer into pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
 the scheduler thread (counted as a reload failure). A copy that fails every retry hands
-its requests to ``on_failure`` (the worker writes their full KV back into device slots,
-and they verify and decode from it: the slower correct path); without one it raises
+its requests to ``on_failure`` (the worker writes their full KV into device slots, and
+they verify and decode from it: the slower correct path); without one it raises
 :class:`ReloadFailed`.
 """
 

@@ -291,10 +291,11 @@ class VeriCacheWorker(ChainSpecWorker):
         return self._staggered
 
     def _staging_budget(self) -> int:
-        """The HBM ring's capacity: staged reloads are tensors outside SGLang's KV pool
-        (which already holds its share of the device), so they may use half of the
+        """The HBM ring's capacity: reloads staged ahead are tensors outside SGLang's KV
+        pool (which already holds its share of the device), so they may use half of the
         device memory free when the schedule starts -- after the weights and the pool
-        took theirs; the other half is left to activations."""
+        took theirs; the other half is left to activations. (The verify forward itself
+        also takes ``n - p`` pool slots per verifier, :mod:`.staging`; not counted here.)"""
         dev = torch.device(self.device)
         mem_get_info = getattr(getattr(torch, dev.type, None), "mem_get_info", None)
         if dev.type != "cpu" and mem_get_info is not None:
