@@ -25,10 +25,12 @@ def _ids(tokenizer, i: int, n: int) -> list[int]:
     return ids
 
 
-def _full_kv_forwards(server) -> float:
-    """Forwards the project's backend handed to SGLang's full-KV backend (its counter)."""
+def _full_kv_forwards(server, counter: str = "full_kv_backend_forwards") -> float:
+    """Forwards the project's backend handed to SGLang's full-KV backend (its counter;
+    ``full_kv_verify_forwards``: VERICACHE forwards whose verifying and uncompressed
+    requests ran it)."""
     counters = requests.get(server.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]
-    return counters.get("attention", {}).get("full_kv_backend_forwards", 0)
+    return counters.get("attention", {}).get(counter, 0)
 
 
 def _identical(ref, out) -> None:
@@ -52,7 +54,9 @@ def test_lossy_server_runs_sglangs_triton_backend_for_full_kv(model_dir, tokeniz
     assert "full-KV attention runs SGLang's triton backend" in log.read_text()
 
 
-def test_vericache_prefills_through_sglangs_triton_backend(model_dir, tokenizer, tmp_path):
+def test_vericache_prefills_and_verifies_through_sglangs_triton_backend(model_dir, tokenizer, tmp_path):
+    """The verifies too: a verifying request's row points at its full KV staged in pool
+    slots, and SGLang's triton extend kernel reads it there."""
     log = tmp_path / "server.log"
     with ServerProcess(["--dtype", "float32", "--max-total-tokens", "4000", "--speculative-algorithm", "VERICACHE",
                         "--speculative-num-draft-tokens", "3", "--vc-compressor", "snapkv",
@@ -61,8 +65,10 @@ def test_vericache_prefills_through_sglangs_triton_backend(model_dir, tokenizer,
         ids_list = [_ids(tokenizer, 1, 150), _ids(tokenizer, 2, 200)]
         outs = concurrently(lambda ids: generate(server, ids, 8), [(ids,) for ids in ids_list])
         assert _full_kv_forwards(server) >= 1  # the prefills
+        verify_forwards = _full_kv_forwards(server, "full_kv_verify_forwards")
     for ids, out in zip(ids_list, outs):
         _identical(greedy_reference(model_dir, ids, 8), out)
     info = [out["meta_info"]["sglang_vc_vericache"][-1] for out in outs]
     assert sum(i["verify_rounds"] for i in info) > 0
+    assert verify_forwards >= max(i["verify_rounds"] for i in info)  # each verify ran SGLang's backend
     assert "full-KV attention runs SGLang's triton backend" in log.read_text()

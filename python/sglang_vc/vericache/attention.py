@@ -18,6 +18,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_vc import stats
 from sglang_vc.kvruntime import kernels
 from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
@@ -47,6 +48,11 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if self._decodes_own(entry):
             return self.drafter.attend(q, entry, layer, seq_len)
         return super()._attend_compressed(q, entry, layer, seq_len)
+
+    def _after_layer(self, layer) -> None:
+        super()._after_layer(layer)
+        if self.drafter is not None and layer.layer_id == self.runtime.last_layer:
+            self.drafter.end_forward()  # copy what its draft steps picked for the next ones
 
     verify_forward: "Optional[VerifyForward]" = None  # this TARGET_VERIFY forward's metadata
     staging: "Optional[PoolStaging]" = None  # set by the worker around a verify forward
@@ -86,6 +92,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             if drafting:
                 exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
             self._full_kv_backend().init_forward_metadata(view)
+            stats.add("attention", full_kv_verify_forwards=1)
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, slots, positions, indptr)
 
     def _full_kv_backend(self):
