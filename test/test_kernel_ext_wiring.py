@@ -231,3 +231,80 @@ def test_speccache_reused_rows_fill(stand_in_cuda):
     k_moved = rope.shift(pool[0][0][torch.tensor([50, 52, 53, 55, 56])], 8, *rotary)
     torch.testing.assert_close(got[0][0][row[[8, 10, 11, 13, 14]]], k_moved)
     assert launches["copy_rows"] == 2 * 2 * layers  # K and V, two chunks, each layer
+
+
+def test_vericache_forward_drafters_are_one_launch_and_full_kv_is_sglangs_extend(stand_in_cuda):
+    """VERICACHE's one forward per iteration (a ragged TARGET_VERIFY batch): a KIVI and a
+    token-dropped request draft one token each, an uncompressed request forwards three.
+    On the Triton path the drafters are one paged attention launch per layer (index lists
+    built once per forward) plus the quantized one's payload kernel, equal to the CPU's
+    per-request path; the uncompressed request runs SGLang's own extend (torch_native
+    here) over its row and equals causal attention over its full KV."""
+    from sglang_vc.kvruntime import make_spec
+    from sglang_vc.kvruntime.index import CompressedKVIndex
+    from sglang_vc.kvruntime.names import NULL_SLOT
+    from sglang_vc.vericache.attention import VeriCacheAttnBackend
+
+    g = torch.Generator().manual_seed(5)
+    h, hq, d, layers = 2, 4, 16, 2
+    k_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
+    v_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
+    req_to_token = torch.zeros(8, 160, dtype=torch.int32)
+    starts, lens, rows = [100, 70, 40], [1, 1, 3], [5, 2, 6]
+    slots = torch.randperm(399, generator=g)[:220] + 1
+    req_to_token[5, 64:101] = slots[:37].to(torch.int32)  # quantized: payload for [0, 64)
+    req_to_token[2, :71] = slots[37:108].to(torch.int32)  # token-dropped: [30, 50) null
+    req_to_token[2, 30:50] = NULL_SLOT
+    req_to_token[6, :43] = slots[108:151].to(torch.int32)  # uncompressed
+    k_all = torch.randn(100, h, d, generator=g)
+    payload = {lid: KIVI(group_size=32, residual_length=16).compress(lid, k_all[:80], k_all[:80].flip(0), 2)
+               for lid in range(layers)}
+    kivi = CompressedKVIndex("a", 5, make_spec("kivi", bits=2), 100, 0, row_start=64, attend_from=64,
+                             payload=QuantPayload(payload, 64), quantized_tokens=64)
+    dropped = CompressedKVIndex("b", 2, make_spec("snapkv", ratio=0.7), 70, 0, row_start=0, attend_from=70,
+                                tokens_kept=50)
+    runtime = object.__new__(KVRuntime)
+    runtime.kv_pool = types.SimpleNamespace(get_key_buffer=lambda lid: k_buf[lid], get_value_buffer=lambda lid: v_buf[lid])
+    runtime.req_to_token = req_to_token
+    runtime.index = {5: kivi, 2: dropped}
+    runtime.last_layer = layers  # no end_forward in this test
+    backend = object.__new__(VeriCacheAttnBackend)
+    backend.runtime = runtime
+    backend.full_kv = None  # the CPU's full-KV backend: torch_native, the class's own base
+    backend.translator = None
+    backend.device = "cpu"
+    backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
+    backend.token_to_kv_pool = runtime.kv_pool
+    backend.use_sliding_window_kv_pool = False
+    positions = torch.tensor([100, 70, 40, 41, 42])
+    fb = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True,
+                                           is_target_verify=lambda: True),
+        rids=["a", "b", "c"], req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(starts),
+        seq_lens_cpu=torch.tensor(starts), positions=positions, encoder_lens=None, batch_size=3,
+        out_cache_loc=torch.zeros(5, dtype=torch.int64),
+        spec_info=types.SimpleNamespace(ragged_verify_layout=types.SimpleNamespace(verify_lens_cpu=lens)))
+    q = [torch.randn(5, hq * d, generator=g) for _ in range(layers)]
+    layer = [types.SimpleNamespace(layer_id=lid, tp_q_head_num=hq, tp_k_head_num=h, qk_head_dim=d, v_head_dim=d,
+                                   scaling=0.25, is_cross_attention=False, attn_type=None, sliding_window_size=None)
+             for lid in range(layers)]
+
+    def forward():
+        backend.init_forward_metadata(fb)
+        return [backend.forward_extend(q[lid], None, None, layer[lid], fb, save_kv_cache=False) for lid in range(layers)]
+
+    want = forward()
+    assert backend.verify_forward.draft_index is None  # the CPU: per request
+    launches = stand_in_cuda()
+    got = forward()
+    counted = dict(launches)  # before the reference below launches its own
+    assert backend.verify_forward.draft_index is not None
+    for lid in range(layers):
+        torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5)
+        # the uncompressed request: causal attention over its full row
+        row = req_to_token[6, :43].long()
+        ref = kernels.attend(q[lid][2:5].view(3, hq, d), k_buf[lid][row], v_buf[lid][row], num_prefix=0,
+                             key_positions=torch.arange(43), q_start=40, scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(got[lid][2:5], ref.reshape(3, -1), atol=1e-5, rtol=1e-5)
+    assert counted["build_kv_indices"] == 2  # count + write, once for the forward
+    assert counted["paged_attention"] == layers and counted["kivi_attention"] == layers, counted

@@ -238,18 +238,24 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
-        lid, idx = layer.layer_id, self.decode_index
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        bs = q_.shape[0]
+        out = self.paged_decode(q_, layer, self.decode_index, self.runtime.batch.entries)
+        return out.to(q.dtype).reshape(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def paged_decode(self, q_, layer, idx: DecodeIndex, entries: list):
+        """One query per request (``q_ [B, Hq, D]``, request ``b``'s entry ``entries[b]``)
+        over its live pool rows (``idx``), one paged attention launch, plus each quantized
+        request's packed payload attended in its own kernel and merged by log-sum-exp."""
+        lid = layer.layer_id
         out, lse = ext.paged_attention(
             q_, self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
             idx.q_req, idx.q_pos, idx.kv.indptr, idx.kv.indices, idx.kv.positions, layer.scaling)
-        for i, entry in enumerate(self.runtime.batch.entries):
+        for i, entry in enumerate(entries):
             payload = None if entry is None else self.runtime.packed_payload(entry, lid)
             if payload is not None and payload.num_tokens:
                 p_out, p_lse = ext.kivi_attention(q_[i : i + 1], payload, layer.scaling)
                 out[i : i + 1], lse[i : i + 1] = ext.merge_state(p_out, p_lse, out[i : i + 1], lse[i : i + 1])
-        return out.to(q.dtype).reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+        return out
 
     # ------------------------------------------------------------------ per request
 

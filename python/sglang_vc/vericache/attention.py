@@ -19,8 +19,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import kernels
-from sglang_vc.kvruntime.backend import VCTorchAttnBackend
+from sglang_vc.kvruntime import NULL_SLOT, kernels
+from sglang_vc.kvruntime.backend import DecodeIndex, VCTorchAttnBackend
 
 if TYPE_CHECKING:
     from .staging import PoolStaging
@@ -83,9 +83,23 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
         exact = [i for i, e in enumerate(entries) if e is None]
-        slots, positions, indptr = kernels.live_rows_batch(
-            self.req_to_token_pool.req_to_token, [rows[i] for i in drafting],
-            [entries[i].row_start for i in drafting], [starts[i] + lens[i] for i in drafting])
+        req_to_token = self.req_to_token_pool.req_to_token
+        d_rows, d_starts = [rows[i] for i in drafting], [entries[i].row_start for i in drafting]
+        d_ends = [starts[i] + lens[i] for i in drafting]
+        draft_index, slots, positions, indptr = None, None, None, []
+        if (drafting and ext.backend_for(req_to_token) is ext.Backend.TRITON
+                and all(lens[i] == 1 and not self._decodes_own(entries[i]) for i in drafting)):
+            # every drafter's one token in one paged attention launch per layer, over
+            # index lists built on the device once for the forward
+            dev = req_to_token.device
+            kv = ext.build_kv_indices(req_to_token, *(torch.tensor(x, dtype=torch.int64).to(dev)
+                                                      for x in (d_rows, d_starts, d_ends)), NULL_SLOT)
+            draft_index = DraftIndex(
+                DecodeIndex(kv, torch.arange(len(drafting), device=dev),
+                            torch.tensor([starts[i] for i in drafting], dtype=torch.int64).to(dev)),
+                torch.tensor([offsets[i] for i in drafting]).to(dev))
+        elif drafting:
+            slots, positions, indptr = kernels.live_rows_batch(req_to_token, d_rows, d_starts, d_ends)
         view, exact_q = None, None
         if exact:
             view = self._extend_view(forward_batch, exact, starts, lens, offsets)
@@ -93,7 +107,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
-        return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, slots, positions, indptr)
+        return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
+                             slots, positions, indptr)
 
     def _full_kv_backend(self):
         """SGLang's backend for full KV (``torch_native``: this class's own base)."""
@@ -153,7 +168,11 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 q_e, k_e, v_e = (None if t is None else t[vf.exact_q] for t in (q, k, v))
                 out = full.forward_extend(q_e, k_e, v_e, layer, vf.view, save_kv_cache=False)
                 o[vf.exact_q] = out.reshape(out.shape[0], -1)
-        if vf.drafting:
+        if vf.draft_index is not None:  # the Triton path: one launch for every drafter
+            q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[vf.draft_index.q_rows]
+            out = self.paged_decode(q_, layer, vf.draft_index.index, [vf.entries[i] for i in vf.drafting])
+            o[vf.draft_index.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
+        elif vf.drafting:
             q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
             o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
             gqa = layer.tp_q_head_num != layer.tp_k_head_num
@@ -193,9 +212,18 @@ class VerifyForward:
     drafting: list[int]  # the requests that draft from their compressed KV
     view: object  # ForwardBatch: the full-KV requests as an extend, or None
     exact_q: Optional[torch.Tensor]  # their query rows, None when every request is one
-    slots: torch.Tensor  # drafting request b's live pool rows: slots[indptr[b] : indptr[b + 1]]
-    positions: torch.Tensor
+    draft_index: Optional["DraftIndex"]  # the drafters' batched attention (Triton path), or:
+    slots: Optional[torch.Tensor]  # drafting request b's live pool rows: slots[indptr[b] : indptr[b + 1]]
+    positions: Optional[torch.Tensor]
     indptr: list[int]
+
+
+@dataclasses.dataclass
+class DraftIndex:
+    """The drafters' one token each, attended in one launch per layer."""
+
+    index: DecodeIndex  # their live pool rows and query positions
+    q_rows: torch.Tensor  # their query rows in the forward
 
 
 class _TorchNative:
