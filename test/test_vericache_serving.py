@@ -575,3 +575,35 @@ def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, t
         assert max(len(rec["requests"]) for rec in records) >= 4, [len(r["requests"]) for r in records]
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def vc_no_pool_room(tmp_path_factory):
+    """A server whose verifies never find pool room for their full KV
+    (``SGLANG_VC_NO_POOL_STAGING``: the path a full KV pool takes)."""
+    log = tmp_path_factory.mktemp("vericache_no_pool_room") / "server.log"
+    proc = ServerProcess(
+        ["--dtype", "float32", "--max-total-tokens", "12000",
+         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
+         "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"],
+        log_path=log, env={"SGLANG_VC_NO_POOL_STAGING": "1"},
+    )
+    yield proc
+    proc.stop()
+
+
+def test_verifies_without_pool_room_keep_output_identical(server, model_dir, tokenizer, vc_no_pool_room):
+    """When the pool has no room to stage a verifier's full KV, the verify attends its
+    rows with the reloaded span outside the pool (the slower path) instead of waiting:
+    a token-dropping and a KIVI drafter, concurrently, give the full-KV tokens, and every
+    verify took that path (``staging_fallbacks``)."""
+    ids_list = prompts(tokenizer, 0)[:2]
+    before = vc_counters(vc_no_pool_room)["counters"].get("vericache", {})
+    outs = concurrently(lambda ids, custom: generate(vc_no_pool_room, ids, 16, custom),
+                        [(ids_list[0], None), (ids_list[1], DRAFTERS["kivi2"])])
+    _assert_identical(server, model_dir, ids_list[:1], outs[:1], 16)
+    _assert_identical(server, model_dir, ids_list[1:], outs[1:], 16, DRAFTERS["kivi2"])
+    after = vc_counters(vc_no_pool_room)["counters"]["vericache"]
+    rounds = after["verify_rounds"] - before.get("verify_rounds", 0)
+    assert rounds > 0 and after["staging_fallbacks"] - before.get("staging_fallbacks", 0) == rounds, after
+    assert after["accepted"] - before.get("accepted", 0) < after["drafted"] - before.get("drafted", 0)

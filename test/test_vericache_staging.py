@@ -83,13 +83,15 @@ def test_staged_rows_hold_the_full_kv_during_the_forward_and_the_mapping_comes_b
     assert rt.allocator.available_size() == free and not rt.dropped
 
 
-def test_no_room_takes_nothing():
+def test_no_room_takes_nothing_and_hands_the_span_to_the_slower_path():
     rt = _runtime(size=12)
     host, _, spans = _compressed_row(rt, 1, p=0, n=10, n_keep=3)
     free = rt.allocator.available_size()
     staging = PoolStaging(rt, lambda l: {0: spans[l]})
     assert not staging.reserve(0, host)
     assert rt.allocator.available_size() == free and not staging.requests
+    assert staging.unstaged == {0}  # it verifies outside the pool
+    assert staging.write_layer(0, rt.kv_pool.k[0], rt.kv_pool.v[0]) == {0: spans[0]}
 
 
 def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():

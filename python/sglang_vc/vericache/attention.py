@@ -73,16 +73,16 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         rows = forward_batch.req_pool_indices.tolist()
         lens = _verify_lens(forward_batch.spec_info, len(starts))
         staged = self.staging.requests if self.staging is not None else {}
+        unstaged = self.staging.unstaged if self.staging is not None else set()
         entries = [None if i in staged else self.runtime.entry_for_row(r) for i, r in enumerate(rows)]
         offsets = [0]
         for w in lens:
             offsets.append(offsets[-1] + w)
-        drafting = [i for i, e in enumerate(entries) if e is not None]
-        unstaged = self.staging.unstaged if self.staging is not None else set()
-        if any(lens[i] > 1 and i not in unstaged for i in drafting):
+        drafting = [i for i, e in enumerate(entries) if e is not None and i not in unstaged]
+        if any(lens[i] > 1 for i in drafting):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
-        exact = [i for i, e in enumerate(entries) if e is None]
+        exact = [i for i, e in enumerate(entries) if e is None and i not in unstaged]
         req_to_token = self.req_to_token_pool.req_to_token
         d_rows, d_starts = [rows[i] for i in drafting], [entries[i].row_start for i in drafting]
         d_ends = [starts[i] + lens[i] for i in drafting]
@@ -108,7 +108,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
-                             slots, positions, indptr)
+                             slots, positions, indptr, rows, sorted(unstaged))
 
     def _full_kv_backend(self):
         """SGLang's backend for full KV (``torch_native``: this class's own base)."""
@@ -157,9 +157,14 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         lid = layer.layer_id
         k_buf = self.token_to_kv_pool.get_key_buffer(lid)
         v_buf = self.token_to_kv_pool.get_value_buffer(lid)
-        if self.staging is not None:
-            self.staging.write_layer(lid, k_buf, v_buf)  # the verifiers' full rows of this layer
+        unstaged = {}
+        if self.staging is not None:  # the verifiers' full rows of this layer
+            unstaged = self.staging.write_layer(lid, k_buf, v_buf)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        for i in vf.unstaged:  # no pool room for its full KV: the slower path
+            lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
+            o[lo:hi] = self._verify_outside_pool(q[lo:hi], layer, vf.rows[i], vf.starts[i], hi - lo,
+                                                 unstaged.get(i), k_buf, v_buf).reshape(hi - lo, -1)
         if vf.view is not None:  # full KV: SGLang's backend
             full = self._full_kv_backend()
             if vf.exact_q is None:
@@ -183,6 +188,26 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if self.runtime.batch is not None:
             self._after_layer(layer)
         return o
+
+    def _verify_outside_pool(self, q, layer, row: int, committed: int, w: int, span, k_buf, v_buf):
+        """A verifier whose full KV the pool had no room for: its row's rows with the
+        staged span ``[p, n)`` put in (outside the pool), causal attention (per request;
+        ``span`` None: its reload gave up and its full KV is back in its row)."""
+        slots = self.req_to_token_pool.req_to_token[row, : committed + w].to(torch.int64)
+        if span is None:
+            if self.runtime.entry_for_row(row) is not None:
+                # never verify against the compressed rows: that would not be lossless
+                raise RuntimeError(f"VERICACHE: no full KV staged for compressed row {row}")
+            k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
+        else:
+            p, n = span.p, span.n
+            k_full, v_full = span.full(k_buf, v_buf, slots[p:n])
+            k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
+            v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
+        return kernels.attend(q.view(w, layer.tp_q_head_num, layer.qk_head_dim), k_r, v_r, num_prefix=0,
+                              key_positions=torch.arange(committed + w, device=k_r.device), q_start=committed,
+                              scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+                              last_position=committed + w - 1)
 
     def _draft_attention(self, q, entry, layer, start: int, w: int, live, gqa: bool):
         """A compressed request's queries at positions ``start .. start + w - 1`` over its
@@ -216,6 +241,8 @@ class VerifyForward:
     slots: Optional[torch.Tensor]  # drafting request b's live pool rows: slots[indptr[b] : indptr[b + 1]]
     positions: Optional[torch.Tensor]
     indptr: list[int]
+    rows: list[int]  # req_pool_idx per request
+    unstaged: list[int]  # verifying requests without pool room (verified outside the pool)
 
 
 @dataclasses.dataclass

@@ -16,7 +16,9 @@ allocator. A pool slot holds a token's KV for every layer, so a verifying reques
 released layer by layer). A request whose reload failed every retry keeps the staged
 slots for good: its full KV (all layers, from the host copy) is written there and its
 compressed index is dropped, so it verifies and decodes from full KV (the slower, correct
-path) while the forward's metadata stays valid.
+path) while the forward's metadata stays valid. A request the pool has no room for verifies
+the slower way: its attention gathers its rows with the staged span (outside the pool) and
+runs per request (``staging_fallbacks``); a full pool never stalls a verify.
 
 No host synchronisation: the slots, the row indices and the saved mapping are device
 tensors built from host-known sizes.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from .reload import HostEntry, Span
 
 logger = logging.getLogger(__name__)
+
+NO_POOL_STAGING_ENV = "SGLANG_VC_NO_POOL_STAGING"
 
 
 @dataclasses.dataclass
@@ -65,17 +70,21 @@ class PoolStaging:
         self.allocator = runtime.allocator
         self.layer_spans = layer_spans
         self.requests: dict[int, StagedRequest] = {}
-        # compressed requests of the forward whose verify rows are not committed (no room
-        # to stage them): the only ones that may forward more than one token over their
-        # compressed KV
+        # verifying requests the pool had no room for: they verify over their staged rows
+        # outside the pool (the slower path, :meth:`write_layer` returns them)
         self.unstaged: set[int] = set()
         self._pointed = False
 
     def reserve(self, k: int, host: "HostEntry") -> bool:
-        """Take ``n - p`` pool slots for the request at forward index ``k``; False (nothing
-        taken) when the pool has no room for them now."""
-        slots = self.allocator.alloc(host.n - host.p)
+        """Take ``n - p`` pool slots for the request at forward index ``k``. When the pool
+        has no room for them now, nothing is taken: the request is unstaged (it verifies
+        the slower way), and False."""
+        slots = None if _pool_staging_off() else self.allocator.alloc(host.n - host.p)
         if slots is None:
+            self.unstaged.add(k)
+            stats.add("vericache", staging_fallbacks=1)
+            logger.debug("VERICACHE: no pool room to stage %d rows of %s; it verifies outside the pool",
+                         host.n - host.p, host.rid)
             return False
         self.requests[k] = StagedRequest(host, slots.to(torch.int64))
         return True
@@ -104,15 +113,16 @@ class PoolStaging:
         self.req_to_token[rows, cols] = staged.to(self.req_to_token.dtype)
         self._pointed = True
 
-    def write_layer(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+    def write_layer(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
         """Write this layer's full rows of every staged request into its staged slots
-        (waits, on the device, for the layer's reload copy)."""
+        (waits, on the device, for the layer's reload copy); returns the spans of the
+        unstaged ones (forward index -> :class:`~.reload.Span`)."""
         spans = self.layer_spans(layer_id)
         for k, span in spans.items():
             r = self.requests.get(k)
-            if r is None or r.adopted:
-                continue
-            self._write(r, span, k_buf, v_buf)
+            if r is not None and not r.adopted:
+                self._write(r, span, k_buf, v_buf)
+        return {k: span for k, span in spans.items() if k in self.unstaged}
 
     def _write(self, r: StagedRequest, span: "Span", k_buf, v_buf) -> None:
         k_full, v_full = span.full(k_buf, v_buf, r.saved.to(k_buf.device))
@@ -167,6 +177,7 @@ class PoolStaging:
         return sum(r.host.n - r.host.p for r in self.requests.values())
 
 
-def log_no_room(rid: str, num: int) -> None:
-    stats.add("vericache", staging_waits=1)
-    logger.debug("VERICACHE: no pool room to stage %d rows of %s for its verify; it waits", num, rid)
+def _pool_staging_off() -> bool:
+    """Testing hook: ``SGLANG_VC_NO_POOL_STAGING=1`` stages no verify in the pool, so that
+    tests can run the path a full pool takes."""
+    return os.environ.get(NO_POOL_STAGING_ENV, "") not in ("", "0")

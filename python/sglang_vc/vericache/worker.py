@@ -72,7 +72,7 @@ from sglang_vc.spec_worker import ChainSpecWorker
 from . import flags
 from .names import META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
-from .staging import PoolStaging, log_no_room
+from .staging import PoolStaging
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
@@ -215,14 +215,10 @@ class VeriCacheWorker(ChainSpecWorker):
             spec_info = self.verify_input(verify_ids, positions, committed, dev)
             self.set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
                             slots.flatten(), spec_info, seq_dtype, dev)
-            # each compressed request's full KV into pool slots; one the pool has no room
-            # for now is not verified this round (its verify rows attend its compressed
-            # KV and are discarded: nothing committed)
+            # each compressed request's full KV into pool slots (where the pool has room)
             staging = PoolStaging(self.runtime, reload.layer if reload is not None else (lambda layer_id: {}))
             for i, host in (reload.entries.items() if reload is not None else ()):
-                if not staging.reserve(i, host):
-                    log_no_room(batch.reqs[i].rid, host.num_tokens)
-                    staging.unstaged.add(i)
+                staging.reserve(i, host)
             self._verify_forward_with(staging)
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
@@ -239,8 +235,6 @@ class VeriCacheWorker(ChainSpecWorker):
         verdict = greedy_verify_ids(drafts, targets, pad_id=0)
         accepted = verdict.num_accepted  # [bs]
         accept_lens = verdict.num_tokens.to(torch.int32)
-        for i in staging.unstaged:  # not verified: nothing committed this round
-            accepted[i], accept_lens[i] = 0, 0
         accept_tokens = verdict.tokens.to(torch.int32)  # [bs, W]
         new_seq_lens = (committed + accept_lens).to(device=dev, dtype=seq_dtype)
 
@@ -364,8 +358,7 @@ class VeriCacheWorker(ChainSpecWorker):
             if slot.track.full or self._fall_back(slot.track):
                 full.append(slot)
         drafters = plan.of(Role.DRAFT)
-        # a verifier's full KV goes into pool slots for its verify; one the pool has no
-        # room for now waits (its drafts kept) and verifies in a later iteration
+        # a verifier's full KV goes into pool slots for its verify (where the pool has room)
         staging = PoolStaging(self.runtime, lambda layer_id: {})
         verifiers = []
         for s in plan.of(Role.VERIFY):
@@ -377,9 +370,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 if self.runtime.entry_for_row(s.track.row) is not None:
                     # never verify against the compressed rows: that would not be lossless
                     raise RuntimeError(f"VERICACHE: no full KV on the host for compressed request {s.track.rid}")
-            elif not staging.reserve(s.index, reload.entries[0]):
-                log_no_room(s.track.rid, reload.entries[0].num_tokens)
-                continue
+            else:
+                staging.reserve(s.index, reload.entries[0])
             verifiers.append(s)
 
         phases = {"plan_s": time.perf_counter() - started}
@@ -414,7 +406,8 @@ class VeriCacheWorker(ChainSpecWorker):
             req_to_token = self.req_to_token_pool.req_to_token
             slots = req_to_token[rows[idx][q_req].to(req_to_token.device), pos_t.to(req_to_token.device)]
             # staging keyed by the request's index in this forward
-            reloads = {k: s.track.reload for k, s in enumerate(part) if s.index in staging}
+            reloads = {k: s.track.reload for k, s in enumerate(part)
+                       if s.index in staging or s.index in staging.unstaged}
             staging.rekey({s.index: k for k, s in enumerate(part)})
             staging.layer_spans = _Staging(reloads).layer
             ids_t = torch.tensor(ids, dtype=torch.int64)
