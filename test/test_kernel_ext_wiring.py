@@ -131,55 +131,66 @@ def test_vericache_reload_assembly(stand_in_cuda):
     assert launches["scatter_head_rows"] == 4  # kept and dropped, for K and V
 
 
-def test_decode_batch_is_one_launch_per_layer(stand_in_cuda):
-    """A decode batch mixing a KIVI-compressed request, a token-dropped one (null slots in
-    its row) and an uncompressed one: on the Triton path the index lists are built once
-    per forward and each layer is one paged attention launch over all three (plus the
-    quantized request's payload kernel); the output equals vc_torch's per-request loop."""
+def _mixed_batch(g, backend_cls, hq: int, layers: int, ends: tuple[int, int, int]):
+    """A pool with a KIVI-compressed request (row 5: payload for positions [0, 64)), a
+    token-dropped one (row 2: [30, 50) null) and an uncompressed one (row 6), filled up
+    to ``ends``, and a ``backend_cls`` over it whose full-KV backend is torch_native."""
     from sglang_vc.kvruntime import make_spec
     from sglang_vc.kvruntime.index import CompressedKVIndex
     from sglang_vc.kvruntime.names import NULL_SLOT
 
-    g = torch.Generator().manual_seed(4)
-    h, hq, d, layers = 2, 6, 16, 2
+    h, d = 2, 16
     k_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
     v_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
     req_to_token = torch.zeros(8, 160, dtype=torch.int32)
-    seq_lens = [100, 70, 40]
-    rows = [5, 2, 6]
-    slots = torch.randperm(399, generator=g)[:210] + 1
-    req_to_token[5, 64:100] = slots[:36].to(torch.int32)  # quantized: payload for [0, 64)
-    req_to_token[2, :70] = slots[36:106].to(torch.int32)  # token-dropped: [30, 50) null
+    slots = torch.randperm(399, generator=g)[: sum(ends)] + 1
+    req_to_token[5, 64 : ends[0]] = slots[: ends[0] - 64].to(torch.int32)
+    req_to_token[2, : ends[1]] = slots[ends[0] - 64 : ends[0] - 64 + ends[1]].to(torch.int32)
     req_to_token[2, 30:50] = NULL_SLOT
-    req_to_token[6, :40] = slots[106:146].to(torch.int32)  # uncompressed
+    req_to_token[6, : ends[2]] = slots[ends[0] - 64 + ends[1] : ends[0] - 64 + ends[1] + ends[2]].to(torch.int32)
     k_all = torch.randn(100, h, d, generator=g)
     payload = {lid: KIVI(group_size=32, residual_length=16).compress(lid, k_all[:80], k_all[:80].flip(0), 2)
                for lid in range(layers)}
-    n_q = payload[0].num_quantized
-    assert n_q == 64
-    kivi = CompressedKVIndex("a", 5, make_spec("kivi", bits=2), 100, 0, row_start=n_q, attend_from=n_q,
-                             payload=QuantPayload(payload, n_q), quantized_tokens=n_q)
+    assert payload[0].num_quantized == 64
+    kivi = CompressedKVIndex("a", 5, make_spec("kivi", bits=2), 100, 0, row_start=64, attend_from=64,
+                             payload=QuantPayload(payload, 64), quantized_tokens=64)
     dropped = CompressedKVIndex("b", 2, make_spec("snapkv", ratio=0.7), 70, 0, row_start=0, attend_from=70,
                                 tokens_kept=50)
     runtime = object.__new__(KVRuntime)
     runtime.kv_pool = types.SimpleNamespace(get_key_buffer=lambda lid: k_buf[lid], get_value_buffer=lambda lid: v_buf[lid])
     runtime.req_to_token = req_to_token
     runtime.index = {5: kivi, 2: dropped}
-    backend = object.__new__(VCTorchAttnBackend)
+    runtime.last_layer = layers  # no end_forward in these tests
+    backend = object.__new__(backend_cls)
     backend.runtime = runtime
     backend.full_kv = None  # the CPU's full-KV backend: torch_native, the class's own base
+    backend.translator = None
+    backend.device = "cpu"
     backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
     backend.token_to_kv_pool = runtime.kv_pool
     backend.use_sliding_window_kv_pool = False
+    layer = [types.SimpleNamespace(layer_id=lid, tp_q_head_num=hq, tp_k_head_num=h, qk_head_dim=d, v_head_dim=d,
+                                   scaling=0.25, is_cross_attention=False, attn_type=None, sliding_window_size=None)
+             for lid in range(layers)]
+    return backend, layer, k_buf, v_buf, req_to_token
+
+
+def test_decode_batch_is_one_launch_per_layer(stand_in_cuda):
+    """A decode batch mixing a KIVI-compressed request, a token-dropped one (null slots in
+    its row) and an uncompressed one: on the Triton path the index lists are built once
+    per forward and each layer is one paged attention launch over all three (plus the
+    quantized request's payload kernel); the output equals vc_torch's per-request loop."""
+    g = torch.Generator().manual_seed(4)
+    hq, d, layers = 6, 16, 2
+    seq_lens = [100, 70, 40]
+    rows = [5, 2, 6]
+    backend, layer, *_ = _mixed_batch(g, VCTorchAttnBackend, hq, layers, tuple(seq_lens))
     fb = types.SimpleNamespace(
         forward_mode=types.SimpleNamespace(is_decode=lambda: True, is_extend=lambda: False,
                                            is_target_verify=lambda: False),
         rids=["a", "b", "c"], req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
         seq_lens_cpu=torch.tensor(seq_lens), out_cache_loc=None)
     q = [torch.randn(3, hq * d, generator=g) for _ in range(layers)]
-    layer = [types.SimpleNamespace(layer_id=lid, tp_q_head_num=hq, tp_k_head_num=h, qk_head_dim=d, v_head_dim=d,
-                                   scaling=0.25, is_cross_attention=False) for lid in range(layers)]
-    runtime.last_layer = layers  # no end_forward in this test
 
     backend.init_forward_metadata(fb)
     assert backend.decode_index is None  # the CPU: the per-request torch loop
@@ -240,42 +251,12 @@ def test_vericache_forward_drafters_are_one_launch_and_full_kv_is_sglangs_extend
     built once per forward) plus the quantized one's payload kernel, equal to the CPU's
     per-request path; the uncompressed request runs SGLang's own extend (torch_native
     here) over its row and equals causal attention over its full KV."""
-    from sglang_vc.kvruntime import make_spec
-    from sglang_vc.kvruntime.index import CompressedKVIndex
-    from sglang_vc.kvruntime.names import NULL_SLOT
     from sglang_vc.vericache.attention import VeriCacheAttnBackend
 
     g = torch.Generator().manual_seed(5)
-    h, hq, d, layers = 2, 4, 16, 2
-    k_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
-    v_buf = [torch.randn(400, h, d, generator=g) for _ in range(layers)]
-    req_to_token = torch.zeros(8, 160, dtype=torch.int32)
+    hq, d, layers = 4, 16, 2
     starts, lens, rows = [100, 70, 40], [1, 1, 3], [5, 2, 6]
-    slots = torch.randperm(399, generator=g)[:220] + 1
-    req_to_token[5, 64:101] = slots[:37].to(torch.int32)  # quantized: payload for [0, 64)
-    req_to_token[2, :71] = slots[37:108].to(torch.int32)  # token-dropped: [30, 50) null
-    req_to_token[2, 30:50] = NULL_SLOT
-    req_to_token[6, :43] = slots[108:151].to(torch.int32)  # uncompressed
-    k_all = torch.randn(100, h, d, generator=g)
-    payload = {lid: KIVI(group_size=32, residual_length=16).compress(lid, k_all[:80], k_all[:80].flip(0), 2)
-               for lid in range(layers)}
-    kivi = CompressedKVIndex("a", 5, make_spec("kivi", bits=2), 100, 0, row_start=64, attend_from=64,
-                             payload=QuantPayload(payload, 64), quantized_tokens=64)
-    dropped = CompressedKVIndex("b", 2, make_spec("snapkv", ratio=0.7), 70, 0, row_start=0, attend_from=70,
-                                tokens_kept=50)
-    runtime = object.__new__(KVRuntime)
-    runtime.kv_pool = types.SimpleNamespace(get_key_buffer=lambda lid: k_buf[lid], get_value_buffer=lambda lid: v_buf[lid])
-    runtime.req_to_token = req_to_token
-    runtime.index = {5: kivi, 2: dropped}
-    runtime.last_layer = layers  # no end_forward in this test
-    backend = object.__new__(VeriCacheAttnBackend)
-    backend.runtime = runtime
-    backend.full_kv = None  # the CPU's full-KV backend: torch_native, the class's own base
-    backend.translator = None
-    backend.device = "cpu"
-    backend.req_to_token_pool = types.SimpleNamespace(req_to_token=req_to_token)
-    backend.token_to_kv_pool = runtime.kv_pool
-    backend.use_sliding_window_kv_pool = False
+    backend, layer, k_buf, v_buf, req_to_token = _mixed_batch(g, VeriCacheAttnBackend, hq, layers, (101, 71, 43))
     positions = torch.tensor([100, 70, 40, 41, 42])
     fb = types.SimpleNamespace(
         forward_mode=types.SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True,
@@ -285,9 +266,6 @@ def test_vericache_forward_drafters_are_one_launch_and_full_kv_is_sglangs_extend
         out_cache_loc=torch.zeros(5, dtype=torch.int64),
         spec_info=types.SimpleNamespace(ragged_verify_layout=types.SimpleNamespace(verify_lens_cpu=lens)))
     q = [torch.randn(5, hq * d, generator=g) for _ in range(layers)]
-    layer = [types.SimpleNamespace(layer_id=lid, tp_q_head_num=hq, tp_k_head_num=h, qk_head_dim=d, v_head_dim=d,
-                                   scaling=0.25, is_cross_attention=False, attn_type=None, sliding_window_size=None)
-             for lid in range(layers)]
 
     def forward():
         backend.init_forward_metadata(fb)
