@@ -286,3 +286,41 @@ def test_vericache_forward_drafters_are_one_launch_and_full_kv_is_sglangs_extend
         torch.testing.assert_close(got[lid][2:5], ref.reshape(3, -1), atol=1e-5, rtol=1e-5)
     assert counted["build_kv_indices"] == 2  # count + write, once for the forward
     assert counted["paged_attention"] == layers and counted["kivi_attention"] == layers, counted
+
+
+def test_vericache_forward_without_drafters_keeps_unstaged_verifiers_apart():
+    """A verify forward of an uncompressed request (3 tokens, SGLang's extend) and a
+    verifier the pool had no room for (2 tokens over its row with the reloaded span put
+    in, outside the pool), no drafter: each gets its own attention, over full KV."""
+    from sglang_vc.vericache.attention import VeriCacheAttnBackend
+    from sglang_vc.vericache.reload import Span
+
+    g = torch.Generator().manual_seed(6)
+    hq, h, d, layers = 4, 2, 16, 2
+    starts, lens, rows = [70, 40], [2, 3], [2, 6]
+    backend, layer, k_buf, v_buf, req_to_token = _mixed_batch(g, VeriCacheAttnBackend, hq, layers, (101, 72, 43))
+    full = {lid: (torch.randn(70, h, d, generator=g), torch.randn(70, h, d, generator=g)) for lid in range(layers)}
+    backend.staging = types.SimpleNamespace(
+        requests={}, unstaged={0},
+        write_layer=lambda lid, k, v: {0: Span(0, 70, full[lid][0], full[lid][1])})
+    fb = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True,
+                                           is_target_verify=lambda: True),
+        rids=["b", "c"], req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(starts),
+        seq_lens_cpu=torch.tensor(starts), positions=torch.tensor([70, 71, 40, 41, 42]), encoder_lens=None,
+        batch_size=2, out_cache_loc=torch.zeros(5, dtype=torch.int64),
+        spec_info=types.SimpleNamespace(ragged_verify_layout=types.SimpleNamespace(verify_lens_cpu=lens)))
+    q = [torch.randn(5, hq * d, generator=g) for _ in range(layers)]
+    backend.init_forward_metadata(fb)
+    assert backend.verify_forward.drafting == [] and backend.verify_forward.unstaged == [0]
+    for lid in range(layers):
+        o = backend.forward_extend(q[lid], None, None, layer[lid], fb, save_kv_cache=False)
+        tail = req_to_token[2, 70:72].long()
+        k_r, v_r = torch.cat([full[lid][0], k_buf[lid][tail]]), torch.cat([full[lid][1], v_buf[lid][tail]])
+        want_b = kernels.attend(q[lid][0:2].view(2, hq, d), k_r, v_r, num_prefix=0, key_positions=torch.arange(72),
+                                q_start=70, scale=0.25, enable_gqa=True)
+        row = req_to_token[6, :43].long()
+        want_c = kernels.attend(q[lid][2:5].view(3, hq, d), k_buf[lid][row], v_buf[lid][row], num_prefix=0,
+                                key_positions=torch.arange(43), q_start=40, scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(o[0:2], want_b.reshape(2, -1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o[2:5], want_c.reshape(3, -1), atol=1e-5, rtol=1e-5)

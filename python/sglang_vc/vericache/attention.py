@@ -103,7 +103,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         view, exact_q = None, None
         if exact:
             view = self._extend_view(forward_batch, exact, starts, lens, offsets)
-            if drafting:
+            if len(exact) < len(starts):  # drafting or unstaged requests beside them
                 exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
