@@ -305,6 +305,31 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
             start += t
         return o
 
+    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                 seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
+                                 scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                                 sliding_window_size=None):
+        """SGLang's ``torch_native`` extend (this class's base, the CPU's full-KV backend)
+        pads each request's queries to its whole length, prefix included, and runs causal
+        SDPA over all of them: ``O(L^2)`` per request however few tokens it adds (a verify
+        window, a prefill chunk over a cached prefix). Here only the added queries attend,
+        the causal mask shifted by the prefix: the same output. Masks other than a plain
+        causal one (sliding window, cross or encoder attention) stay SGLang's."""
+        if (encoder_lens is not None or is_cross_attn or not causal
+                or (sliding_window_size is not None and sliding_window_size > -1)):
+            return super()._run_sdpa_forward_extend(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
+        start = 0
+        for row, kv_len, t, prefix in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
+                                          extend_prefix_lens.tolist()):
+            k, v = kernels.gather_kv(k_cache, v_cache, req_to_token[row, :kv_len].to(torch.int64))
+            output[start : start + t] = kernels.attend(
+                query[start : start + t], k, v, num_prefix=0, key_positions=torch.arange(kv_len, device=k.device),
+                q_start=prefix, scale=scaling, enable_gqa=enable_gqa, last_position=kv_len - 1)
+            start += t
+        return output
+
     def extend_per_request(self) -> bool:
         """Whether this extend forward must run the per-request loop although no request
         in it is compressed (a subclass whose queries are not the row's last tokens)."""

@@ -101,12 +101,14 @@ def attend(
         return _attend_triton(q, k, v, num_prefix, key_positions, q_start, scale, q_positions)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    mask = None
+    mask, causal = None, False
     if last_position is not None:  # known on the host: no synchronisation
         last = last_position
     else:
         last = int(key_positions[-1]) if key_positions.numel() else -1
-    if q_positions is not None:
+    if q_positions is None and num_prefix == 0 and q_start == 0 and t == k.shape[0] == last + 1:
+        causal = True  # keys at 0 .. t-1 (increasing), queries at 0 .. t-1: no mask to build
+    elif q_positions is not None:
         q_pos = q_positions.to(q.device)
         visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)
         mask = torch.cat([visible.new_ones(t, num_prefix), visible], dim=1)
@@ -121,7 +123,7 @@ def attend(
         attn_mask=mask,
         enable_gqa=enable_gqa,
         scale=scale,
-        is_causal=False,
+        is_causal=causal,
     )
     return out.squeeze(0).movedim(0, 1)
 
