@@ -324,7 +324,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         for row, kv_len, t, prefix in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
                                           extend_prefix_lens.tolist()):
             k, v = kernels.gather_kv(k_cache, v_cache, req_to_token[row, :kv_len].to(torch.int64))
-            output[start : start + t] = kernels.attend(
+            output[start : start + t] = kernels.attend_sdpa(
                 query[start : start + t], k, v, num_prefix=0, key_positions=torch.arange(kv_len, device=k.device),
                 q_start=prefix, scale=scaling, enable_gqa=enable_gqa, last_position=kv_len - 1)
             start += t

@@ -96,9 +96,17 @@ def attend(
     (otherwise read from ``key_positions``: a host synchronisation). Returns
     ``[T, Hq, Dv]``. With one query that sees every row (decode) no mask is built, so the
     call is the same as SGLang's torch-native decode on the same rows."""
-    t = q.shape[0]
     if ext.backend_for(q) is ext.Backend.TRITON:
         return _attend_triton(q, k, v, num_prefix, key_positions, q_start, scale, q_positions)
+    return attend_sdpa(q, k, v, num_prefix=num_prefix, key_positions=key_positions, q_start=q_start, scale=scale,
+                       enable_gqa=enable_gqa, q_positions=q_positions, last_position=last_position)
+
+
+def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, *, num_prefix: int, key_positions: Tensor, q_start: int,
+                scale: Optional[float], enable_gqa: bool, q_positions: Optional[Tensor] = None,
+                last_position: Optional[int] = None) -> Tensor:
+    """:func:`attend` by torch's SDPA on any device (the CPU's path)."""
+    t = q.shape[0]
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     mask, causal = None, False
