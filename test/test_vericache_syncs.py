@@ -56,10 +56,6 @@ def test_host_syncs_per_iteration_do_not_grow_with_batch_or_depth(tokenizer, tmp
             for r in busy:
                 roles = frozenset(q["role"] for q in r["requests"]) & {"draft", "verify"}
                 by_roles.setdefault(roles, {}).setdefault((depth, bs), set()).add(r["phases"]["host_syncs"])
-                if "verify" in roles:
-                    # the verifies' full-KV attention is SGLang's backend (torch_native on
-                    # this CPU: its own per-request reads, counted apart)
-                    assert r["phases"].get("host_syncs_stand_in", 0) > 0, r["phases"]
     assert frozenset({"draft", "verify"}) in by_roles
     # one count per kind of iteration (drafting only, verifying only, both), the same
     # at every depth and batch size: nothing per request, nothing per layer

@@ -44,6 +44,18 @@ class DecodeIndex:
     q_pos: torch.Tensor  # [B] each query's position (seq_len - 1)
 
 
+@dataclasses.dataclass
+class ExtendLists:
+    """An extend forward's per-request sizes on the host, read once for all layers (the
+    CPU extend below would otherwise read them from the device in every layer)."""
+
+    seq_lens: torch.Tensor  # the forward batch's tensor these lists describe
+    rows: list[int]
+    kv_lens: list[int]
+    q_lens: list[int]
+    prefixes: list[int]
+
+
 def full_kv_backend_name(server_args, model_config, use_mla_backend: bool) -> str:
     """The SGLang attention backend that runs full-KV attention: the one
     ``--vc-full-kv-attention-backend`` names, else SGLang's platform default for the model
@@ -67,6 +79,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
     graphs for a batch that holds a compressed request (:meth:`holds_compressed`)."""
 
     decode_index: "DecodeIndex | None" = None  # this decode forward's index lists (Triton path)
+    extend_lists: "ExtendLists | None" = None  # this extend forward's sizes on the host
     delegated: bool = False  # this forward runs the full-KV backend
 
     def __init__(self, model_runner):
@@ -320,9 +333,12 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
             return super()._run_sdpa_forward_extend(
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                 extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
+        lists = self.extend_lists
+        if lists is None or lists.seq_lens is not seq_lens:
+            lists = ExtendLists(seq_lens, req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
+                                extend_prefix_lens.tolist())
         start = 0
-        for row, kv_len, t, prefix in zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
-                                          extend_prefix_lens.tolist()):
+        for row, kv_len, t, prefix in zip(lists.rows, lists.kv_lens, lists.q_lens, lists.prefixes):
             k, v = kernels.gather_kv(k_cache, v_cache, req_to_token[row, :kv_len].to(torch.int64))
             output[start : start + t] = kernels.attend_sdpa(
                 query[start : start + t], k, v, num_prefix=0, key_positions=torch.arange(kv_len, device=k.device),

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import NULL_SLOT, kernels
-from sglang_vc.kvruntime.backend import DecodeIndex, VCTorchAttnBackend
+from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend
 
 if TYPE_CHECKING:
     from .staging import PoolStaging
@@ -103,6 +103,9 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         view, exact_q = None, None
         if exact:
             view = self._extend_view(forward_batch, exact, starts, lens, offsets)
+            self.extend_lists = ExtendLists(view.seq_lens, [rows[i] for i in exact],
+                                            [starts[i] + lens[i] for i in exact],
+                                            view.extend_seq_lens_cpu, view.extend_prefix_lens_cpu)
             if len(exact) < len(starts):  # drafting or unstaged requests beside them
                 exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
             self._full_kv_backend().init_forward_metadata(view)
