@@ -49,11 +49,6 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             return self.drafter.attend(q, entry, layer, seq_len)
         return super()._attend_compressed(q, entry, layer, seq_len)
 
-    def _after_layer(self, layer) -> None:
-        super()._after_layer(layer)
-        if self.drafter is not None and layer.layer_id == self.runtime.last_layer:
-            self.drafter.end_forward()  # copy what its draft steps picked for the next ones
-
     verify_forward: "Optional[VerifyForward]" = None  # this TARGET_VERIFY forward's metadata
     staging: "Optional[PoolStaging]" = None  # set by the worker around a verify forward
 

@@ -134,7 +134,7 @@ class VeriCacheWorker(ChainSpecWorker):
         vc = get_vc_config(self.server_args)
         cfg = specache_flags.drafter_settings(vc.group(specache_flags.GROUP))
         runtime.use_compressor(SpeCacheCopy(group_size=cfg.group_size, residual_length=cfg.residual))
-        self.drafter = SpeCacheDrafter(self.host, runtime, cfg.topk, copy_stream=self.copy_stream)
+        self.drafter = SpeCacheDrafter(self.host, runtime, cfg.topk)
         self.model_runner.attn_backend.drafter = self.drafter
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
