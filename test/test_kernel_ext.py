@@ -26,6 +26,8 @@ from sglang_vc.specache import core
 
 @pytest.fixture
 def triton_backend(monkeypatch):
+    if ext.dispatch.interpreter_problem():
+        pytest.skip(ext.dispatch.interpreter_problem())
     monkeypatch.setenv(ext.dispatch.ENV, "triton")
     ext.launches.clear()
     return ext.launches
@@ -199,6 +201,32 @@ def test_kivi_attention_real_kv(triton_backend, real_kv, quantizer):
                           key_positions=torch.arange(k.shape[0]), q_start=k.shape[0], scale=scale,
                           enable_gqa=True)
     torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,group,value_group", [(2, 16, 24), (4, 64, 16), (8, 32, 48)],
+                         ids=["group-below-block,value-group-not-pow2", "4bit-pow2", "8bit-whole-row"])
+def test_kivi_attention_any_payload_layout(triton_backend, bits, group, value_group):
+    """The fused kernel's general paths: a key group smaller than its row block (scales
+    per row, not one per block), value groups that are not a power of two (scales per
+    channel, not broadcast), 4- and 8-bit codes; 200 rows, so several splits and a
+    partial block. Each equals the torch reference."""
+    g = torch.Generator().manual_seed(7)
+    n, h, d, hq = 192, 2, 48, 6
+    per = 8 // bits
+    codes = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)  # noqa: E731
+    rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+    p = ext.Payload(bits, group, value_group, codes(n, h, -(-d // per)), rand(n // group, h, d), rand(n // group, h, d),
+                    codes(n, h, -(-d // per)), rand(n, h, d // value_group), rand(n, h, d // value_group), d, d)
+    q = torch.randn(2, hq, d, generator=g)
+    exclude = torch.rand(h, n, generator=g) < 0.2
+    for excl in (None, exclude):
+        out, lse = ext.kivi_attention(q, p, d ** -0.5, exclude=excl)
+        ref_out, ref_lse = kivi_reference(q, p, d ** -0.5, excl)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=5e-5)  # 8-bit values reach ~250
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=5e-5)
+    scores = ext.payload_scores(q[0], lse[0], p, d ** -0.5)
+    torch.testing.assert_close(scores, scores_reference(q[0], lse[0], p, d ** -0.5), atol=1e-6, rtol=5e-5)
+    assert triton_backend["kivi_attention"] == 2 and triton_backend["specache_scores"] == 1
 
 
 def test_kivi_attention_exclude_and_specache_topk(triton_backend, real_kv):

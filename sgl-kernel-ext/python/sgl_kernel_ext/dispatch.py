@@ -81,6 +81,36 @@ def backend_for(t: torch.Tensor) -> Backend:
     return Backend.TRITON if is_cuda_tensor(t) and triton_available() else Backend.TORCH
 
 
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run this package's kernels here, or None.
+
+    The kernels loop over row ranges loaded from memory (``range(tl.load(start), ...)``).
+    Triton 3.6's interpreter hands such a bound to Python as a one-element array, which
+    numpy >= 2.4 refuses to turn into an int (Triton 3.9 passes). A probe of exactly that
+    decides, whatever the versions; compiled kernels on a GPU are not concerned."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def probe(bounds, out):
+        acc = tl.zeros([4], dtype=tl.int32)
+        for i in range(tl.load(bounds), tl.load(bounds + 1)):
+            acc += 1
+        tl.store(out + tl.arange(0, 4), acc)
+
+    out = torch.zeros(4, dtype=torch.int32)
+    try:
+        with _device_calls_interpreted():
+            InterpretedFunction(probe)[(1,)](torch.tensor([1, 3], dtype=torch.int32), out)
+    except Exception as e:  # noqa: BLE001 (any failure means the interpreter is unusable here)
+        import numpy
+
+        return (f"Triton {triton.__version__}'s interpreter fails on a loop bound loaded from memory with numpy "
+                f"{numpy.__version__} ({type(e).__name__}: {e}); Triton 3.9 runs it")
+    return None if out.tolist() == [2, 2, 2, 2] else "Triton's interpreter miscounts a loop over loaded bounds"
+
+
 def _interpreted(kernel):
     return _interpreted_fn(getattr(kernel, "fn", kernel))
 
@@ -108,6 +138,10 @@ def launch(name: str, kernel, grid, *args, **kwargs) -> None:
         return
     from triton.runtime.interpreter import InterpretedFunction
 
+    problem = interpreter_problem()
+    if problem:
+        raise RuntimeError(f"sgl-kernel-ext: cannot run {name} in Triton's interpreter on the CPU: {problem}. "
+                           f"Unset {ENV} (the torch path) or upgrade Triton.")
     runner = kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel)
     with _device_calls_interpreted():
         runner[grid](*args, **kwargs)

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import Backend, backend_for, block, launch
+from .paged_attention import merge_splits, num_splits
 
 
 class Payload(NamedTuple):
@@ -82,65 +83,124 @@ def reference(q: Tensor, p: Payload, scale: float, exclude: Optional[Tensor] = N
 
 
 @triton.jit
-def dequantize_keys(kp, ks, kz, n, d, kvh, mask, skp0, skp1, sks0, sks1, G, BITS: tl.constexpr):
-    """Float32 keys of rows ``n``, channels ``d`` of KV head ``kvh`` from their packed codes
-    (KIVI's keys: per channel, groups of ``G`` tokens share a scale and a zero point),
-    rounded through the scales' dtype as the reference dequantizes them."""
+def unpack_codes(kp, rows, rows_ok, kvh, s0, s1, NC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BITS: tl.constexpr):
+    """Int32 codes ``[BLOCK_N, BLOCK_C]`` of ``rows`` for KV head ``kvh``: each packed byte
+    is loaded once and split in registers (``8 // BITS`` codes a byte, lowest bits first).
+    Loading a byte per code instead made the kernel bound by L1 requests on an H200."""
     PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    byte = tl.load(kp + n[:, None] * skp0 + kvh * skp1 + d[None, :] // PER, mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((d[None, :] % PER) * BITS)) & MASK
-    grp = n // G
-    sc = tl.load(ks + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mask, other=0.0)
-    zr = tl.load(kz + grp[:, None] * sks0 + kvh * sks1 + d[None, :], mask=mask, other=0.0)
+    NB: tl.constexpr = BLOCK_C // PER
+    b = tl.arange(0, NB)
+    byte = tl.load(kp + rows[:, None] * s0 + kvh * s1 + b[None, :],
+                   mask=rows_ok[:, None] & (b[None, :] < (NC + PER - 1) // PER), other=0).to(tl.int32)
+    shifts = tl.arange(0, PER) * BITS
+    codes = (byte[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [BLOCK_N, BLOCK_C])
+
+
+@triton.jit
+def dequantize_keys(kp, ks, kz, n0, rows_ok, kvh, skp0, skp1, sks0, sks1, G: tl.constexpr, BITS: tl.constexpr,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Float32 keys ``[BLOCK_N, BLOCK_D]`` of rows ``n0 + arange(BLOCK_N)`` of KV head
+    ``kvh`` (KIVI's keys: per channel, groups of ``G`` tokens share a scale and a zero
+    point), rounded through the scales' dtype as the reference dequantizes them. ``n0`` is
+    a multiple of ``BLOCK_N``: where ``G`` is too, the block is one group and its scales
+    are one row."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    code = unpack_codes(kp, n, rows_ok, kvh, skp0, skp1, D, BLOCK_N, BLOCK_D, BITS)
+    if G % BLOCK_N == 0:
+        off = (n0 // G) * sks0 + kvh * sks1 + d
+        sc = tl.load(ks + off, mask=d < D, other=0.0)[None, :]
+        zr = tl.load(kz + off, mask=d < D, other=0.0)[None, :]
+    else:
+        mask = rows_ok[:, None] & (d[None, :] < D)
+        off = (n // G)[:, None] * sks0 + kvh * sks1 + d[None, :]
+        sc = tl.load(ks + off, mask=mask, other=0.0)
+        zr = tl.load(kz + off, mask=mask, other=0.0)
     return (code.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)).to(sc.dtype).to(tl.float32)
 
 
 @triton.jit
-def _kernel(q, kp, ks, kz, vp, vs, vz, excl, out, lse, scale, n_q,
-            sq0, sq1, skp0, skp1, sks0, sks1, svp0, svp1, svs0, svs1, so0, so1, sx0, group, G, GV,
-            BITS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_EXCL: tl.constexpr):
+def dequantize_values(vp, vs, vz, n, rows_ok, kvh, svp0, svp1, svs0, svs1, GV: tl.constexpr, BITS: tl.constexpr,
+                      DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, GV_POW2: tl.constexpr):
+    """Values ``[BLOCK_N, BLOCK_DV]`` in the scales' dtype (KIVI's values: per token, groups
+    of ``GV`` channels share a scale and a zero point). Where ``GV`` is a power of two the
+    token's ``DV / GV`` scales are loaded once each and broadcast over their channels."""
+    code = unpack_codes(vp, n, rows_ok, kvh, svp0, svp1, DV, BLOCK_N, BLOCK_DV, BITS)
+    if GV_POW2:
+        NG: tl.constexpr = BLOCK_DV // GV
+        j = tl.arange(0, NG)
+        off = n[:, None] * svs0 + kvh * svs1 + j[None, :]
+        mask = rows_ok[:, None] & (j[None, :] < DV // GV)
+        sc = tl.reshape(tl.broadcast_to(tl.load(vs + off, mask=mask, other=0.0)[:, :, None], [BLOCK_N, NG, GV]),
+                        [BLOCK_N, BLOCK_DV])
+        zr = tl.reshape(tl.broadcast_to(tl.load(vz + off, mask=mask, other=0.0)[:, :, None], [BLOCK_N, NG, GV]),
+                        [BLOCK_N, BLOCK_DV])
+    else:
+        dv = tl.arange(0, BLOCK_DV)
+        mask = rows_ok[:, None] & (dv[None, :] < DV)
+        off = n[:, None] * svs0 + kvh * svs1 + dv[None, :] // GV
+        sc = tl.load(vs + off, mask=mask, other=0.0)
+        zr = tl.load(vz + off, mask=mask, other=0.0)
+    return (code.to(tl.float32) * sc.to(tl.float32) + zr.to(tl.float32)).to(sc.dtype)
+
+
+@triton.jit
+def _kernel(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q,
+            sq0, sq1, skp0, skp1, sks0, sks1, svp0, svp1, svs0, svs1, sx0, group, num_splits,
+            G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_EXCL: tl.constexpr, DOT_F32: tl.constexpr,
+            GV_POW2: tl.constexpr):
+    """One (query row, KV head, payload split), flash-decoding as :mod:`.paged_attention`:
+    the GQA group's query heads together, so each packed key and value is read and
+    dequantized once per group and the scores are a ``tl.dot``; partial outputs and
+    log-sum-exps go to ``part_out [T, Hq, S, DV]`` / ``part_lse [T, Hq, S]``."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // group
-    PER: tl.constexpr = 8 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    per = tl.cdiv(tl.cdiv(n_q, num_splits), BLOCK_N) * BLOCK_N
+    lo = sp * per
+    hi = tl.minimum(n_q, lo + per)
+    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
+    in_group = g < group
+    h = kvh * group + g
     dm = d < D
     dvm = dv < DV
-    qv = tl.load(q + t * sq0 + h * sq1 + d, mask=dm, other=0.0).to(tl.float32)
-    m = -float("inf")
-    l = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for n0 in range(0, n_q, BLOCK_N):
+    qv = tl.load(q + t * sq0 + h[:, None] * sq1 + d[None, :], mask=in_group[:, None] & dm[None, :], other=0.0)
+    m = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        inb = n < n_q
-        vis = inb
+        vis = n < hi
         if HAS_EXCL:
-            ex = tl.load(excl + kvh * sx0 + n, mask=inb, other=0)
-            vis = inb & (ex == 0)
-        mk = vis[:, None] & dm[None, :]
-        k = dequantize_keys(kp, ks, kz, n, d, kvh, mk, skp0, skp1, sks0, sks1, G, BITS)
-        s = tl.sum(k * qv[None, :], axis=1) * scale
-        s = tl.where(vis, s, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
+            ex = tl.load(excl + kvh * sx0 + n, mask=vis, other=0)
+            vis = vis & (ex == 0)
+        # dequantized keys are exact in the scales' dtype (rounded through it); where that
+        # is the query's dtype the dot runs in it (tensor cores), else in float32
+        k = dequantize_keys(kp, ks, kz, n0, vis, kvh, skp0, skp1, sks0, sks1, G, BITS, D, BLOCK_N, BLOCK_D)
+        if DOT_F32:
+            s = tl.dot(qv.to(tl.float32), tl.trans(k), input_precision="ieee") * scale  # [G, N]
+        else:
+            s = tl.dot(qv, tl.trans(k.to(qv.dtype)), input_precision="ieee") * scale
+        s = tl.where(vis[None, :], s, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        pr = tl.exp(s - m_safe)
+        pr = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        mv = vis[:, None] & dvm[None, :]
-        vbyte = tl.load(vp + n[:, None] * svp0 + kvh * svp1 + dv[None, :] // PER, mask=mv, other=0).to(tl.int32)
-        vcode = (vbyte >> ((dv[None, :] % PER) * BITS)) & MASK
-        vsc = tl.load(vs + n[:, None] * svs0 + kvh * svs1 + dv[None, :] // GV, mask=mv, other=0.0)
-        vzr = tl.load(vz + n[:, None] * svs0 + kvh * svs1 + dv[None, :] // GV, mask=mv, other=0.0)
-        v = (vcode.to(tl.float32) * vsc.to(tl.float32) + vzr.to(tl.float32)).to(vsc.dtype).to(tl.float32)
-        l = l * alpha + tl.sum(pr, axis=0)
-        acc = acc * alpha + tl.sum(pr[:, None] * v, axis=0)
+        v = dequantize_values(vp, vs, vz, n, vis, kvh, svp0, svp1, svs0, svs1, GV, BITS, DV, BLOCK_N, BLOCK_DV,
+                              GV_POW2)
+        l = l * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
         m = m_new
     seen = l > 0
-    tl.store(out + t * so0 + h * so1 + dv, tl.where(seen, acc / tl.where(seen, l, 1.0), 0.0), mask=dvm)
-    tl.store(lse + t * tl.num_programs(1) + h, tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), -float("inf")))
+    o = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
+    row = (t * tl.num_programs(1) * group + h) * num_splits + sp  # [T, Hq, S] flattened
+    tl.store(part_out + row[:, None] * DV + dv[None, :], o, mask=in_group[:, None] & dvm[None, :])
+    tl.store(part_lse + row, tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), -float("inf")), mask=in_group)
 
 
 def check(p: Payload) -> None:
@@ -162,12 +222,18 @@ def kivi_attention(q: Tensor, p: Payload, scale: float, exclude: Optional[Tensor
     if t == 0:
         return out, lse
     excl = exclude.to(torch.uint8).contiguous() if exclude is not None else p.k_payload  # unused stand-in
-    launch("kivi_attention", _kernel, (t, hq), q, p.k_payload, p.k_scales, p.k_zeros, p.v_payload, p.v_scales,
-           p.v_zeros, excl, out, lse, float(scale), p.num_tokens,
+    group = hq // h
+    splits = num_splits(p.num_tokens, 1)
+    part_out = torch.empty(t, hq, splits, p.v_head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
+    launch("kivi_attention", _kernel, (t, h, splits), q, p.k_payload, p.k_scales, p.k_zeros, p.v_payload,
+           p.v_scales, p.v_zeros, excl, part_out, part_lse, float(scale), p.num_tokens,
            q.stride(0), q.stride(1), p.k_payload.stride(0), p.k_payload.stride(1),
            p.k_scales.stride(0), p.k_scales.stride(1), p.v_payload.stride(0), p.v_payload.stride(1),
-           p.v_scales.stride(0), p.v_scales.stride(1), out.stride(0), out.stride(1),
-           excl.stride(0) if exclude is not None else 0, hq // h, p.group_size, p.value_group_size,
-           BITS=p.bits, D=p.head_dim, DV=p.v_head_dim, BLOCK_D=block(p.head_dim), BLOCK_DV=block(p.v_head_dim),
-           BLOCK_N=32, HAS_EXCL=exclude is not None)
+           p.v_scales.stride(0), p.v_scales.stride(1), excl.stride(0) if exclude is not None else 0,
+           group, splits, G=p.group_size, GV=p.value_group_size, BITS=p.bits, D=p.head_dim, DV=p.v_head_dim, BLOCK_G=block(group), BLOCK_D=block(p.head_dim),
+           BLOCK_DV=block(p.v_head_dim), BLOCK_N=32, HAS_EXCL=exclude is not None,
+           DOT_F32=q.dtype != p.k_scales.dtype or q.dtype == torch.float32,
+           GV_POW2=p.value_group_size & (p.value_group_size - 1) == 0 and p.value_group_size <= block(p.v_head_dim))
+    merge_splits(part_out, part_lse, out, lse)
     return out, lse

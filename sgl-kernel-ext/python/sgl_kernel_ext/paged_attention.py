@@ -121,6 +121,14 @@ def _reduce_kernel(part_out, part_lse, out, lse, num_splits, DV: tl.constexpr, B
     tl.store(lse + r, tl.where(seen, mx_safe + tl.log(tl.where(seen, total, 1.0)), -float("inf")))
 
 
+def merge_splits(part_out: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """``out [Tq, Hq, DV]``/``lse [Tq, Hq]`` from the splits ``part_out [Tq, Hq, S, DV]`` /
+    ``part_lse [Tq, Hq, S]`` of a flash-decoding kernel (this one, :mod:`.kivi_attention`)."""
+    tq, hq, splits, dv = part_out.shape
+    launch("paged_attention_reduce", _reduce_kernel, (tq * hq,), part_out, part_lse, out, lse, splits,
+           DV=dv, BLOCK_S=block(splits, least=2), BLOCK_DV=block(dv))
+
+
 MAX_SPLITS = 16
 SPLIT_ROWS = 256  # keys per split, about: a long request spreads over up to MAX_SPLITS programs
 
@@ -153,6 +161,5 @@ def paged_attention(q: Tensor, k_buf: Tensor, v_buf: Tensor, q_req: Tensor, q_po
            part_out, part_lse, float(scale), q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
            v_buf.stride(0), v_buf.stride(1), group, splits,
            D=d, DV=dv, BLOCK_G=block(group), BLOCK_D=block(d), BLOCK_DV=block(dv), BLOCK_N=64)
-    launch("paged_attention_reduce", _reduce_kernel, (tq * hq,), part_out, part_lse, out, lse, splits,
-           DV=dv, BLOCK_S=block(splits, least=2), BLOCK_DV=block(dv))
+    merge_splits(part_out, part_lse, out, lse)
     return out, lse

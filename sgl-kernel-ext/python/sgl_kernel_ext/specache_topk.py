@@ -35,15 +35,15 @@ def reference(q_row: Tensor, lse_row: Tensor, p: Payload, scale: float, exclude:
 
 
 @triton.jit
-def _kernel(q, lse, kp, ks, kz, excl, out, scale, n_q, sq0, skp0, skp1, sks0, sks1, sx0, so0, group, G,
-            BITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _kernel(q, lse, kp, ks, kz, excl, out, scale, n_q, sq0, skp0, skp1, sks0, sks1, sx0, so0, group,
+            G: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
             HAS_EXCL: tl.constexpr):
     kvh = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     inb = n < n_q
-    mk = inb[:, None] & (d[None, :] < D)
-    k = dequantize_keys(kp, ks, kz, n, d, kvh, mk, skp0, skp1, sks0, sks1, G, BITS)
+    k = dequantize_keys(kp, ks, kz, n0, inb, kvh, skp0, skp1, sks0, sks1, G, BITS, D, BLOCK_N, BLOCK_D)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(0, group):
         h = kvh * group + g
@@ -74,7 +74,7 @@ def payload_scores(q_row: Tensor, lse_row: Tensor, p: Payload, scale: float,
     launch("specache_scores", _kernel, (h, triton.cdiv(p.num_tokens, bn)), q_row, lse_row, p.k_payload,
            p.k_scales, p.k_zeros, excl, out, float(scale), p.num_tokens, q_row.stride(0),
            p.k_payload.stride(0), p.k_payload.stride(1), p.k_scales.stride(0), p.k_scales.stride(1),
-           excl.stride(0) if exclude is not None else 0, out.stride(0), hq // h, p.group_size,
+           excl.stride(0) if exclude is not None else 0, out.stride(0), hq // h, G=p.group_size,
            BITS=p.bits, D=p.head_dim, BLOCK_D=block(p.head_dim), BLOCK_N=bn, HAS_EXCL=exclude is not None)
     return out
 

@@ -1,0 +1,257 @@
+"""``python -m sglang_vc.bench.gpu_step --json OUT``: one decode layer of an 8B model at
+long context on a GPU, cut into the costs VeriCache's model (appendix B.1) is made of, on
+the same tensors, per layer and for a batch of requests:
+
+* ``weights``: the layer's matrix products (Llama-3-8B shapes) for the batch's tokens;
+* ``full_decode``: full-KV decode attention (torch SDPA, flash where it applies), and the
+  project's paged kernel over every row (the drafter's kernel without compression);
+* ``draft_*``: one draft step of each drafter family over its compressed rows:
+  ``snapkv`` (the paged kernel over the kept quarter), ``kivi2`` (2-bit payload, the fused
+  kernel, one launch per request as the server does), ``specache`` (2-bit scores, top-k
+  and the synchronous fetch of the top-k full rows from pinned host memory, per request);
+* ``verify``: a verify window of ``X + 1`` queries per request over the full prefix
+  (torch SDPA with the chain mask, the stand-in for FlashInfer's prefill that SGLang runs
+  on a GPU, and the project's paged kernel);
+* ``reload``: one layer of one request's full KV from pinned host memory on a copy stream
+  (GB/s), alone and while the device computes (does the copy slow the compute?).
+
+Needs CUDA and nothing of SGLang (the lent GPU machine has PyTorch and Triton only).
+Writes JSON and a bar plot; ``python -m sglang_vc.vericache.predict --gpu-step OUT``
+turns it into a labelled prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Llama-3-8B: hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336, 32 layers.
+HIDDEN, HQ, HKV, D, MLP, LAYERS = 4096, 32, 8, 128, 14336, 32
+
+
+def _time_us(fn, repeats: int) -> float:
+    if not torch.cuda.is_available():  # the CPU smoke test of the shapes (test_gpu_step.py)
+        return _wall_us(fn, 1)
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats * 1e3
+
+
+def _wall_us(fn, repeats: int) -> float:
+    """Wall clock for paths that synchronise with the host themselves."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / repeats * 1e6
+
+
+def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, dev: str = "cuda") -> dict:
+    import sgl_kernel_ext as ext
+
+    from sglang_vc.compress.kivi import KIVI
+
+    dt = torch.float16 if dev == "cuda" else torch.float32
+    scale = D ** -0.5
+    out: dict = {}
+
+    # weights: one layer's products for `tokens` rows (decode: batch; verify: batch * (x + 1))
+    w = {name: torch.randn(a, b, device=dev, dtype=dt) * 0.02 for name, (a, b) in {
+        "qkv": (HIDDEN, (HQ + 2 * HKV) * D), "o": (HQ * D, HIDDEN), "gate_up": (HIDDEN, 2 * MLP),
+        "down": (MLP, HIDDEN)}.items()}
+
+    def layer_mm(h):
+        h2 = h @ w["qkv"]
+        h = h2[:, :HIDDEN] @ w["o"]
+        g = h @ w["gate_up"]
+        return (F.silu(g[:, :MLP]) * g[:, MLP:]) @ w["down"]
+
+    for label, tokens in (("weights_decode", batch), ("weights_verify", batch * (x + 1))):
+        h = torch.randn(tokens, HIDDEN, device=dev, dtype=dt)
+        out[label] = {"us": _time_us(lambda: layer_mm(h), repeats), "tokens": tokens}
+    layer_bytes = sum(t.numel() * t.element_size() for t in w.values())
+    out["weights_decode"]["bytes"] = layer_bytes
+
+    # full KV of the batch, contiguous per request: [batch, HKV, n, D]
+    k = torch.randn(batch, HKV, n, D, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    q = torch.randn(batch, HQ, 1, D, device=dev, dtype=dt)
+    sdpa = _time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale), repeats)
+    out["full_decode_sdpa"] = {"us": sdpa, "bytes": kv_bytes, "gb_s": kv_bytes / sdpa / 1e3}
+
+    # the same rows in a paged buffer (one slot per token, slot 0 the null slot)
+    k_buf = torch.cat([torch.zeros(1, HKV, D, device=dev, dtype=dt), k.transpose(1, 2).reshape(-1, HKV, D)])
+    v_buf = torch.cat([torch.zeros(1, HKV, D, device=dev, dtype=dt), v.transpose(1, 2).reshape(-1, HKV, D)])
+    del k, v
+    q1 = q[:, :, 0]
+    reqs = torch.arange(batch, device=dev)
+
+    def paged(rows_per_req: int, stride: int, queries: int):
+        """Index lists over every `stride`-th row of each request (a kept set), `queries`
+        queries per request at the positions after its prefix."""
+        idx = (torch.arange(0, n, stride, device=dev)[:rows_per_req] + 1)
+        indices = (idx[None, :] + (reqs * n)[:, None]).reshape(-1)
+        pos = ((idx - 1)[None, :].expand(batch, -1)).reshape(-1)
+        indptr = torch.arange(0, batch * rows_per_req + 1, rows_per_req, device=dev)
+        qq = torch.randn(batch * queries, HQ, D, device=dev, dtype=dt)
+        q_req = reqs.repeat_interleave(queries)
+        q_pos = (n + torch.arange(queries, device=dev)).repeat(batch)
+        return lambda: ext.paged_attention(qq, k_buf, v_buf, q_req, q_pos, indptr, indices, pos, scale)
+
+    out["full_decode_paged"] = {"us": _time_us(paged(n, 1, 1), repeats)}
+    kept = int(n * keep)
+    out["draft_snapkv"] = {"us": _time_us(paged(kept, int(round(1 / keep)), 1), repeats), "kept": kept}
+    out["verify_paged"] = {"us": _time_us(paged(n, 1, x + 1), repeats), "queries": x + 1,
+                           "note": "the window's own rows are not in the index lists: prefix only"}
+
+    # the verify window through SDPA: x + 1 queries over n prefix rows + their own (chain mask)
+    w_len = x + 1
+    kw = torch.randn(batch, HKV, n + w_len, D, device=dev, dtype=dt)
+    vw = torch.randn_like(kw)
+    qw = torch.randn(batch, HQ, w_len, D, device=dev, dtype=dt)
+    mask = torch.ones(w_len, n + w_len, dtype=torch.bool, device=dev).tril(diagonal=n)
+    out["verify_sdpa"] = {"us": _time_us(lambda: F.scaled_dot_product_attention(
+        qw, kw, vw, attn_mask=mask, enable_gqa=True, scale=scale), repeats), "queries": w_len}
+    del kw, vw
+
+    # KIVI 2-bit drafter: one fused launch per request (as the server's drafter runs it)
+    kr = torch.randn(n, HKV, D, device=dev, dtype=dt)
+    vr = torch.randn_like(kr)
+
+    def payload(quantizer):
+        bits = quantizer.supported_bits[0]
+        c = quantizer.compress(0, kr, vr, bits)
+        return ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
+                           c.v_payload, c.v_scales, c.v_zeros, D, D), c
+
+    p2, c2 = payload(KIVI())
+    p2_bytes = sum(t.numel() * t.element_size() for t in (c2.k_payload, c2.k_scales, c2.k_zeros, c2.v_payload,
+                                                          c2.v_scales, c2.v_zeros))
+    qr = q1[:1]
+
+    def kivi2_step():
+        for _ in range(batch):
+            ext.kivi_attention(qr, p2, scale)
+
+    out["draft_kivi2"] = {"us": _time_us(kivi2_step, repeats), "payload_bytes_per_req": p2_bytes}
+
+    # SpeCache 2-bit drafter: scores and top-k on the device, then the synchronous fetch of
+    # the top-k rows per KV head from pinned host memory, per request (the server's path)
+    p1 = p2  # SpeCache 2-bit: its scores come from the same 2-bit keys the kivi2 drafter reads
+    pin = dev == "cuda"
+    host_k = kr.cpu().pin_memory() if pin else kr.clone()
+    host_v = vr.cpu().pin_memory() if pin else vr.clone()
+    heads = torch.arange(HKV)[:, None]
+
+    def specache_step():
+        for _ in range(batch):
+            o, lse = ext.kivi_attention(qr, p1, scale)
+            top = ext.select_topk(ext.payload_scores(qr[0], lse[0], p1, scale), topk)  # [HKV, topk]
+            idx = top.cpu()  # the host read the synchronous fetch needs
+            rows_k, rows_v = host_k[idx, heads], host_v[idx, heads]  # [HKV, topk, D]
+            if pin:
+                rows_k, rows_v = rows_k.pin_memory(), rows_v.pin_memory()
+            rows_k = rows_k.to(dev, non_blocking=pin)[None]
+            rows_v = rows_v.to(dev, non_blocking=pin)[None]
+            F.scaled_dot_product_attention(qr.view(1, HQ, 1, D), rows_k, rows_v, enable_gqa=True, scale=scale)
+
+    out["draft_specache"] = {"us": _wall_us(specache_step, max(3, repeats // 5)), "topk": topk}
+    dev_scores = lambda: [ext.select_topk(ext.payload_scores(qr[0], ext.kivi_attention(qr, p1, scale)[1][0], p1,  # noqa: E731
+                                                              scale), topk) for _ in range(batch)]
+    out["draft_specache_device_only"] = {"us": _time_us(dev_scores, repeats)}
+
+    # reload: one layer of one request's full KV from pinned host memory on a copy stream
+    if dev != "cuda":
+        return out
+    layer_req = torch.empty(2, n, HKV, D, dtype=dt, pin_memory=True)
+    dst = torch.empty(2, n, HKV, D, dtype=dt, device=dev)
+    copy = torch.cuda.Stream()
+
+    def reload():
+        with torch.cuda.stream(copy):
+            dst.copy_(layer_req, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(copy)
+
+    r_us = _time_us(reload, repeats)
+    nbytes = layer_req.numel() * layer_req.element_size()
+    out["reload_h2d"] = {"us": r_us, "bytes": nbytes, "gb_s": nbytes / r_us / 1e3}
+    back = torch.empty(layer_req.shape, dtype=dt, pin_memory=True)  # the prefill's write-back target
+    d2h = _time_us(lambda: back.copy_(dst, non_blocking=True), repeats)
+    out["writeback_d2h"] = {"us": d2h, "gb_s": nbytes / d2h / 1e3}
+
+    # overlap: the verify attention on the compute stream while a reload runs on the copy stream
+    compute = paged(n, 1, x + 1)
+    done = torch.cuda.Event()
+
+    def both():
+        with torch.cuda.stream(copy):
+            dst.copy_(layer_req, non_blocking=True)
+            done.record(copy)
+        compute()
+        torch.cuda.current_stream().wait_event(done)
+
+    out["overlap"] = {"us": _time_us(both, repeats), "compute_alone_us": out["verify_paged"]["us"],
+                      "copy_alone_us": r_us}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.gpu_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--tokens", type=int, default=32768, help="context length of each request")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--draft-len", type=int, default=30, help="X: a verify window is X + 1 queries")
+    parser.add_argument("--keep", type=float, default=0.25, help="snapkv's kept fraction")
+    parser.add_argument("--topk", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    if not 0 < args.keep <= 1 or args.tokens < 64 or args.batch < 1 or args.draft_len < 1:
+        parser.error("--keep in (0, 1], --tokens >= 64, --batch >= 1, --draft-len >= 1")
+    rows = measure(args.tokens, args.batch, args.draft_len, args.keep, args.topk, args.repeats)
+    for name, row in rows.items():
+        print(f"[gpu_step] {name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in row.items()), file=sys.stderr)
+    report = {"benchmark": "gpu_step", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "settings": vars(args), "model": {"hidden": HIDDEN, "q_heads": HQ, "kv_heads": HKV, "head_dim": D,
+                                               "mlp": MLP, "layers": LAYERS, "dtype": "float16"},
+              "per_layer": rows,
+              "command": " ".join(["python -m sglang_vc.bench.gpu_step", *(argv if argv is not None else sys.argv[1:])])}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k in rows if "us" in rows[k]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(names, [rows[k]["us"] for k in names])
+    ax.set(xscale="log", xlabel="us per layer (batch of %d, %d tokens each)" % (args.batch, args.tokens))
+    ax.set_title(f"one decode layer, 8B shapes, on {report['device']}")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"[gpu_step] wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
