@@ -203,6 +203,12 @@ def _kernel(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q,
     tl.store(part_lse + row, tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), -float("inf")), mask=in_group)
 
 
+# One request's payload per launch (T query rows of it): 32 splits and 64-row blocks were
+# the fastest of 54 launch shapes for 32k 2-bit tokens, 8 KV heads, GQA 4 on an H200
+# (63 us against 138 us at 16 and 32; a CUDA graph of the launch and the merge).
+KIVI_MAX_SPLITS = 32
+
+
 def check(p: Payload) -> None:
     if p.bits not in (1, 2, 4, 8):
         raise ValueError(f"kivi_attention: packed codes of 1, 2, 4 or 8 bits, got {p.bits}")
@@ -223,7 +229,7 @@ def kivi_attention(q: Tensor, p: Payload, scale: float, exclude: Optional[Tensor
         return out, lse
     excl = exclude.to(torch.uint8).contiguous() if exclude is not None else p.k_payload  # unused stand-in
     group = hq // h
-    splits = num_splits(p.num_tokens, 1)
+    splits = num_splits(p.num_tokens, 1, most=KIVI_MAX_SPLITS)
     part_out = torch.empty(t, hq, splits, p.v_head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
     launch("kivi_attention", _kernel, (t, h, splits), q, p.k_payload, p.k_scales, p.k_zeros, p.v_payload,
@@ -232,7 +238,7 @@ def kivi_attention(q: Tensor, p: Payload, scale: float, exclude: Optional[Tensor
            p.k_scales.stride(0), p.k_scales.stride(1), p.v_payload.stride(0), p.v_payload.stride(1),
            p.v_scales.stride(0), p.v_scales.stride(1), excl.stride(0) if exclude is not None else 0,
            group, splits, G=p.group_size, GV=p.value_group_size, BITS=p.bits, D=p.head_dim, DV=p.v_head_dim, BLOCK_G=block(group), BLOCK_D=block(p.head_dim),
-           BLOCK_DV=block(p.v_head_dim), BLOCK_N=32, HAS_EXCL=exclude is not None,
+           BLOCK_DV=block(p.v_head_dim), BLOCK_N=64, HAS_EXCL=exclude is not None,
            DOT_F32=q.dtype != p.k_scales.dtype or q.dtype == torch.float32,
            GV_POW2=p.value_group_size & (p.value_group_size - 1) == 0 and p.value_group_size <= block(p.v_head_dim))
     merge_splits(part_out, part_lse, out, lse)

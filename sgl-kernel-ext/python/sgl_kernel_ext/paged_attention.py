@@ -133,11 +133,11 @@ MAX_SPLITS = 16
 SPLIT_ROWS = 256  # keys per split, about: a long request spreads over up to MAX_SPLITS programs
 
 
-def num_splits(num_keys: int, num_requests: int) -> int:
+def num_splits(num_keys: int, num_requests: int, most: int = MAX_SPLITS) -> int:
     """KV splits per (query row, KV head), from host-known sizes only (no device read):
-    the mean keys per request over :data:`SPLIT_ROWS`, at most :data:`MAX_SPLITS`."""
+    the mean keys per request over :data:`SPLIT_ROWS`, at most ``most``."""
     mean = -(-num_keys // max(1, num_requests))
-    return max(1, min(MAX_SPLITS, -(-mean // SPLIT_ROWS)))
+    return max(1, min(most, -(-mean // SPLIT_ROWS)))
 
 
 def paged_attention(q: Tensor, k_buf: Tensor, v_buf: Tensor, q_req: Tensor, q_pos: Tensor,
