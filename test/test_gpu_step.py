@@ -30,3 +30,44 @@ def test_refuses_without_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_step.main(["--json", str(tmp_path / "x.json")])
     assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _report(tmp_path):
+    """A gpu_step report of CPU-measured costs (shapes only; the figures mean nothing; float32
+    weights here: 28 GB for 32 layers)."""
+    rows = gpu_step.measure(n=256, batch=2, x=4, keep=0.25, topk=16, repeats=1, dev="cpu")
+    rows["reload_h2d"] = {"us": 50.0, "bytes": 2 * 256 * 8 * 128 * 2, "gb_s": 55.0}
+    report = {"device": "cpu", "settings": {"batch": 2, "tokens": 256, "keep": 0.25},
+              "model": {"kv_heads": 8, "head_dim": 128, "layers": 32}, "per_layer": rows,
+              "gpu_mem_bytes": 80e9}
+    path = tmp_path / "step.json"
+    path.write_text(__import__("json").dumps(report))
+    return report, path
+
+
+def test_gpu_predict_uses_b1_at_the_measured_bandwidths(tmp_path):
+    from sglang_vc.bench import gpu_predict
+    from sglang_vc.vericache import perf_model as pm
+
+    report, _ = _report(tmp_path)
+    out = gpu_predict.predict(report, {"specache": (30, 20.0), "snapkv": (8, 3.0)}, 80e9)
+    rows = report["per_layer"]
+    kv_full = 2 * 256 * 8 * 128 * 2 * 32
+    for p in out["predictions"]:
+        best = pm.best_feasible(weights_bytes=rows["weights_decode"]["bytes"] * 32, kv_full_bytes=kv_full,
+                                compression=p["compression"], acceptance={p["draft_len"]: p["accept_len"]},
+                                hbm_bw=rows["full_decode_sdpa"]["gb_s"] * 1e9, interconnect_bw=55e9,
+                                gpu_mem_bytes=80e9)
+        assert p["b1_tokens_per_s"] == best.tokens_per_s and p["batch_size"] == best.batch_size
+        assert p["measured_tokens_per_s"] > 0 and 0 < p["draft_share"] < 1
+    assert out["predictions"][1]["compression"] == 0.25 and "PREDICTION" in out["label"]
+
+
+@pytest.mark.parametrize("bad", ["specache=30", "specache=30:40", "nosuch=30:5", "specache=x:5"])
+def test_gpu_predict_refuses_bad_acceptance(tmp_path, capsys, bad):
+    from sglang_vc.bench import gpu_predict
+
+    _, path = _report(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        gpu_predict.main(["--gpu-step", str(path), "--acceptance", bad, "--json", str(tmp_path / "o.json")])
+    assert e.value.code == 2 and "--acceptance" in capsys.readouterr().err

@@ -16,8 +16,8 @@ the same tensors, per layer and for a batch of requests:
   (GB/s), alone and while the device computes (does the copy slow the compute?).
 
 Needs CUDA and nothing of SGLang (the lent GPU machine has PyTorch and Triton only).
-Writes JSON and a bar plot; ``python -m sglang_vc.vericache.predict --gpu-step OUT``
-turns it into a labelled prediction.
+Writes JSON and a bar plot; ``python -m sglang_vc.bench.gpu_predict --gpu-step OUT``
+turns it into a labelled prediction of VeriCache against full KV on that GPU.
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def main(argv=None) -> None:
         print(f"[gpu_step] {name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in row.items()), file=sys.stderr)
     report = {"benchmark": "gpu_step", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "gpu_mem_bytes": torch.cuda.get_device_properties(0).total_memory,
               "settings": vars(args), "model": {"hidden": HIDDEN, "q_heads": HQ, "kv_heads": HKV, "head_dim": D,
                                                "mlp": MLP, "layers": LAYERS, "dtype": "float16"},
               "per_layer": rows,

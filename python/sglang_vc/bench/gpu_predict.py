@@ -1,0 +1,171 @@
+"""``python -m sglang_vc.bench.gpu_predict --gpu-step STEP.json --acceptance DRAFTER=X:A ...
+--json OUT``: what VeriCache would give on the GPU that ran ``bench.gpu_step``, for an 8B
+model at its context length, two ways, both labelled predictions:
+
+* **B.1** (appendix B.1's best feasible point, ``perf_model.best_feasible``) with that
+  GPU's *measured* bandwidths (full-KV decode attention's HBM rate, the pinned host link)
+  instead of nominal ones: what the paper's bandwidth model promises;
+* **measured costs**: the same operating point (batch, offloaded requests, ``x``) priced
+  with the per-layer times ``gpu_step`` measured on that GPU for this project's own
+  paths: the weights at the iteration's token count, each drafter's step per request,
+  the verify window per request, and the reloads on the copy stream (overlapped, as
+  measured). Where the two disagree, the difference is what this project's drafter or
+  verify costs beyond the bandwidth model.
+
+Full KV at the same memory is the baseline both ways (B.1's batch; its iteration priced
+from the measured weights and full-KV decode attention). ``A`` is the acceptance length a
+drafter reached at draft length ``X`` on real text (``bench.fidelity`` or a served run):
+give the figure you measured; nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sglang_vc.vericache import perf_model as pm
+
+# gpu_step's drafter rows, and the kept fraction each stands for on the device
+DRAFTERS = {"snapkv": "draft_snapkv", "kivi2": "draft_kivi2", "specache": "draft_specache"}
+
+
+@dataclass
+class Prediction:
+    drafter: str
+    draft_len: int
+    accept_len: float
+    compression: float
+    batch_size: int
+    offloaded: int
+    b1_tokens_per_s: float
+    b1_ratio_to_full: float
+    measured_tokens_per_s: float
+    measured_ratio_to_full: float
+    measured_iter_ms: float
+    draft_share: float  # of the measured iteration's compute
+    binding: list[str]
+
+
+def _weights_us(step: dict, tokens: float) -> float:
+    """The layer's matrix products at ``tokens`` rows: linear through gpu_step's two points."""
+    a, b = step["weights_decode"], step["weights_verify"]
+    slope = (b["us"] - a["us"]) / max(1, b["tokens"] - a["tokens"])
+    return max(a["us"], a["us"] + slope * (tokens - a["tokens"]))
+
+
+def predict(report: dict, acceptance: dict[str, tuple[int, float]], gpu_mem_bytes: float) -> dict:
+    step, model, settings = report["per_layer"], report["model"], report["settings"]
+    batch, n, layers = settings["batch"], settings["tokens"], model["layers"]
+    weights_bytes = step["weights_decode"]["bytes"] * layers
+    kv_full = 2 * n * model["kv_heads"] * model["head_dim"] * 2 * layers  # float16 K and V
+    hbm_bw = step["full_decode_sdpa"]["gb_s"] * 1e9
+    link_bw = step["reload_h2d"]["gb_s"] * 1e9
+    kept = {"snapkv": settings["keep"],
+            "kivi2": step["draft_kivi2"]["payload_bytes_per_req"] / (kv_full / layers),
+            "specache": step["draft_kivi2"]["payload_bytes_per_req"] / (kv_full / layers)}
+
+    base_b = pm.full_kv_batch(gpu_mem_bytes, weights_bytes, kv_full)
+    base_b1 = pm.full_kv_from_hardware(weights_bytes=weights_bytes, kv_full_bytes=kv_full, hbm_bw=hbm_bw,
+                                       gpu_mem_bytes=gpu_mem_bytes, batch_size=base_b)[0]
+    decode_us = step["full_decode_sdpa"]["us"] / batch
+    base_iter_us = layers * (_weights_us(step, base_b) + base_b * decode_us)
+    base_measured = base_b / (base_iter_us * 1e-6)
+
+    out = {"label": "PREDICTION from one layer's measured costs, not a served measurement",
+           "device": report["device"], "gpu_mem_bytes": gpu_mem_bytes, "context_tokens": n,
+           "weights_bytes": weights_bytes, "kv_full_bytes": kv_full, "hbm_bw": hbm_bw, "link_bw": link_bw,
+           "full": {"batch_size": base_b, "b1_tokens_per_s": base_b1, "measured_tokens_per_s": base_measured},
+           "predictions": []}
+    verify_us = step["verify_sdpa"]["us"] / batch
+    reload_us = step["reload_h2d"]["us"]  # one request's whole layer
+    for drafter, (x, a) in acceptance.items():
+        c = kept[drafter]
+        best = pm.best_feasible(weights_bytes=weights_bytes, kv_full_bytes=kv_full, compression=c,
+                                acceptance={x: a}, hbm_bw=hbm_bw, interconnect_bw=link_bw, gpu_mem_bytes=gpu_mem_bytes)
+        b, b_c = best.batch_size, best.offloaded
+        # staggered steady state: each request drafts x iterations and verifies one
+        drafting, verifying = b * x / (x + 1), b / (x + 1)
+        draft_us = step[DRAFTERS[drafter]]["us"] / batch
+        tokens = drafting + verifying * (x + 1)
+        compute = _weights_us(step, tokens) + drafting * draft_us + verifying * verify_us
+        # the offloaded verifiers' reloads: only the dropped rows for a token-dropping drafter
+        reload_frac = 1 - c if drafter == "snapkv" else 1.0
+        link = (b_c / (x + 1)) * reload_us * reload_frac
+        iter_us = layers * max(compute, link)  # measured: a reload on the copy stream hides behind compute
+        tps = b * a / (x + 1) / (iter_us * 1e-6)
+        out["predictions"].append(asdict(Prediction(
+            drafter, x, a, c, b, b_c, best.tokens_per_s, best.tokens_per_s / base_b1, tps, tps / base_measured,
+            iter_us / 1e3, drafting * draft_us / compute, [v.value for v in best.binding])))
+    return out
+
+
+def _acceptance(values: list[str], parser) -> dict[str, tuple[int, float]]:
+    out = {}
+    for v in values:
+        try:
+            name, rest = v.split("=")
+            x, a = rest.split(":")
+            x, a = int(x), float(a)
+        except ValueError:
+            parser.error(f"--acceptance takes DRAFTER=X:A (e.g. specache=30:26.3), got {v!r}")
+        if name not in DRAFTERS:
+            parser.error(f"--acceptance: drafter {name!r} is not one of {', '.join(DRAFTERS)}")
+        if x < 1 or not 1 <= a <= x + 1:
+            parser.error(f"--acceptance {v}: X >= 1 and 1 <= A <= X + 1")
+        out[name] = (x, a)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.gpu_predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu-step", required=True, help="a bench.gpu_step JSON")
+    parser.add_argument("--acceptance", action="append", required=True, metavar="DRAFTER=X:A")
+    parser.add_argument("--gpu-mem-gb", type=float, default=None,
+                        help="the GPU's memory (default: what gpu_step recorded)")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    try:
+        report = json.loads(Path(args.gpu_step).read_text())
+        report["per_layer"]["reload_h2d"]
+    except (OSError, ValueError, KeyError) as e:
+        parser.error(f"--gpu-step {args.gpu_step}: not a bench.gpu_step report ({e})")
+    mem = args.gpu_mem_gb * 1e9 if args.gpu_mem_gb else report.get("gpu_mem_bytes")
+    if not mem or mem <= 0:
+        parser.error("--gpu-mem-gb: the report does not record the GPU's memory; give it")
+    out = predict(report, _acceptance(args.acceptance, parser), mem)
+    out["command"] = " ".join(["python -m sglang_vc.bench.gpu_predict", *(argv if argv is not None else sys.argv[1:])])
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    full = out["full"]
+    print(f"[gpu_predict] {out['label']}: {out['device']}, 8B at {out['context_tokens']} tokens; full KV batch "
+          f"{full['batch_size']}: B.1 {full['b1_tokens_per_s']:.0f} tok/s, measured costs "
+          f"{full['measured_tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    for p in out["predictions"]:
+        print(f"[gpu_predict] {p['drafter']} X={p['draft_len']} A={p['accept_len']}: batch {p['batch_size']} "
+              f"({p['offloaded']} offloaded): B.1 x{p['b1_ratio_to_full']:.2f}, measured costs "
+              f"x{p['measured_ratio_to_full']:.2f} (drafting {p['draft_share']:.0%} of compute)", file=sys.stderr)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [p["drafter"] for p in out["predictions"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(names))
+    ax.bar([i - 0.2 for i in xs], [p["b1_ratio_to_full"] for p in out["predictions"]], 0.4, label="B.1, measured bandwidths")
+    ax.bar([i + 0.2 for i in xs], [p["measured_ratio_to_full"] for p in out["predictions"]], 0.4,
+           label="measured per-layer costs")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), names)
+    ax.set(ylabel="x full KV (same memory)", yscale="log", title=f"PREDICTION: VeriCache on {out['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
