@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sglang_vc.bench.kernels import time_us
+
 # Llama-3-8B: hidden 4096, 32 query heads, 8 KV heads, head dim 128, MLP 14336, 32 layers.
 HIDDEN, HQ, HKV, D, MLP, LAYERS = 4096, 32, 8, 128, 14336, 32
 
@@ -38,16 +40,7 @@ HIDDEN, HQ, HKV, D, MLP, LAYERS = 4096, 32, 8, 128, 14336, 32
 def _time_us(fn, repeats: int) -> float:
     if not torch.cuda.is_available():  # the CPU smoke test of the shapes (test_gpu_step.py)
         return _wall_us(fn, 1)
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1e3
+    return time_us(fn, repeats)
 
 
 def _wall_us(fn, repeats: int) -> float:
@@ -162,7 +155,7 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
 
     def specache_step():
         for _ in range(batch):
-            o, lse = ext.kivi_attention(qr, p1, scale)
+            _, lse = ext.kivi_attention(qr, p1, scale)
             top = ext.select_topk(ext.payload_scores(qr[0], lse[0], p1, scale), topk)  # [HKV, topk]
             idx = top.cpu()  # the host read the synchronous fetch needs
             rows_k, rows_v = host_k[idx, heads], host_v[idx, heads]  # [HKV, topk, D]

@@ -27,7 +27,8 @@ import torch
 ERR_BOUND = 2e-2  # float16 inputs, float32 accumulation in both paths
 
 
-def _time(fn, repeats: int) -> float:
+def time_us(fn, repeats: int) -> float:
+    """Mean microseconds of ``fn`` on the GPU (CUDA events, three warm-up calls)."""
     for _ in range(3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -72,7 +73,7 @@ def run_case(case: str, n: int, batch: int, hq: int, hkv: int, d: int, repeats: 
         for name in ("triton", "torch"):
             _backend(name)
             outs[name] = ext.paged_attention(*args)[0]
-            timings[name] = _time(lambda: ext.paged_attention(*args), repeats)
+            timings[name] = time_us(lambda: ext.paged_attention(*args), repeats)
         row["max_abs_err"] = _err(outs["triton"], outs["torch"])
         try:
             import flashinfer
@@ -82,7 +83,7 @@ def run_case(case: str, n: int, batch: int, hq: int, hkv: int, d: int, repeats: 
             wrapper.plan(indptr.int(), indices.int(), torch.ones(batch, dtype=torch.int32, device=dev), hq, hkv, d, 1,
                          data_type=dtype, q_data_type=dtype)
             kv = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))
-            timings["flashinfer_dense"] = _time(lambda: wrapper.run(q, kv), repeats)
+            timings["flashinfer_dense"] = time_us(lambda: wrapper.run(q, kv), repeats)
         except ImportError:
             timings["flashinfer_dense"] = None
         row["us"] = timings
@@ -103,17 +104,17 @@ def run_case(case: str, n: int, batch: int, hq: int, hkv: int, d: int, repeats: 
 
         _backend("triton")
         row["max_abs_err"] = _err(ext.kivi_attention(q1, payload, scale)[0], torch_path().transpose(0, 1))
-        timings["triton"] = _time(lambda: ext.kivi_attention(q1, payload, scale), repeats)
-        timings["torch"] = _time(torch_path, repeats)
+        timings["triton"] = time_us(lambda: ext.kivi_attention(q1, payload, scale), repeats)
+        timings["torch"] = time_us(torch_path, repeats)
     else:
         _backend("triton")
         _, lse = ext.kivi_attention(q1, payload, scale)
         scores = ext.payload_scores(q1[0], lse[0], payload, scale)
-        timings["triton"] = _time(lambda: ext.select_topk(ext.payload_scores(q1[0], lse[0], payload, scale), 64),
+        timings["triton"] = time_us(lambda: ext.select_topk(ext.payload_scores(q1[0], lse[0], payload, scale), 64),
                                   repeats)
         _backend("torch")
         row["max_abs_err"] = _err(scores, ext.payload_scores(q1[0], lse[0], payload, scale))
-        timings["torch"] = _time(lambda: ext.select_topk(ext.payload_scores(q1[0], lse[0], payload, scale), 64),
+        timings["torch"] = time_us(lambda: ext.select_topk(ext.payload_scores(q1[0], lse[0], payload, scale), 64),
                                  repeats)
     row["us"] = timings
     return row
