@@ -114,6 +114,56 @@ def test_specache_step_fused_equals_core(stand_in_cuda):
     assert launches["kivi_attention"] == 1 and launches["specache_scores"] == 2
 
 
+def test_vericache_specache_drafter_fused_equals_core(stand_in_cuda):
+    """VERICACHE's SpeCache drafter (low-bit payload, its own top-k rows fetched from the
+    host copy, attended again): on the Triton path the fused kernels over the packed
+    payload and the pool, with the same rows fetched and the same output as the CPU
+    path (``core.attend_fetching`` over the dequantized payload)."""
+    from sglang_vc.compress.specache_copy import SpeCacheCopy
+    from sglang_vc.vericache.reload import HostKVStore
+    from sglang_vc.vericache.specache_drafter import SpeCacheDrafter
+
+    g = torch.Generator().manual_seed(9)
+    n, h, hq, d = 120, 2, 6, 16
+    k_all, v_all = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    qkv = SpeCacheCopy(group_size=32, residual_length=16).compress(0, k_all[:100], v_all[:100], 2)
+    n_q = qkv.num_quantized
+    k_buf, v_buf = torch.zeros(300, h, d), torch.zeros(300, h, d)
+    req_to_token = torch.zeros(4, 160, dtype=torch.int32)
+    slots = torch.arange(150, 150 + n - n_q)
+    k_buf[slots], v_buf[slots] = k_all[n_q:], v_all[n_q:]
+    req_to_token[3, n_q:n] = slots.to(torch.int32)
+    host = HostKVStore(pin=False)
+    assert host.admit("r", 3, 0, n, 0)
+    host.sink("r", 3, 0, 0, k_all, v_all)
+    host.flush()
+    entry = types.SimpleNamespace(rid="r", req_pool_idx=3, payload=QuantPayload({0: qkv}, n_q), num_payload_rows=n_q)
+    runtime = types.SimpleNamespace(
+        kv_pool=types.SimpleNamespace(get_key_buffer=lambda lid: k_buf, get_value_buffer=lambda lid: v_buf),
+        req_to_token=req_to_token, payload_kv=lambda e, lid: KIVI.dequantize(qkv),
+        packed_payload=lambda e, lid: KVRuntime.packed_payload(None, e, lid))
+    layer = types.SimpleNamespace(layer_id=0, scaling=0.25)
+    q = torch.randn(1, hq, d, generator=g)
+    fetched = []
+
+    class Drafter(SpeCacheDrafter):
+        @staticmethod
+        def _rows(host_entry, layer_id, positions, row, k_buf, v_buf):
+            fetched.append(positions)
+            return SpeCacheDrafter._rows(host_entry, layer_id, positions, row, k_buf, v_buf)
+
+    drafter = Drafter(host, runtime, topk=8)
+    want = drafter.attend(q, entry, layer, n)
+    launches = stand_in_cuda()
+    got = drafter.attend(q, entry, layer, n)
+    assert torch.equal(fetched[0], fetched[1]) and fetched[0].shape == (h, 8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert launches["kivi_attention"] == 2 and launches["specache_scores"] == 1
+    kq, vq = KIVI.dequantize(qkv)
+    low = core.attend(q, kq, vq, k_all[n_q:], v_all[n_q:], q_start=n - 1, scale=0.25).out
+    assert not torch.allclose(want, low, atol=1e-4), "the fetched rows changed the output"
+
+
 def test_vericache_reload_assembly(stand_in_cuda):
     from sglang_vc.vericache.reload import Span
 

@@ -34,7 +34,7 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of :func:`pack_bits`: uint8 ``[..., bytes]`` -> uint8 codes ``[..., n]``."""
     if bits not in PACKABLE_BITS:
         raise ValueError(f"can only unpack {PACKABLE_BITS}-bit codes, got {bits}")
-    per = 8 // bits
-    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2)[..., :n].to(torch.uint8)
+    # shifted in uint8: a quarter of the memory traffic of int32
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :n]

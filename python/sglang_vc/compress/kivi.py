@@ -106,7 +106,8 @@ class KIVI(Compressor):
         n_q, g, gv, bits = ckv.num_quantized, ckv.group_size, ckv.value_group_size, ckv.bits
         h, d, dv = ckv.k_residual.shape[1], ckv.k_residual.shape[2], ckv.v_residual.shape[2]
         kc = unpack_bits(ckv.k_payload, bits, d).float().view(n_q // g, g, h, d)
-        k = kc * ckv.k_scales.float().unsqueeze(1) + ckv.k_zeros.float().unsqueeze(1)
+        # in place on the fresh codes; multiply then add (not fused), as the kernels do
+        k = kc.mul_(ckv.k_scales.float().unsqueeze(1)).add_(ckv.k_zeros.float().unsqueeze(1))
         vc = unpack_bits(ckv.v_payload, bits, dv).float().view(n_q, h, dv // gv, gv)
-        v = vc * ckv.v_scales.float().unsqueeze(-1) + ckv.v_zeros.float().unsqueeze(-1)
+        v = vc.mul_(ckv.v_scales.float().unsqueeze(-1)).add_(ckv.v_zeros.float().unsqueeze(-1))
         return k.view(n_q, h, d).to(ckv.dtype), v.view(n_q, h, dv).to(ckv.dtype)

@@ -22,6 +22,7 @@ that the probabilities the top-k needs come from the same pass.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -134,24 +135,7 @@ def attend(
     the payload ``kq/vq [n_q, H, D]`` (positions ``0 .. n_q-1``, dequantized; ``rows``
     substituted) followed by the tail ``k_tail/v_tail [m, H, D]`` at positions
     ``n_q .. n_q+m-1``, causal by position."""
-    t, hq, _ = q.shape
-    n_q, h = kq.shape[0], kq.shape[1]
-    k_p, v_p = substitute(kq, vq, rows)
-    keys = torch.cat([k_p.to(k_tail.dtype), k_tail]).float()
-    vals = torch.cat([v_p.to(v_tail.dtype), v_tail]).float()
-    group = hq // h
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        vals = vals.repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,nhd->htn", q.float(), keys) * scale  # [Hq, T, N]
-    n = keys.shape[0]
-    key_pos = torch.arange(n, device=q.device)
-    q_pos = torch.arange(q_start, q_start + t, device=q.device)
-    if n - 1 > q_start:  # some key lies after the first query: causal mask
-        scores.masked_fill_((key_pos[None, :] > q_pos[:, None])[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("htn,nhd->thd", probs, vals).to(q.dtype)
-    return Attended(out, probs[:, :, :n_q].transpose(0, 1))
+    return _Scores.of(q, kq, k_tail, q_start, scale).attend(vq, v_tail, rows)
 
 
 def attend_fetching(
@@ -168,8 +152,55 @@ def attend_fetching(
 ) -> tuple[Attended, Rows]:
     """The non-speculative comparison (the paper's table 4): attend over the low-bit
     payload, take the output token's own top-``topk`` rows, ``fetch`` them (synchronous,
-    after the attention) and attend again with them substituted."""
-    first = attend(q, kq, vq, k_tail, v_tail, q_start=q_start, scale=scale)
-    positions = select_topk(first.probs[0], kq.shape[1], topk)
-    rows = fetch(positions)
-    return attend(q, kq, vq, k_tail, v_tail, q_start=q_start, scale=scale, rows=rows), rows
+    after the attention) and attend again with them substituted. The scores over the
+    payload are computed once: the second attention rescores only the fetched rows."""
+    scores = _Scores.of(q, kq, k_tail, q_start, scale)
+    first = scores.attend(vq, v_tail, None)
+    rows = fetch(select_topk(first.probs[0], kq.shape[1], topk))
+    return scores.attend(vq, v_tail, rows), rows
+
+
+@dataclass
+class _Scores:
+    """Raw scores of one request's queries, grouped by KV head so that GQA needs no
+    copy of the keys: query row ``r`` of head ``h`` is query ``r // g``'s head
+    ``h * g + r % g``."""
+
+    q: Tensor  # [H, T*g, D] float32
+    payload: Tensor  # [H, T*g, n_q]
+    tail: Tensor  # [H, T*g, m], -inf where causally hidden
+    t: int
+    scale: float
+    dtype: torch.dtype  # the queries'
+
+    @classmethod
+    def of(cls, q: Tensor, kq: Tensor, k_tail: Tensor, q_start: int, scale: float) -> "_Scores":
+        t, hq, d = q.shape
+        n_q, h, m = kq.shape[0], k_tail.shape[1], k_tail.shape[0]
+        qh = q.float().view(t, h, hq // h, d).transpose(0, 1).reshape(h, -1, d)
+        s_p = torch.matmul(qh, kq.float().permute(1, 2, 0)) * scale
+        s_t = torch.matmul(qh, k_tail.float().permute(1, 2, 0)) * scale
+        # tail row j is position n_q + j; query row r is position q_start + r // g
+        last = q_start + torch.arange(t, device=q.device).repeat_interleave(hq // h)
+        s_t.masked_fill_((n_q + torch.arange(m, device=q.device))[None, :] > last[:, None], float("-inf"))
+        return cls(qh, s_p, s_t, t, scale, q.dtype)
+
+    def attend(self, vq: Tensor, v_tail: Tensor, rows: Optional[Rows]) -> Attended:
+        h, tg, n_q = self.payload.shape
+        s_p = self.payload
+        if rows is not None and rows.num_rows:
+            idx = rows.positions.to(s_p.device).unsqueeze(1).expand(-1, tg, -1)  # [H, T*g, k]
+            s_p = s_p.scatter(2, idx, torch.matmul(self.q, rows.k.float().permute(1, 2, 0)) * self.scale)
+        top = functools.reduce(torch.maximum, [s.amax(2, keepdim=True) for s in (s_p, self.tail) if s.shape[2]])
+        p_p, p_t = torch.exp(s_p - top), torch.exp(self.tail - top)
+        norm = p_p.sum(2, keepdim=True) + p_t.sum(2, keepdim=True)
+        p_p, p_t = p_p.div_(norm), p_t.div_(norm)
+        out = torch.matmul(p_p, vq.float().transpose(0, 1)) + torch.matmul(p_t, v_tail.float().transpose(0, 1))
+        if rows is not None and rows.num_rows:
+            # the fetched rows' values replace their low-bit ones: add p * (v_full - v_low)
+            v_low = vq.gather(0, rows.positions.t().to(vq.device).unsqueeze(-1).expand(-1, -1, vq.shape[2]))
+            out += torch.matmul(p_p.gather(2, idx), (rows.v.float() - v_low.float()).transpose(0, 1))
+        t, g = self.t, tg // self.t
+        out = out.view(h, t, g, -1).transpose(0, 1).reshape(t, h * g, -1)
+        probs = p_p.view(h, t, g, n_q).transpose(0, 1).reshape(t, h * g, n_q)
+        return Attended(out.to(self.dtype), probs)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import sgl_kernel_ext as ext
 import torch
 
 from sglang_vc import stats
-from sglang_vc.specache import core
+from sglang_vc.specache import core, fused
 from sglang_vc.specache.requests import request_topk
 
 from .reload import HostKVStore
@@ -54,25 +55,41 @@ class SpeCacheDrafter:
         host_entry = self.host.get(entry.rid, entry.req_pool_idx)
         topk = self.topk_of.get(entry.rid, self.topk)
         lid = layer.layer_id
-        kq, vq = self.runtime.payload_kv(entry, lid)
         k_buf = self.runtime.kv_pool.get_key_buffer(lid)
         v_buf = self.runtime.kv_pool.get_value_buffer(lid)
         row = self.runtime.req_to_token[entry.req_pool_idx]
         tail = row[entry.num_payload_rows : seq_len].to(torch.int64)
-        k_tail, v_tail = k_buf[tail], v_buf[tail]
-        if host_entry is None or topk == 0:
-            if host_entry is None:
-                stats.add(STATS, specache_fetch_misses=1)
-            return core.attend(q, kq, vq, k_tail, v_tail, q_start=seq_len - 1, scale=layer.scaling).out
+        if host_entry is None:
+            stats.add(STATS, specache_fetch_misses=1)
+        fetching = host_entry is not None and topk > 0
 
         def fetch(positions: torch.Tensor) -> core.Rows:
             return self._rows(host_entry, lid, positions, row, k_buf, v_buf)
 
-        res, rows = core.attend_fetching(q, kq, vq, k_tail, v_tail, q_start=seq_len - 1, scale=layer.scaling,
-                                         topk=topk, fetch=fetch)
+        if ext.backend_for(k_buf) is ext.Backend.TRITON:
+            # the fused kernels over the packed payload and the pool (no dequantized copy)
+            payload = self.runtime.packed_payload(entry, lid)
+
+            def run(rows):
+                return fused.attend(q, payload, k_buf, v_buf, tail, q_start=seq_len - 1, scale=layer.scaling,
+                                    rows=rows)
+
+            first = run(None)
+            if not fetching:
+                return first.out
+            rows = fetch(ext.select_topk(first.head_scores(0, k_buf.shape[1]), topk))
+            out = run(rows).out
+        else:
+            kq, vq = self.runtime.payload_kv(entry, lid)
+            k_tail, v_tail = k_buf[tail], v_buf[tail]
+            if not fetching:
+                return core.attend(q, kq, vq, k_tail, v_tail, q_start=seq_len - 1, scale=layer.scaling).out
+            res, rows = core.attend_fetching(q, kq, vq, k_tail, v_tail, q_start=seq_len - 1, scale=layer.scaling,
+                                             topk=topk, fetch=fetch)
+            out = res.out
         stats.add(STATS, specache_rows_fetched=rows.num_rows * rows.positions.shape[0],
                   specache_bytes_fetched=rows.nbytes())
-        return res.out
+        return out
 
     @staticmethod
     def _rows(host_entry, layer_id: int, positions: torch.Tensor, row: torch.Tensor,
