@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from sglang_vc.bench import throughput as tp
+from sglang_vc.bench import throughput_model as tm
 
 
 def test_each_vericache_config_runs_under_each_schedule():
@@ -46,7 +47,7 @@ def test_gpu_prediction_uses_the_measured_acceptance_length():
     rows = [{"config": "full", "kind": "full"},
             {"config": "v", "kind": "vericache", "draft_tokens": 4, "kept": 0.25, "mean_acceptance_length": 3.0},
             {"config": "w", "kind": "vericache", "draft_tokens": 4, "kept": 0.25, "mean_acceptance_length": 1.5}]
-    pred = tp.gpu_prediction(rows, "h100")
+    pred = tm.gpu_prediction(rows, "h100")
     assert "not a measurement" in pred["label"]
     assert pred["configs"]["v"]["tokens_per_s"] > pred["configs"]["w"]["tokens_per_s"] > 0
     assert pred["full"]["batch_size"] >= 1
@@ -85,3 +86,20 @@ def test_specache_config_flags():
     for bad in ("specache:3", "specache:1bit:16"):
         with pytest.raises(ValueError, match="specache"):
             tp.parse_config(bad)
+
+
+def test_decode_phase_is_the_span_outside_every_prefill_window():
+    """Three requests: prefills [0, 2] and [1, 3] overlap (batched), [6, 7] comes later;
+    the last reply at 10. Prefill time is the union (4 s), decode time the rest of the
+    span from the first forward (6 s), decoded tokens all but each request's first."""
+    from sglang_vc.bench import phases
+
+    times = [phases.RequestTimes(0.0, 2.0, 5.0, 11), phases.RequestTimes(1.0, 3.0, 9.0, 21),
+             phases.RequestTimes(6.0, 7.0, 10.0, 31)]
+    split = phases.split(times)
+    assert split.prefill_s == pytest.approx(4.0) and split.decode_s == pytest.approx(6.0)
+    assert split.decode_tokens == 60 and split.decode_tokens_per_s == pytest.approx(10.0)
+    assert phases.split([times[0], None]) is None  # a request without its window: no figure
+    meta = {"forward_entry_time": 100.0, "prefill_finished_time": 100.5, "completion_tokens": 8}
+    assert phases.RequestTimes.of(meta, 104.0) == phases.RequestTimes(100.0, 100.5, 104.0, 8)
+    assert phases.RequestTimes.of({"completion_tokens": 8}, 104.0) is None

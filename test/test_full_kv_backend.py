@@ -59,7 +59,7 @@ def test_vericache_prefills_and_verifies_through_sglangs_triton_backend(model_di
     slots, and SGLang's triton extend kernel reads it there."""
     log = tmp_path / "server.log"
     with ServerProcess(["--dtype", "float32", "--max-total-tokens", "4000", "--speculative-algorithm", "VERICACHE",
-                        "--speculative-num-draft-tokens", "3", "--vc-compressor", "snapkv",
+                        "--speculative-num-draft-tokens", "3", "--vc-compress-when", "always", "--vc-compressor", "snapkv",
                         "--vc-compression-ratio", "0.25", "--vc-full-kv-attention-backend", "triton",
                         "--skip-server-warmup"], log_path=log, env=INTERPRET, timeout=400) as server:
         ids_list = [_ids(tokenizer, 1, 150), _ids(tokenizer, 2, 200)]

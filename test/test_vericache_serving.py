@@ -23,6 +23,9 @@ from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
 
 RATIO = 0.25
+# these servers' pools hold every request: without this they would not compress (the default
+# --vc-compress-when memory-binds; its own test is test_full_kv_until_memory_binds)
+ALWAYS = ("--vc-compress-when", "always")
 META = "sglang_vc_vericache"
 LENGTHS = (40, 150, 300)  # mixed prompt lengths in one concurrent batch
 
@@ -43,7 +46,7 @@ def _server(tmp_path_factory, x: int, *extra: str) -> ServerProcess:
     folder = tmp_path_factory.mktemp(f"vericache{x}")
     proc = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", "12000", "--enable-metrics",
-         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", str(x),
+         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", str(x), *ALWAYS,
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO),
          "--vc-schedule-trace", str(folder / "trace.jsonl"), *extra],
         log_path=folder / "server.log",
@@ -420,7 +423,7 @@ def vc_constrained(tmp_path_factory):
     log = tmp_path_factory.mktemp("vericache_constrained") / "server.log"
     proc = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", "12000",
-         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "3",
+         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "3", *ALWAYS,
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO),
          "--vc-host-kv-gb", "0.008", "--skip-server-warmup"],  # warm-up would take the failure
         log_path=log, env={"SGLANG_VC_FAIL_WHOLE_RELOADS": "1", "SGLANG_VC_FAIL_RELOADS": "1"},
@@ -561,7 +564,7 @@ def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, t
     folder = tmp_path_factory.mktemp("vericache_admission")
     budget = 2 * (700 + 24) + 64
     proc = ServerProcess(
-        ["--dtype", "float32", "--max-total-tokens", str(budget), "--speculative-algorithm", "VERICACHE",
+        ["--dtype", "float32", "--max-total-tokens", str(budget), "--speculative-algorithm", "VERICACHE", *ALWAYS,
          "--speculative-num-draft-tokens", "4", "--vc-compressor", "snapkv", "--vc-compression-ratio",
          str(RATIO), "--vc-schedule-trace", str(folder / "trace.jsonl")],
         log_path=folder / "server.log",
@@ -584,7 +587,7 @@ def vc_no_pool_room(tmp_path_factory):
     log = tmp_path_factory.mktemp("vericache_no_pool_room") / "server.log"
     proc = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", "12000",
-         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
+         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4", *ALWAYS,
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"],
         log_path=log, env={"SGLANG_VC_NO_POOL_STAGING": "1"},
     )
@@ -607,3 +610,39 @@ def test_verifies_without_pool_room_keep_output_identical(server, model_dir, tok
     rounds = after["verify_rounds"] - before.get("verify_rounds", 0)
     assert rounds > 0 and after["staging_fallbacks"] - before.get("staging_fallbacks", 0) == rounds, after
     assert after["accepted"] - before.get("accepted", 0) < after["drafted"] - before.get("drafted", 0)
+
+
+def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_factory):
+    """The default ``--vc-compress-when memory-binds`` at a pool that holds two full
+    600-token requests: one request alone keeps its full KV (its reply says why, and
+    nothing is drafted: as fast as the plain server); four at once, and the pool could
+    not hold another at full KV, so some are compressed and draft (drafts rejected
+    somewhere) while others keep full KV in the same batches. Every output is the plain
+    server's."""
+    folder = tmp_path_factory.mktemp("vericache_memory_binds")
+    proc = ServerProcess(
+        ["--dtype", "float32", "--max-total-tokens", str(2 * (600 + 24) + 64), "--speculative-algorithm",
+         "VERICACHE", "--speculative-num-draft-tokens", "4", "--vc-compressor", "snapkv",
+         "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"],
+        log_path=folder / "server.log",
+    )
+    try:
+        stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+        ids_list = [stream[i * 600 : (i + 1) * 600] for i in range(4)]
+        assert all(len(ids) == 600 for ids in ids_list), len(stream)
+        before = vc_counters(proc)["counters"].get("vericache", {})
+        alone = generate(proc, ids_list[0], 24)
+        mid = vc_counters(proc)["counters"].get("vericache", {})
+        info = alone["meta_info"]["sglang_vc_compression"][0]
+        assert info["compressor"] == "none" and "room for its full KV" in info["full_kv_reason"], info
+        assert mid.get("drafted", 0) == before.get("drafted", 0), "a request with room drafted"
+        assert mid.get("full_kv_memory_free", 0) == before.get("full_kv_memory_free", 0) + 1
+        _assert_identical(server, model_dir, ids_list[:1], [alone], 24)
+        outs = _check_identical(server, proc, model_dir, ids_list, 24)
+        kinds = [o["meta_info"]["sglang_vc_compression"][0]["compressor"] for o in outs]
+        assert "snapkv" in kinds and "none" in kinds, kinds
+        infos = [(o["meta_info"].get(META) or [{}])[-1] for o in outs]
+        drafted, accepted = sum(i.get("drafted", 0) for i in infos), sum(i.get("accepted", 0) for i in infos)
+        assert 0 < accepted < drafted, infos  # the compressed ones drafted, some drafts rejected
+    finally:
+        proc.stop()

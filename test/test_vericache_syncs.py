@@ -28,6 +28,7 @@ def _iterations(depth: int, tokenizer, tmp_path) -> dict[int, list[dict]]:
     stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
     server = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", "12000", "--speculative-algorithm", "VERICACHE",
+         "--vc-compress-when", "always",
          "--speculative-num-draft-tokens", "4", "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25",
          "--vc-schedule-trace", str(trace), "--json-model-override-args", json.dumps({"num_hidden_layers": depth}),
          "--skip-server-warmup"],

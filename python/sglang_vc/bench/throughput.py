@@ -29,11 +29,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from sglang_vc.bench import add_device_argument
+from sglang_vc.bench import add_device_argument, phases
+from sglang_vc.bench.throughput_model import (GPUS, gpu_prediction, memory_bandwidth, model_sizes, predictions,
+                                              print_gpu_prediction)
 from sglang_vc.testing.server import ServerProcess
 
 
@@ -128,9 +131,10 @@ def generate(url: str, ids: list[int], max_new: int) -> dict:
     r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=7200)
     r.raise_for_status()
     out = r.json()
+    meta = out["meta_info"]
     return {"output_ids": out["output_ids"], "latency_s": time.perf_counter() - start,
-            "completion_tokens": out["meta_info"]["completion_tokens"],
-            "finish_reason": out["meta_info"]["finish_reason"]["type"]}
+            "completion_tokens": meta["completion_tokens"], "finish_reason": meta["finish_reason"]["type"],
+            "times": phases.RequestTimes.of(meta, time.time())}
 
 
 def counters(url: str) -> dict:
@@ -171,10 +175,12 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
             elapsed = time.perf_counter() - start
         got = delta(counters(server.url), before)
     generated = sum(o["completion_tokens"] for o in outs)
+    split = phases.split([o["times"] for o in outs])
     row = {
         "config": cfg["name"], "kind": cfg["kind"], "schedule": cfg.get("schedule"), "elapsed_s": elapsed,
         "generated_tokens": generated, "tokens_per_s": generated / elapsed,
         "mean_latency_s": statistics.mean(o["latency_s"] for o in outs),
+        **(split.as_dict() if split is not None else {"decode_tokens_per_s": None, "prefill_s": None}),
         **sampler.summary(), "counters": got,
         "output_ids": [o["output_ids"] for o in outs],
         "finish_reasons": [o["finish_reason"] for o in outs],
@@ -188,7 +194,12 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
     if extra:
         records = [json.loads(line) for line in trace.read_text().splitlines()[skip:]]
         row["trace"] = trace_summary(records)
-    log(f"{cfg['name']}: {row['tokens_per_s']:.1f} tok/s, batch mean {row['mean_running']:.1f} "
+    if split is None:
+        log(f"{cfg['name']}: SGLang reported no prefill window; no decode-phase figure")
+    log(f"{cfg['name']}: {row['tokens_per_s']:.1f} tok/s"
+        + (f" ({row['decode_tokens_per_s']:.1f} decoding, prefill {row['prefill_s']:.0f} s)"
+           if row["decode_tokens_per_s"] else "")
+        + f", batch mean {row['mean_running']:.1f} "
         f"max {row['max_running']:.0f}" + (f", A={row['mean_acceptance_length']:.2f}"
                                            if "mean_acceptance_length" in row else ""))
     return row
@@ -236,51 +247,6 @@ def trace_summary(records: list[dict]) -> dict:
     }
 
 
-# Nominal H100 SXM figures for appendix B.1's GPU prediction, and a 7-8B model
-# (Llama-3-8B shapes: 32 layers, 8 KV heads of 128, fp16) at 32k context.
-GPUS = {"h100": {"hbm_bw": 3.35e12, "interconnect_bw": 64e9, "gpu_mem_bytes": 80e9}}
-GPU_MODEL = {"name": "8B (Llama-3-8B shapes, fp16)", "weights_bytes": 16e9,
-             "kv_bytes_per_token": 2 * 32 * 8 * 128 * 2, "context_tokens": 32768}
-
-
-def gpu_prediction(rows: list[dict], gpu: str) -> dict:
-    """Appendix B.1 on ``gpu`` for ``GPU_MODEL``, at each VERICACHE configuration's
-    measured acceptance length ``A(x)``; full KV at the same memory as the baseline."""
-    from sglang_vc.vericache import perf_model as pm
-
-    hw = GPUS[gpu]
-    kv_full = GPU_MODEL["kv_bytes_per_token"] * GPU_MODEL["context_tokens"]
-    base_tps, base_b, _ = pm.full_kv_from_hardware(weights_bytes=GPU_MODEL["weights_bytes"], kv_full_bytes=kv_full,
-                                                   hbm_bw=hw["hbm_bw"], gpu_mem_bytes=hw["gpu_mem_bytes"])
-    out = {"gpu": gpu, **hw, "model": GPU_MODEL, "label": "PREDICTION (appendix B.1), not a measurement",
-           "full": {"tokens_per_s": base_tps, "batch_size": base_b}, "configs": {}}
-    for row in rows:
-        if row.get("kind") != "vericache" or "mean_acceptance_length" not in row:
-            continue
-        x, a = row["draft_tokens"], row["mean_acceptance_length"]
-        kept = row.get("kept") or parse_config(row["config"].split(" [")[0])["kept"]  # older reports
-        # Eq. 11's best feasible point (Eqs. 6 and 9 hold) at the measured A(x)
-        best = pm.best_feasible(weights_bytes=GPU_MODEL["weights_bytes"], kv_full_bytes=kv_full,
-                                compression=kept, acceptance={x: a}, **hw)
-        out["configs"][row["config"]] = {"draft_tokens": x, "accept_len": a, "kept": kept,
-                                         "batch_size": best.batch_size, "offloaded": best.offloaded,
-                                         "on_device": best.on_device, "cycles_per_load": best.cycles_per_load,
-                                         "tokens_per_s": best.tokens_per_s, "ratio_to_full": best.tokens_per_s / base_tps,
-                                         "binding": [b.value for b in best.binding]}
-    return out
-
-
-def print_gpu_prediction(pred: dict) -> None:
-    log(f"{pred['label']}: {pred['gpu']} ({pred['hbm_bw'] / 1e12:.2f} TB/s HBM, "
-        f"{pred['interconnect_bw'] / 1e9:.0f} GB/s link, {pred['gpu_mem_bytes'] / 1e9:.0f} GB), "
-        f"{pred['model']['name']} at {pred['model']['context_tokens']} tokens of context")
-    log(f"  full KV: batch {pred['full']['batch_size']}, {pred['full']['tokens_per_s']:.0f} tok/s")
-    for name, p in pred["configs"].items():
-        log(f"  {name}: A={p['accept_len']:.2f} at X={p['draft_tokens']}: batch {p['batch_size']} "
-            f"({p['offloaded']} offloaded), {p['tokens_per_s']:.0f} tok/s, x{p['ratio_to_full']:.2f} "
-            f"(bound by {', '.join(p['binding'])})")
-
-
 def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:
     """``n`` prompts of exactly ``prompt_tokens`` tokens, cut at different offsets from the
     token stream of the reading workload (real text on the machine): no two share a
@@ -306,64 +272,6 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy (read + write), the CPU stand-in for HBM and for
-    the host->device link (both are the same DRAM here)."""
-    import torch
-
-    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
-
-
-def model_sizes(model_dir: str) -> tuple[int, int]:
-    """(weights bytes, KV bytes per token) from the model folder."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    elem = 4 if str(cfg.get("torch_dtype", "float32")) == "float32" else 2
-    return weights, 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * elem
-
-
-def predictions(rows: list[dict], cfgs: dict, *, weights: int, kv_per_token: int, budget_tokens: int,
-                ctx_tokens: int, bw: float) -> dict:
-    """Appendix B.1 at the measured operating points (same KV budget as the servers)."""
-    from sglang_vc.vericache import perf_model as pm
-
-    mem = weights + budget_tokens * kv_per_token
-    kv_full = ctx_tokens * kv_per_token
-    base_tps, base_b, _ = pm.full_kv_from_hardware(weights_bytes=weights, kv_full_bytes=kv_full,
-                                                   hbm_bw=bw, gpu_mem_bytes=mem)
-    out = {"full": {"tokens_per_s": base_tps, "batch_size": base_b}}
-    for row in rows:
-        cfg = cfgs[row["config"]]
-        if cfg["kind"] != "vericache" or "mean_acceptance_length" not in row:
-            continue
-        x, a = cfg["draft_tokens"], row["mean_acceptance_length"]
-        pred = pm.predict_from_hardware(weights_bytes=weights, kv_full_bytes=kv_full,
-                                        compression=cfg["kept"], draft_len=x, accept_len=a,
-                                        hbm_bw=bw, interconnect_bw=bw, gpu_mem_bytes=mem)
-        at_measured_b = pm.predict_from_hardware(
-            weights_bytes=weights, kv_full_bytes=kv_full, compression=cfg["kept"], draft_len=x,
-            accept_len=a, hbm_bw=bw, interconnect_bw=bw, gpu_mem_bytes=mem,
-            batch_size=max(1, round(row["mean_running"])))
-        out[row["config"]] = {
-            "tokens_per_s": pred.tokens_per_s, "batch_size": pred.batch_size,
-            "ratio_to_full": pred.tokens_per_s / base_tps, "bottleneck": pred.bottleneck,
-            "feasible": pred.feasible,
-            "at_measured_batch": {"batch_size": at_measured_b.batch_size,
-                                  "tokens_per_s": at_measured_b.tokens_per_s,
-                                  "ratio_to_full": at_measured_b.tokens_per_s / base_tps},
-        }
-    return out
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -377,11 +285,18 @@ def plot(report: dict, path: Path) -> None:
     names = [r["config"] for r in rows]
     traced = [r for r in rows if r.get("trace")]
     fig, axes = plt.subplots(1, 3 if traced else 2, figsize=(16 if traced else 11, 4.2))
-    bars = axes[0].bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue", label="measured")
-    for bar, r in zip(bars, rows):
-        axes[0].annotate(f"{r['ratio_to_full']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                         ha="center", va="bottom", fontsize=8)
-    axes[0].set(ylabel="generated tokens/s", title="Throughput (ratio to full KV)")
+    xs = list(range(len(rows)))
+    series = [("tokens_per_s", "ratio_to_full", "end to end", "tab:blue", -0.2),
+              ("decode_tokens_per_s", "decode_ratio_to_full", "decode phase", "tab:orange", 0.2)]
+    for key, ratio, label, color, dx in series:
+        bars = axes[0].bar([x + dx for x in xs], [r.get(key) or 0 for r in rows], width=0.4, color=color, label=label)
+        for bar, r in zip(bars, rows):
+            if r.get(ratio):
+                axes[0].annotate(f"{r[ratio]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                 ha="center", va="bottom", fontsize=7)
+    axes[0].set_xticks(xs, names)
+    axes[0].legend(fontsize=8)
+    axes[0].set(ylabel="tokens/s", title="Throughput (ratio to full KV)")
     axes[1].bar(names, [r["mean_running"] for r in rows], color="tab:green", label="mean")
     axes[1].scatter(names, [r["max_running"] for r in rows], color="black", marker="_", s=300, label="max")
     axes[1].set(ylabel="running requests", title="Achieved batch size")
@@ -404,6 +319,33 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class Mode:
+    """A preset of ``--long``: the KV pool holds ``full_kv_batch`` full requests of the
+    ``requests`` submitted, so device memory binds full KV's batch."""
+
+    requests: int
+    prompt_tokens: int
+    max_new_tokens: int
+    full_kv_batch: int
+    configs: str
+    schedule: str
+
+    def describe(self) -> str:
+        return (f"{self.requests} requests of {self.prompt_tokens} tokens of real text, {self.max_new_tokens} new "
+                f"tokens, a KV pool for {self.full_kv_batch} full requests; {self.configs.replace(',', ', ')} "
+                f"({self.schedule.replace(',', ' and ')})")
+
+
+# X per drafter: near the draft length that maximises B.1's speedup for the drafter's
+# acceptance on real text (the fidelity lab: A(30) = 26.3 for SpeCache 2-bit, 5.6 for
+# snapkv@0.25, 5.3 for KIVI 2-bit), fixed here; the server does not choose X from data yet
+LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:specache@2bit:30,"
+            "vericache:snapkv@0.25:8,vericache:kivi@2bit:8", "lockstep,staggered")
+LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:30,vericache:snapkv@0.25:8",
+                  "staggered")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.throughput",
                                      description=__doc__.split("\n\n")[0])
@@ -419,6 +361,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="8 requests of 2048 tokens, 32 new tokens: full, lossy and VERICACHE snapkv@0.25 "
                         "under both schedules (9 minutes measured on 2 CPU cores)")
+    parser.add_argument("--long", action="store_true",
+                        help=f"the regime VeriCache exists for: {LONG.describe()}; with --quick: "
+                        f"{LONG_QUICK.describe()}")
     parser.add_argument("--predict-gpu", choices=sorted(GPUS), default=None,
                         help="also print appendix B.1's prediction on this GPU from the measured A(x)")
     parser.add_argument("--from-json", default=None,
@@ -443,7 +388,15 @@ def main(argv=None) -> int:
         report["gpu_prediction"] = pred
         Path(args.json).write_text(json.dumps(report, indent=2))
         return 0
-    if args.quick:
+    if args.long:
+        mode = LONG_QUICK if args.quick else LONG
+        args.requests, args.prompt_tokens, args.max_new_tokens, args.full_kv_batch = (
+            mode.requests, mode.prompt_tokens, mode.max_new_tokens, mode.full_kv_batch)
+        if args.configs == parser.get_default("configs"):
+            args.configs = mode.configs
+        if args.schedule == parser.get_default("schedule"):
+            args.schedule = mode.schedule
+    elif args.quick:
         args.requests, args.prompt_tokens, args.max_new_tokens = 8, 2048, 32
         args.full_kv_batch = 3
         if args.configs == parser.get_default("configs"):
@@ -489,6 +442,12 @@ def main(argv=None) -> int:
     base = rows[0]
     for row in rows:
         row["ratio_to_full"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["decode_ratio_to_full"] = (row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+                                       if row["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None)
+        row["prefill_ratio_to_full"] = (row["prefill_s"] / base["prefill_s"]
+                                        if row["prefill_s"] and base["prefill_s"] else None)
+        row["draft_len"] = cfgs_by_name[row["config"]].get("draft_tokens")
+        row["acceptance"] = row.get("mean_acceptance_length")
         # the same tokens (so the same length) and the same finish reason
         row["identical_to_full"] = sum(a == b for a, b in zip(zip(row["output_ids"], row["finish_reasons"]),
                                                               zip(base["output_ids"], base["finish_reasons"])))
@@ -514,6 +473,12 @@ def main(argv=None) -> int:
         "gpu_prediction": gpu_prediction(rows, args.predict_gpu) if args.predict_gpu else None,
         "definitions": {
             "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
+            "decode_tokens_per_s": "tokens decoded while no prefill ran (all but each request's first) / that time: "
+            "the span from the first forward to the last reply less the union of the requests' prefill windows "
+            "(SGLang's forward_entry_time .. prefill_finished_time)",
+            "prefill_s": "the union of the requests' prefill windows: the same work in every configuration",
+            "draft_len": "VERICACHE's anchored draft length X (fixed per configuration)",
+            "acceptance": "VERICACHE's mean acceptance length A: committed tokens per verify",
             "mean_running": "mean of sglang:num_running_reqs over /metrics samples (every 0.25 s) while non-zero",
             "identical_to_full": "requests whose output_ids (so length) and finish reason equal the full-KV server's exactly",
             "appendix_b1_prediction": "perf_model.predict_from_hardware with the measured acceptance length, "
@@ -524,7 +489,9 @@ def main(argv=None) -> int:
     plot(report, out.with_suffix(".png"))
     for r in report["results"]:
         p = pred.get(r["config"], {})
-        log(f"{r['config']:32s} {r['tokens_per_s']:7.1f} tok/s  x{r['ratio_to_full']:.2f}  "
+        dec = (f"  decode {r['decode_tokens_per_s']:6.2f} tok/s x{r['decode_ratio_to_full']:.2f}"
+               if r.get("decode_ratio_to_full") else "")
+        log(f"{r['config']:32s} {r['tokens_per_s']:7.1f} tok/s  x{r['ratio_to_full']:.2f}{dec}  "
             f"batch {r['mean_running']:.1f}/{r['max_running']:.0f}  identical {r['identical_to_full']}/{args.requests}"
             + (f"  A={r['mean_acceptance_length']:.2f}  B.1 predicts x{p['ratio_to_full']:.2f}"
                f" (x{p['at_measured_batch']['ratio_to_full']:.2f} at the measured batch)" if p.get("ratio_to_full") else ""))

@@ -43,6 +43,7 @@ def create_lossy_radix_cache(ctx) -> "LossyRadixCache":
 class LossyRadixCache(RadixCache):
     def __init__(self, params, runtime):
         self.runtime = runtime
+        runtime.tree_cache = self
         super().__init__(params)
 
     # ------------------------------------------------------------------ admission
@@ -64,14 +65,15 @@ class LossyRadixCache(RadixCache):
     # ------------------------------------------------------------------ insertion
 
     def checkpoint(self, req, *, up_to: int, **kwargs):
-        if not self.runtime.is_lossy(req):
-            return super().checkpoint(req, up_to=up_to, **kwargs)
-        # Never insert a lossy request's KV; report what compression did.
+        # report what compression did (or why the request kept its full KV)
         meta = self.runtime.meta.get(req.rid)
         if meta is not None:
             if req.customized_info is None:
                 req.customized_info = {}
             req.customized_info[META_INFO_KEY] = [meta]
+        if not self.runtime.is_lossy(req):
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        # never insert a lossy request's KV
 
     # ------------------------------------------------------------------ release
 

@@ -137,6 +137,11 @@ class KVRuntime:
         # KV: ``admit(rid, req_pool_idx, p, n) -> bool``; a refused request keeps its
         # full KV on the device (decodes uncompressed).
         self.full_kv_admit = None
+        # ... and may decide that a request need not be compressed at all:
+        # ``gate(rid, own_rows) -> reason or None``; with a reason it keeps its full KV on
+        # the device (VERICACHE while device memory does not bind).
+        self.compress_gate = None
+        self.tree_cache = None  # the radix cache (set by it): its evictable rows count as room
         # ... and, for a token-dropping method, learns which rows stayed on the device:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
@@ -159,6 +164,12 @@ class KVRuntime:
         )
 
     # ------------------------------------------------------------------ planning
+
+    def free_room(self) -> int:
+        """Pool slots a new request could take now: free plus evictable from the tree
+        (what SGLang's admission counts)."""
+        evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
+        return self.allocator.available_size() + evictable
 
     def compressor(self, name: str) -> Compressor:
         if name not in self._compressors:
@@ -250,6 +261,10 @@ class KVRuntime:
         p = plan.tree_prefix_len
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
+        if self.compress_gate is not None and (reason := self.compress_gate(plan.rid, n - p)) is not None:
+            plan.spec, plan.full_kv_reason = None, reason
+            self.meta[plan.rid] = {"compressor": "none", "full_kv_reason": reason}
+            return None
         if self.full_kv_admit is not None and not self.full_kv_admit(plan.rid, req_pool_idx, p, n):
             plan.spec, plan.error = None, "no room for its full KV in the host store; served with full KV"
             return None

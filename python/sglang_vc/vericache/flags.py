@@ -1,5 +1,5 @@
 """VeriCache's own flags (``--vc-host-kv-gb``, ``--vc-schedule``,
-``--vc-schedule-trace``), registered as a flag group; the drafter's
+``--vc-compress-when``, ``--vc-schedule-trace``), registered as a flag group; the drafter's
 compressor is the shared ``--vc-compressor`` family, and the algorithm is chosen the
 SGLang way (``--speculative-algorithm VERICACHE --speculative-num-draft-tokens X``)."""
 
@@ -21,6 +21,14 @@ class Schedule(str, enum.Enum):
     LOCKSTEP = "lockstep"  # the comparison mode: the whole batch drafts X, then verifies
 
 
+class CompressWhen(str, enum.Enum):
+    """Which VERICACHE requests draft from compressed KV (appendix B.1's split of the
+    batch into requests decoding from full KV on the device and offloaded ones)."""
+
+    MEMORY_BINDS = "memory-binds"  # only once the device pool could not hold another such request in full
+    ALWAYS = "always"  # every request with a compressor
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("VeriCache (--speculative-algorithm VERICACHE)")
     g.add_argument(
@@ -40,6 +48,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "rings; 'lockstep' drafts X tokens for the whole batch, then verifies it.",
     )
     g.add_argument(
+        "--vc-compress-when",
+        choices=[c.value for c in CompressWhen],
+        default=CompressWhen.MEMORY_BINDS.value,
+        help="VERICACHE: 'memory-binds' (default) compresses a request after its prefill only "
+        "when the device KV pool (free plus evictable rows) could not hold another "
+        "request of its size at full KV; until then requests decode from full KV, as "
+        "fast as the plain server. 'always' compresses every request.",
+    )
+    g.add_argument(
         "--vc-schedule-trace",
         default=None,
         metavar="PATH",
@@ -52,7 +69,12 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
     host = args.vc_host_kv_gb
     if host is not None and not host >= 0:
         raise ConfigError(f"--vc-host-kv-gb must be >= 0, got {host}")
-    return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace}
+    return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
+            "compress_when": args.vc_compress_when}
+
+
+def compress_when(settings: Optional[dict]) -> CompressWhen:
+    return CompressWhen((settings or {}).get("compress_when") or CompressWhen.MEMORY_BINDS.value)
 
 
 def schedule(settings: Optional[dict]) -> Schedule:

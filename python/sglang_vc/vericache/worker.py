@@ -106,6 +106,7 @@ class VeriCacheWorker(ChainSpecWorker):
         # the prompt's full KV moves to the host on the same stream its reloads use
         self.host = HostKVStore(flags.host_kv_bytes(settings), copy_stream=self.copy_stream)
         self.per_request: dict[str, dict] = {}
+        self.compress_when = flags.compress_when(settings)
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
         if schedule is flags.Schedule.STAGGERED:
@@ -117,6 +118,8 @@ class VeriCacheWorker(ChainSpecWorker):
             self._runtime = get_runtime(self.model_runner)
             self._runtime.full_kv_sink = self.host.sink
             self._runtime.full_kv_admit = self._admit_host
+            if self.compress_when is flags.CompressWhen.MEMORY_BINDS:
+                self._runtime.compress_gate = self._full_kv_while_memory_free
             self._runtime.full_kv_kept = self.host.kept
             self._install_specache_drafter(self._runtime)
         return self._runtime
@@ -136,6 +139,16 @@ class VeriCacheWorker(ChainSpecWorker):
         runtime.use_compressor(SpeCacheCopy(group_size=cfg.group_size, residual_length=cfg.residual))
         self.drafter = SpeCacheDrafter(self.host, runtime, cfg.topk)
         self.model_runner.attn_backend.drafter = self.drafter
+
+    def _full_kv_while_memory_free(self, rid: str, own_rows: int) -> Optional[str]:
+        """``--vc-compress-when memory-binds``: a request whose prefill leaves room in the
+        pool for another request of its size keeps its full KV (drafting would only add
+        work: the batch is not bound by device memory); otherwise it is compressed."""
+        room = self.runtime.free_room()
+        if room >= own_rows:
+            stats.add("vericache", full_kv_memory_free=1)
+            return f"the KV pool has room for its full KV ({room} free rows >= {own_rows}; --vc-compress-when)"
+        return None
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
         ok = self.host.admit(rid, req_pool_idx, p, n, (n - p) * self.runtime.bytes_per_slot)
