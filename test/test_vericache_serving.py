@@ -618,12 +618,12 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
     nothing is drafted: as fast as the plain server); four at once, and the pool could
     not hold another at full KV, so some are compressed and draft (drafts rejected
     somewhere) while others keep full KV in the same batches. Every output is the plain
-    server's."""
+    server's. No ``--speculative-num-draft-tokens``: X is chosen from data (from 4, up to
+    32; too few verifies here to move it)."""
     folder = tmp_path_factory.mktemp("vericache_memory_binds")
     proc = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", str(2 * (600 + 24) + 64), "--speculative-algorithm",
-         "VERICACHE", "--speculative-num-draft-tokens", "4", "--vc-compressor", "snapkv",
-         "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"],
+         "VERICACHE", "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"],
         log_path=folder / "server.log",
     )
     try:
@@ -644,5 +644,8 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
         infos = [(o["meta_info"].get(META) or [{}])[-1] for o in outs]
         drafted, accepted = sum(i.get("drafted", 0) for i in infos), sum(i.get("accepted", 0) for i in infos)
         assert 0 < accepted < drafted, infos  # the compressed ones drafted, some drafts rejected
+        assert {i["draft_len_mode"] for i in infos if i} == {"auto"}
+        resolved = vc_counters(proc)["mechanisms"]["vericache"]
+        assert resolved["draft_len_auto"] and resolved["draft_tokens"] == 32, resolved
     finally:
         proc.stop()

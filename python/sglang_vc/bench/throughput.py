@@ -48,7 +48,7 @@ def log(msg: str) -> None:
 
 
 def parse_config(spec: str) -> dict:
-    """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache:NAME@AMOUNT[:X]`` (AMOUNT is the kept
+    """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache:NAME@AMOUNT[:X|:auto]`` (AMOUNT is the kept
     ratio of a token-dropping method, or ``Nbit`` for a quantizer) | ``specache[:Nbit[:kK]]``
     (SpeCache, default 2 bits and top-64)."""
     kind, _, rest = spec.partition(":")
@@ -75,9 +75,15 @@ def parse_config(spec: str) -> dict:
         flags = ["--vc-compressor", method, "--vc-compression-ratio", str(kept)]
     cfg = {"name": spec, "kind": kind, "compressor": method, "kept": kept, "flags": flags}
     if kind == "vericache":
-        cfg["draft_tokens"] = int(x or 4)
-        cfg["flags"] += ["--speculative-algorithm", "VERICACHE",
-                         "--speculative-num-draft-tokens", str(cfg["draft_tokens"])]
+        if x == "auto":  # the server chooses X from data (no --speculative-num-draft-tokens)
+            cfg["draft_tokens"] = None
+            cfg["flags"] += ["--speculative-algorithm", "VERICACHE"]
+        else:
+            if x and not x.isdigit():
+                raise ValueError(f"bad config {spec!r}: the draft length is a positive integer or auto")
+            cfg["draft_tokens"] = int(x or 4)
+            cfg["flags"] += ["--speculative-algorithm", "VERICACHE",
+                             "--speculative-num-draft-tokens", str(cfg["draft_tokens"])]
     elif x:
         raise ValueError(f"bad config {spec!r}: a draft length only applies to vericache")
     return cfg
@@ -154,6 +160,9 @@ def with_schedules(cfgs: list[dict], schedules: list[str]) -> list[dict]:
             out.append({**cfg, "schedule": None})
             continue
         for sched in schedules:
+            if sched == "lockstep" and cfg["draft_tokens"] is None:
+                raise ValueError(f"{cfg['name']}: lock-step drafts one fixed X for the whole batch; "
+                                 "give X (vericache:NAME@AMOUNT:X) or --schedule staggered")
             out.append({**cfg, "name": f"{cfg['name']} [{sched}]", "base": cfg["name"], "schedule": sched,
                         "flags": [*cfg["flags"], "--vc-schedule", sched]})
     return out
@@ -189,7 +198,9 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
     if vc.get("verify_rounds"):
         row["mean_acceptance_length"] = vc["committed"] / vc["verify_rounds"]
         row["bytes_reloaded"] = vc.get("bytes_reloaded", 0)
-        row["draft_tokens"] = cfg["draft_tokens"]
+        # the anchor X: fixed, or (auto) the mean of those the server chose
+        row["draft_tokens"] = cfg["draft_tokens"] or round(vc["anchor_x_sum"] / max(1, vc.get("anchors", 0)))
+        row["draft_len_mode"] = "fixed" if cfg["draft_tokens"] else "auto"
         row["drafted_per_verify"] = vc["drafted"] / vc["verify_rounds"]
     if extra:
         records = [json.loads(line) for line in trace.read_text().splitlines()[skip:]]
@@ -337,12 +348,10 @@ class Mode:
                 f"({self.schedule.replace(',', ' and ')})")
 
 
-# X per drafter: near the draft length that maximises B.1's speedup for the drafter's
-# acceptance on real text (the fidelity lab: A(30) = 26.3 for SpeCache 2-bit, 5.6 for
-# snapkv@0.25, 5.3 for KIVI 2-bit), fixed here; the server does not choose X from data yet
-LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:specache@2bit:30,"
-            "vericache:snapkv@0.25:8,vericache:kivi@2bit:8", "lockstep,staggered")
-LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:30,vericache:snapkv@0.25:8",
+# VERICACHE chooses X from data (auto): lock-step needs a fixed X, so --long runs staggered
+LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:specache@2bit:auto,"
+            "vericache:snapkv@0.25:auto,vericache:kivi@2bit:auto", "staggered")
+LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:auto,vericache:snapkv@0.25:auto",
                   "staggered")
 
 
@@ -354,7 +363,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
                         "vericache:streamingllm@0.25:4",
-                        help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X] | "
+                        help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X|:auto] | "
                         "specache[:Nbit[:kK]] (e.g. full,lossy:kivi@2bit,specache:2bit)")
     parser.add_argument("--schedule", default="lockstep,staggered",
                         help="VERICACHE schedules to run each vericache config under (comma-separated)")
@@ -414,7 +423,10 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     if cfgs[0]["kind"] != "full":
         parser.error("--configs must start with full (the baseline)")
-    cfgs = with_schedules(cfgs, schedules)
+    try:
+        cfgs = with_schedules(cfgs, schedules)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from sglang_vc import models
 
@@ -446,7 +458,7 @@ def main(argv=None) -> int:
                                        if row["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None)
         row["prefill_ratio_to_full"] = (row["prefill_s"] / base["prefill_s"]
                                         if row["prefill_s"] and base["prefill_s"] else None)
-        row["draft_len"] = cfgs_by_name[row["config"]].get("draft_tokens")
+        row["draft_len"] = row.get("draft_tokens")
         row["acceptance"] = row.get("mean_acceptance_length")
         # the same tokens (so the same length) and the same finish reason
         row["identical_to_full"] = sum(a == b for a, b in zip(zip(row["output_ids"], row["finish_reasons"]),
@@ -477,7 +489,8 @@ def main(argv=None) -> int:
             "the span from the first forward to the last reply less the union of the requests' prefill windows "
             "(SGLang's forward_entry_time .. prefill_finished_time)",
             "prefill_s": "the union of the requests' prefill windows: the same work in every configuration",
-            "draft_len": "VERICACHE's anchored draft length X (fixed per configuration)",
+            "draft_len": "VERICACHE's anchored draft length X: fixed by the configuration, or (auto) the mean of "
+            "the anchors the server chose from data",
             "acceptance": "VERICACHE's mean acceptance length A: committed tokens per verify",
             "mean_running": "mean of sglang:num_running_reqs over /metrics samples (every 0.25 s) while non-zero",
             "identical_to_full": "requests whose output_ids (so length) and finish reason equal the full-KV server's exactly",

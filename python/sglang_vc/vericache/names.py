@@ -2,5 +2,8 @@
 
 ALGORITHM = "VERICACHE"
 ATTENTION_BACKEND = "vc_verify"  # vc_torch plus TARGET_VERIFY over the full KV
-DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_DRAFT_TOKENS = 4  # X before the data to choose it (and lockstep's X)
+# without --speculative-num-draft-tokens, X is chosen from data up to this (SGLang reserves
+# 2X slots per request past its committed length)
+AUTO_MAX_DRAFT_TOKENS = 32
 META_INFO_KEY = "sglang_vc_vericache"

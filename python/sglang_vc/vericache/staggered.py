@@ -94,6 +94,8 @@ class StaggeredSchedule:
                  trace_path: Optional[str] = None, ema: float = 0.2):
         self.sched = scheduler
         self.draft_len = draft_len
+        # ADMIT's anchor for one request, given the batch size (the worker's DraftLength)
+        self.anchor: Callable[[str, int], int] = lambda rid, batch: draft_len
         self.tracks: dict[str, Track] = {}
         self.trace_path = trace_path
         self.iter_time: Optional[float] = None
@@ -129,7 +131,7 @@ class StaggeredSchedule:
                 slots.append(Slot(i, Role.FULL, track))
                 continue
             if track.admission is None:
-                track.admission = self.sched.admit(rid, nbytes, self.draft_len)
+                track.admission = self.sched.admit(rid, nbytes, self.anchor(rid, len(rids)))
             if track.admission is None:
                 if self.sched.mode(rid) is Mode.FALLBACK:
                     slots.append(Slot(i, Role.FULL, track))  # the worker restores its full KV

@@ -70,7 +70,8 @@ from sglang_vc.kvruntime import CopyStream, get_runtime, syncs
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
-from .names import META_INFO_KEY
+from .draft_length import DraftLength
+from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .staging import PoolStaging
 from .sampling import greedy_verify_ids
@@ -107,6 +108,9 @@ class VeriCacheWorker(ChainSpecWorker):
         self.host = HostKVStore(flags.host_kv_bytes(settings), copy_stream=self.copy_stream)
         self.per_request: dict[str, dict] = {}
         self.compress_when = flags.compress_when(settings)
+        # X fixed by --speculative-num-draft-tokens, or chosen from data up to it
+        self.draft_length = DraftLength(None if _draft_len_auto(server_args) else num_drafts, num_drafts,
+                                        DEFAULT_DRAFT_TOKENS)
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
         if schedule is flags.Schedule.STAGGERED:
@@ -175,6 +179,7 @@ class VeriCacheWorker(ChainSpecWorker):
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
         self.drafter.forget(live)
+        self.draft_length.forget(live)
         return result
 
     # ------------------------------------------------------------------ one round
@@ -273,7 +278,8 @@ class VeriCacheWorker(ChainSpecWorker):
     def _record(self, req, drafted: int, accepted: int, committed: int) -> None:
         """Per-request verify counters, returned in the request's ``meta_info``."""
         info = self.per_request.setdefault(req.rid, {"verify_rounds": 0, "drafted": 0, "accepted": 0,
-                                                    "committed": 0, "draft_tokens": self.num_drafts})
+                                                    "committed": 0, "draft_tokens": self.num_drafts,
+                                                    "draft_len_mode": "auto" if self.draft_length.auto else "fixed"})
         info["verify_rounds"] += 1
         info["drafted"] += drafted
         info["accepted"] += accepted
@@ -292,10 +298,26 @@ class VeriCacheWorker(ChainSpecWorker):
             sched = ReloadScheduler(window=self.window, iter_time=0.05, bandwidth=bandwidth,
                                     hbm_bytes=staging, fallback_after=self.window)
             self._staggered = StaggeredSchedule(sched, self.num_drafts, trace_path=self.trace_path)
-            logger.info("VERICACHE staggered schedule: window %d iterations, anchor X=%d, link %.2f GB/s "
-                        "(measured), staging budget %.1f MB", self.window, self.num_drafts,
+            self._staggered.anchor = self._anchor
+            logger.info("VERICACHE staggered schedule: window %d iterations, anchor X=%s, link %.2f GB/s "
+                        "(measured), staging budget %.1f MB", self.window,
+                        self.num_drafts if not self.draft_length.auto else
+                        f"chosen from data in 1..{self.num_drafts} (from {self.draft_length.default})",
                         bandwidth / 1e9, staging / 1e6)
         return self._staggered
+
+    def _drafter_of(self, row: int) -> str:
+        entry = self.runtime.entry_for_row(row)
+        return entry.spec.compressor if entry is not None else "none"
+
+    def _anchor(self, rid: str, batch: int) -> int:
+        track = self._staggered.tracks.get(rid)
+        x = self.draft_length.anchor(self._drafter_of(track.row) if track else "none", rid, batch)
+        stats.add("vericache", anchors=1, anchor_x_sum=x)  # their ratio: the mean X chosen
+        info = self.per_request.get(rid)
+        if info is not None:
+            info["draft_len"] = x
+        return x
 
     def _staging_budget(self) -> int:
         """The HBM ring's capacity: reloads staged ahead are tensors outside SGLang's KV
@@ -414,6 +436,7 @@ class VeriCacheWorker(ChainSpecWorker):
                 starts.append(start)
                 lens.append(len(toks))
             idx = [s.index for s in part]
+            verify_tokens = sum(n for s, n in zip(part, lens) if s.role is Role.VERIFY)
             q_req = torch.arange(len(part)).repeat_interleave(torch.tensor(lens))
             pos_t = torch.tensor(positions, dtype=torch.int64)
             req_to_token = self.req_to_token_pool.req_to_token
@@ -459,6 +482,9 @@ class VeriCacheWorker(ChainSpecWorker):
             staging.restore()  # nothing forwarded: the reserved slots go back
         phases["forward_s"] = time.perf_counter() - mark
         phases["forwards"] = self.forwards - forwards
+        if part:
+            self.draft_length.record_iteration(phases["forward_s"], len(drafters) + len(full), verify_tokens,
+                                               len(verifiers))
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
         return plan, self.result(batch, accept_tokens, accept_lens), outcome, reloaded, phases
@@ -488,6 +514,7 @@ class VeriCacheWorker(ChainSpecWorker):
                 reloaded[s.track.rid] = reloads[j].nbytes()
                 failures += reloads[j].failures
             self._record(batch.reqs[s.index], n_drafts[j], n_accepted[j], n)
+            self.draft_length.record_verify(self._drafter_of(s.track.row), s.track.rid, n_drafts[j], n_accepted[j])
             sched.verified(s.track, n)
         stats.add("vericache", verify_rounds=len(verifiers), drafted=sum(n_drafts), accepted=sum(n_accepted),
                   committed=sum(n_accepted) + len(verifiers), bytes_reloaded=sum(reloaded.values()))
@@ -568,6 +595,13 @@ class VeriCacheWorker(ChainSpecWorker):
             k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
             k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, span_slots.to(k_buf.device))
         return k, v
+
+def _draft_len_auto(server_args) -> bool:
+    """Whether X is chosen from data (no --speculative-num-draft-tokens given)."""
+    from sglang_vc.config import get_vc_config
+
+    return bool(get_vc_config(server_args).resolved.get("vericache", {}).get("draft_len_auto"))
+
 
 def _settings(server_args) -> dict:
     from sglang_vc.config import get_vc_config

@@ -19,7 +19,7 @@ import logging
 logger = logging.getLogger(__name__)
 
 from . import flags
-from .names import ALGORITHM, ATTENTION_BACKEND, DEFAULT_DRAFT_TOKENS
+from .names import ALGORITHM, ATTENTION_BACKEND, AUTO_MAX_DRAFT_TOKENS, DEFAULT_DRAFT_TOKENS
 # Online compressors evict rows of the request's own row during decode (they compact
 # into the slots of committed tokens), which would overwrite the full KV the verifier
 # reads; VeriCache needs the committed tokens' KV untouched.
@@ -73,6 +73,9 @@ def validate_server_args(server_args) -> None:
     x = getattr(server_args, "speculative_num_draft_tokens", None)
     if x is not None and int(x) < 1:
         raise _config_error(f"--speculative-num-draft-tokens must be >= 1, got {x}")
+    if x is None and flags.schedule(config.group(flags.GROUP)) is flags.Schedule.LOCKSTEP:
+        raise _config_error("--vc-schedule lockstep drafts one fixed X for the whole batch: give "
+                            "--speculative-num-draft-tokens X (the staggered schedule chooses X from data)")
     from sglang_vc.speculative import check_raw_flags
 
     problem = check_raw_flags(server_args, ATTENTION_BACKEND)
@@ -83,8 +86,9 @@ def validate_server_args(server_args) -> None:
 def handle_server_args(server_args) -> None:
     """Resolve the flags VERICACHE needs (runs on SGLang's resolution stand-in)."""
     x = server_args.speculative_num_draft_tokens
-    if x is None:
-        x = DEFAULT_DRAFT_TOKENS
+    auto = x is None  # X chosen from data in 1 .. AUTO_MAX_DRAFT_TOKENS (draft_length.py)
+    if auto:
+        x = AUTO_MAX_DRAFT_TOKENS
         server_args.speculative_num_draft_tokens = x
     # Draft steps = X, one chain. SGLang reserves 2 * max(steps, X) slots past each
     # request's committed length per decode round, which holds the X + 1 verify slots.
@@ -98,6 +102,9 @@ def handle_server_args(server_args) -> None:
     if config is not None:
         config.resolved["vericache"] = {
             "draft_tokens": int(x),
+            "draft_len_auto": auto,
+            "draft_len": (f"chosen from data in 1..{x} (starts at {DEFAULT_DRAFT_TOKENS})" if auto
+                          else f"fixed at {x} (--speculative-num-draft-tokens)"),
             "compressor": config.vc_compressor,
             "compression_ratio": config.vc_compression_ratio,
             "kv_bits": config.vc_kv_bits,

@@ -1,0 +1,180 @@
+"""The draft length X from data: the anchor ADMIT places each request's next verify at
+(VeriCache §5.2) is the x that maximises appendix B.1's throughput for the drafter's
+acceptance curve A(x), measured from the verifies the server has seen, at this machine's
+measured per-iteration costs.
+
+* **A(x).** A verify of ``d`` drafts that accepted ``a`` of them tried positions
+  ``1 .. min(a + 1, d)`` and passed ``1 .. a``: each position's pass rate ``p_i`` is
+  counted per drafter (and per request once it has enough verifies). Then
+  ``A(x) = 1 + sum_{k<=x} prod_{i<=k} p_i`` (the bonus or correction token is the 1).
+  Positions never tried yet take the pooled rate of those that were.
+* **Costs.** Each iteration's forward time is fitted (least squares over recent
+  iterations) as ``fixed + c_one * one-token requests + c_tok * verified tokens +
+  c_verify * verifies``.
+* **Objective** (B.1 with B requests in the batch, each cycling through x drafts and one
+  verify of x + 1 tokens): committed tokens per second ``B * A(x) / ((x + 1) * fixed +
+  B * (x * c_one + (x + 1) * c_tok + c_verify))``.
+
+``--speculative-num-draft-tokens X`` fixes X; without it X is chosen in ``1 .. max_x``,
+starting at the default until enough verifies and iterations have been seen.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Optional
+
+MIN_VERIFIES = 8  # verifies before a curve is trusted (a drafter's, or one request's own)
+MIN_ITERATIONS = 8  # iterations before the cost fit is trusted
+COST_WINDOW = 128  # iterations the cost fit looks back over
+
+
+@dataclass
+class AcceptanceCurve:
+    """How often draft position ``i`` (1-based) passed, given every earlier one did."""
+
+    trials: list[int] = field(default_factory=list)
+    passes: list[int] = field(default_factory=list)
+    verifies: int = 0
+
+    def record(self, drafts: int, accepted: int) -> None:
+        if drafts <= 0:
+            return
+        accepted = max(0, min(accepted, drafts))
+        tried = min(accepted + 1, drafts)
+        grow = tried - len(self.trials)
+        if grow > 0:
+            self.trials += [0] * grow
+            self.passes += [0] * grow
+        for i in range(tried):
+            self.trials[i] += 1
+            if i < accepted:
+                self.passes[i] += 1
+        self.verifies += 1
+
+    def rates(self, max_x: int) -> Optional[list[float]]:
+        """``p_1 .. p_max_x``; None before any draft was verified."""
+        total = sum(self.trials)
+        if total == 0:
+            return None
+        pooled = sum(self.passes) / total
+        return [self.passes[i] / self.trials[i] if i < len(self.trials) and self.trials[i] else pooled
+                for i in range(max_x)]
+
+    def acceptance(self, x: int) -> Optional[float]:
+        """A(x): expected tokens committed per verify of ``x`` drafts."""
+        p = self.rates(x)
+        if p is None:
+            return None
+        out, run = 1.0, 1.0
+        for rate in p:
+            run *= rate
+            out += run
+        return out
+
+
+@dataclass(frozen=True)
+class Costs:
+    fixed: float  # seconds per iteration, whatever the batch (weights, launch)
+    one_token: float  # per drafting or full-KV request
+    verify_token: float  # per verified token
+    verify: float  # per verifying request (its reload's share, its setup)
+
+
+class CostFit:
+    """Least squares of recent iterations' forward time on what they held."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self.rows: collections.deque = collections.deque(maxlen=window)
+
+    def record(self, seconds: float, one_token: int, verify_tokens: int, verifies: int) -> None:
+        self.rows.append((seconds, one_token, verify_tokens, verifies))
+
+    def costs(self) -> Optional[Costs]:
+        """The fitted costs; None with too few or too alike iterations, or a negative
+        coefficient (a fit that says nothing about this machine)."""
+        if len(self.rows) < MIN_ITERATIONS:
+            return None
+        import numpy as np
+
+        y = np.array([r[0] for r in self.rows])
+        a = np.array([[1.0, r[1], r[2], r[3]] for r in self.rows])
+        if np.linalg.matrix_rank(a) < 4:
+            return None
+        coef = np.linalg.lstsq(a, y, rcond=None)[0]
+        if (coef < 0).any():
+            return None
+        return Costs(*(float(c) for c in coef))
+
+
+def throughput(acceptance: float, x: int, costs: Costs, batch: int) -> float:
+    """B.1's committed tokens per second for ``batch`` requests at draft length ``x``."""
+    b = max(1, batch)
+    per_cycle = (x + 1) * costs.fixed + b * (x * costs.one_token + (x + 1) * costs.verify_token + costs.verify)
+    return b * acceptance / per_cycle if per_cycle > 0 else 0.0
+
+
+def best_x(curve: AcceptanceCurve, costs: Costs, batch: int, max_x: int) -> int:
+    """The x in ``1 .. max_x`` of highest :func:`throughput` (the shorter one on a tie)."""
+    best, arg = -1.0, 1
+    for x in range(1, max_x + 1):
+        tps = throughput(curve.acceptance(x), x, costs, batch)
+        if tps > best * (1 + 1e-9):
+            best, arg = tps, x
+    return arg
+
+
+class DraftLength:
+    """The anchor X per request: fixed, or chosen from data (module docstring)."""
+
+    def __init__(self, fixed: Optional[int], max_x: int, default: int):
+        self.fixed = fixed
+        self.max_x = max_x
+        self.default = min(default, max_x)
+        self.curves: dict[str, AcceptanceCurve] = collections.defaultdict(AcceptanceCurve)  # per drafter
+        self.own: dict[str, AcceptanceCurve] = collections.defaultdict(AcceptanceCurve)  # per request
+        self.fit = CostFit()
+        self.chosen: dict[str, int] = {}  # drafter -> the X last chosen for it
+
+    @property
+    def auto(self) -> bool:
+        return self.fixed is None
+
+    def record_verify(self, drafter: str, rid: str, drafts: int, accepted: int) -> None:
+        self.curves[drafter].record(drafts, accepted)
+        self.own[rid].record(drafts, accepted)
+
+    def record_iteration(self, seconds: float, one_token: int, verify_tokens: int, verifies: int) -> None:
+        self.fit.record(seconds, one_token, verify_tokens, verifies)
+
+    def forget(self, live: set[str]) -> None:
+        for rid in [r for r in self.own if r not in live]:
+            del self.own[rid]
+
+    def curve_for(self, drafter: str, rid: str) -> AcceptanceCurve:
+        own = self.own.get(rid)
+        return own if own is not None and own.verifies >= MIN_VERIFIES else self.curves[drafter]
+
+    def anchor(self, drafter: str, rid: str, batch: int) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        curve = self.curve_for(drafter, rid)
+        costs = self.fit.costs()
+        if curve.verifies < MIN_VERIFIES or costs is None:
+            return self.default
+        x = best_x(curve, costs, batch, self.max_x)
+        self.chosen[drafter] = x
+        return x
+
+    def summary(self) -> dict:
+        """For /server_info: per drafter the X chosen last and the measured A(X)."""
+        out = {"mode": "fixed" if self.fixed is not None else "auto", "max": self.max_x}
+        for drafter, curve in self.curves.items():
+            x = self.fixed if self.fixed is not None else self.chosen.get(drafter, self.default)
+            out[drafter] = {"draft_len": x, "acceptance": curve.acceptance(x), "verifies": curve.verifies}
+        costs = self.fit.costs()
+        if costs is not None:
+            out["costs_s"] = {"fixed": costs.fixed, "one_token": costs.one_token,
+                              "verify_token": costs.verify_token, "verify": costs.verify}
+        return out
