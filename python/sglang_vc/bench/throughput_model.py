@@ -101,7 +101,7 @@ def predictions(rows: list[dict], cfgs: dict, *, weights: int, kv_per_token: int
         cfg = cfgs[row["config"]]
         if cfg["kind"] != "vericache" or "mean_acceptance_length" not in row:
             continue
-        x, a = cfg["draft_tokens"], row["mean_acceptance_length"]
+        x, a = row["draft_tokens"], row["mean_acceptance_length"]
         pred = pm.predict_from_hardware(weights_bytes=weights, kv_full_bytes=kv_full,
                                         compression=cfg["kept"], draft_len=x, accept_len=a,
                                         hbm_bw=bw, interconnect_bw=bw, gpu_mem_bytes=mem)

@@ -83,13 +83,27 @@ def validate_server_args(server_args) -> None:
         raise _config_error(problem)
 
 
+def _carried_resolution(server_args) -> dict:
+    """VERICACHE's part of the project config carried on ``server_args`` to the scheduler
+    process (mutated in place: SGLang resolves after the launcher attached it)."""
+    from sglang_vc.config import SERVER_ARGS_ATTR
+
+    raw = getattr(server_args, SERVER_ARGS_ATTR, None)
+    if raw is None:
+        raw = {}
+        setattr(server_args, SERVER_ARGS_ATTR, raw)
+    return raw.setdefault("resolved", {}).setdefault("vericache", {})
+
+
 def handle_server_args(server_args) -> None:
     """Resolve the flags VERICACHE needs (runs on SGLang's resolution stand-in)."""
     x = server_args.speculative_num_draft_tokens
-    auto = x is None  # X chosen from data in 1 .. AUTO_MAX_DRAFT_TOKENS (draft_length.py)
-    if auto:
+    if x is None:  # X chosen from data in 1 .. AUTO_MAX_DRAFT_TOKENS (draft_length.py)
         x = AUTO_MAX_DRAFT_TOKENS
         server_args.speculative_num_draft_tokens = x
+        _carried_resolution(server_args)["draft_len_auto"] = True
+    # SGLang may resolve the flags again (x is set by then): what was decided first stands
+    auto = bool(_carried_resolution(server_args).get("draft_len_auto"))
     # Draft steps = X, one chain. SGLang reserves 2 * max(steps, X) slots past each
     # request's committed length per decode round, which holds the X + 1 verify slots.
     server_args.speculative_num_steps = x
