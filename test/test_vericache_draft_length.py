@@ -42,6 +42,13 @@ def test_cost_fit_recovers_the_costs_and_refuses_a_degenerate_one():
     for _ in range(20):
         same.record(0.1, 3, 0, 0)  # no variation: nothing to fit
     assert same.costs() is None
+    alone = CostFit()  # one request: each iteration drafts (1 token) or verifies (x + 1 tokens)
+    for it in range(20):
+        x = 3 + it % 3
+        alone.record(0.1 + 0.01 * (x + 1), 0, x + 1, 1) if it % 4 == 0 else alone.record(0.1, 1, 0, 0)
+    costs = alone.costs()
+    assert costs.fixed == pytest.approx(0.1) and costs.verify_token == pytest.approx(0.01)
+    assert costs.one_token == pytest.approx(0.0, abs=1e-9) and costs.verify == 0.0
 
 
 def _curve(rate: float, depth: int = 40) -> AcceptanceCurve:

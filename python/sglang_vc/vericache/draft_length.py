@@ -92,20 +92,28 @@ class CostFit:
         self.rows.append((seconds, one_token, verify_tokens, verifies))
 
     def costs(self) -> Optional[Costs]:
-        """The fitted costs; None with too few or too alike iterations, or a negative
-        coefficient (a fit that says nothing about this machine)."""
+        """The fitted costs; None with too few iterations or a negative coefficient (a fit
+        that says nothing about this machine). Where the iterations cannot tell two
+        terms apart (one request: an iteration drafts or verifies, never both), the
+        later terms are left out and counted as zero (folded into the others)."""
         if len(self.rows) < MIN_ITERATIONS:
             return None
         import numpy as np
 
         y = np.array([r[0] for r in self.rows])
-        a = np.array([[1.0, r[1], r[2], r[3]] for r in self.rows])
-        if np.linalg.matrix_rank(a) < 4:
-            return None
-        coef = np.linalg.lstsq(a, y, rcond=None)[0]
-        if (coef < 0).any():
-            return None
-        return Costs(*(float(c) for c in coef))
+        full = np.array([[1.0, r[1], r[2], r[3]] for r in self.rows])
+        for keep in ([0, 1, 2, 3], [0, 1, 2], [0, 2]):
+            a = full[:, keep]
+            if np.linalg.matrix_rank(a) < len(keep):
+                continue
+            coef = np.linalg.lstsq(a, y, rcond=None)[0]
+            if (coef < -1e-9).any():  # below rounding: a real negative cost
+                return None
+            terms = [0.0] * 4
+            for i, c in zip(keep, coef):
+                terms[i] = max(0.0, float(c))
+            return Costs(*terms)
+        return None
 
 
 def throughput(acceptance: float, x: int, costs: Costs, batch: int) -> float:

@@ -77,6 +77,21 @@ def compress_when(settings: Optional[dict]) -> CompressWhen:
     return CompressWhen((settings or {}).get("compress_when") or CompressWhen.MEMORY_BINDS.value)
 
 
+def settings_of(server_args) -> Optional[dict]:
+    """This group's settings as carried on a (possibly unpickled) ``server_args``."""
+    from sglang_vc.config import get_vc_config
+
+    return get_vc_config(server_args).group(GROUP)
+
+
+def draft_len_auto(server_args) -> bool:
+    """Whether X is chosen from data (no --speculative-num-draft-tokens was given; decided
+    at argument resolution, :func:`.worker_spec.handle_server_args`)."""
+    from sglang_vc.config import get_vc_config
+
+    return bool(get_vc_config(server_args).resolved.get(GROUP, {}).get("draft_len_auto"))
+
+
 def schedule(settings: Optional[dict]) -> Schedule:
     return Schedule((settings or {}).get("schedule") or Schedule.STAGGERED.value)
 

@@ -181,3 +181,18 @@ def _pool_staging_off() -> bool:
     """Testing hook: ``SGLANG_VC_NO_POOL_STAGING=1`` stages no verify in the pool, so that
     tests can run the path a full pool takes."""
     return os.environ.get(NO_POOL_STAGING_ENV, "") not in ("", "0")
+
+
+def staged_layers(reloads: dict) -> Callable[[int], dict]:
+    """The staged reloads of one verify forward (request index in the forward -> its
+    ``LayerwiseReload``, each started at the request's own reserved window) as one
+    ``layer_spans``: layer id -> {request index: that layer's staged rows}."""
+
+    def layer(layer_id: int) -> dict:
+        out = {}
+        for k, reload in reloads.items():
+            for staged in reload.layer(layer_id).values():
+                out[k] = staged
+        return out
+
+    return layer

@@ -73,7 +73,7 @@ from . import flags
 from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
-from .staging import PoolStaging
+from .staging import PoolStaging, staged_layers
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
@@ -89,7 +89,7 @@ class VeriCacheWorker(ChainSpecWorker):
         from sglang.srt.runtime_context import get_device, get_spec
 
         num_drafts = int(get_spec().speculative_num_draft_tokens)
-        settings = _settings(server_args)
+        settings = flags.settings_of(server_args)
         schedule = flags.schedule(settings)
         # staggered: a request drafts up to 2X - 1 tokens between verifies (ADMIT searches
         # X-1, X+1, ...), all inside the 2X slots SGLang reserves past its committed length
@@ -109,7 +109,7 @@ class VeriCacheWorker(ChainSpecWorker):
         self.per_request: dict[str, dict] = {}
         self.compress_when = flags.compress_when(settings)
         # X fixed by --speculative-num-draft-tokens, or chosen from data up to it
-        self.draft_length = DraftLength(None if _draft_len_auto(server_args) else num_drafts, num_drafts,
+        self.draft_length = DraftLength(None if flags.draft_len_auto(server_args) else num_drafts, num_drafts,
                                         DEFAULT_DRAFT_TOKENS)
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
@@ -445,7 +445,7 @@ class VeriCacheWorker(ChainSpecWorker):
             reloads = {k: s.track.reload for k, s in enumerate(part)
                        if s.index in staging or s.index in staging.unstaged}
             staging.rekey({s.index: k for k, s in enumerate(part)})
-            staging.layer_spans = _Staging(reloads).layer
+            staging.layer_spans = staged_layers(reloads)
             ids_t = torch.tensor(ids, dtype=torch.int64)
             sub = self.sub_batch(batch, idx)
             try:
@@ -596,35 +596,3 @@ class VeriCacheWorker(ChainSpecWorker):
             k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, span_slots.to(k_buf.device))
         return k, v
 
-def _draft_len_auto(server_args) -> bool:
-    """Whether X is chosen from data (no --speculative-num-draft-tokens given)."""
-    from sglang_vc.config import get_vc_config
-
-    return bool(get_vc_config(server_args).resolved.get("vericache", {}).get("draft_len_auto"))
-
-
-def _settings(server_args) -> dict:
-    from sglang_vc.config import get_vc_config
-
-    return get_vc_config(server_args).group(flags.GROUP)
-
-
-class _Staging:
-    """The staged reloads of one verify forward, each started for one request at its
-    reserved window, seen by the attention backend as one reload (request index in the
-    verify batch -> its staged rows)."""
-
-    def __init__(self, reloads: dict[int, LayerwiseReload]):
-        self.reloads = reloads
-
-    @property
-    def requests(self) -> set[int]:
-        """The verifying requests (their index in the forward)."""
-        return set(self.reloads)
-
-    def layer(self, layer_id: int) -> dict:
-        out = {}
-        for k, reload in self.reloads.items():
-            for staged in reload.layer(layer_id).values():
-                out[k] = staged
-        return out
