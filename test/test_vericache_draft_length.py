@@ -30,25 +30,35 @@ def test_constant_rate_gives_the_geometric_acceptance_length():
     assert p[0] == pytest.approx(0.9) and p[1] == pytest.approx(1.0)
 
 
-def test_cost_fit_recovers_the_costs_and_refuses_a_degenerate_one():
+def test_cost_fit_recovers_the_costs():
+    """Known costs (50 ms fixed, 4 ms a drafting request, 9 ms a full-KV one, 2 ms a
+    verified token, 10 ms a verify) come back; a term the data would make negative is
+    left out (never a negative cost); one request alone (an iteration drafts or
+    verifies) still gives the sums B.1 needs."""
     fit = CostFit()
-    for it in range(20):
-        one, tok, ver = 2 + it % 5, (it % 4) * 5, it % 3
-        fit.record(0.05 + 0.004 * one + 0.002 * tok + 0.01 * ver, one, tok, ver)
-    costs = fit.costs()
-    assert costs.fixed == pytest.approx(0.05) and costs.one_token == pytest.approx(0.004)
-    assert costs.verify_token == pytest.approx(0.002) and costs.verify == pytest.approx(0.01)
-    same = CostFit()
-    for _ in range(20):
-        same.record(0.1, 3, 0, 0)  # no variation: nothing to fit
-    assert same.costs() is None
-    alone = CostFit()  # one request: each iteration drafts (1 token) or verifies (x + 1 tokens)
+    for it in range(24):
+        d, f, ver = 2 + it % 5, it % 2, it % 3
+        tok = ver * (3 + it % 4)
+        fit.record(0.05 + 0.004 * d + 0.009 * f + 0.002 * tok + 0.01 * ver, d, f, tok, ver)
+    c = fit.costs()
+    assert (c.fixed, c.draft, c.full, c.verify_token, c.verify) == pytest.approx((0.05, 0.004, 0.009, 0.002, 0.01))
+    noisy = CostFit()
+    for it in range(24):
+        d = 1 + it % 4
+        noisy.record(0.1 + 0.01 * d - (0.001 if it % 2 else 0.0), d, 0, it % 2, it % 2)  # verifies "save" time
+    c = noisy.costs()
+    assert min(c.fixed, c.draft, c.full, c.verify_token, c.verify) >= 0.0
+    alone = CostFit()
     for it in range(20):
         x = 3 + it % 3
-        alone.record(0.1 + 0.01 * (x + 1), 0, x + 1, 1) if it % 4 == 0 else alone.record(0.1, 1, 0, 0)
-    costs = alone.costs()
-    assert costs.fixed == pytest.approx(0.1) and costs.verify_token == pytest.approx(0.01)
-    assert costs.one_token == pytest.approx(0.0, abs=1e-9) and costs.verify == 0.0
+        if it % 4 == 0:
+            alone.record(0.1 + 0.01 * (x + 1) + 0.02, 0, 0, x + 1, 1)
+        else:
+            alone.record(0.1, 1, 0, 0, 0)
+    c = alone.costs()
+    assert c.fixed + c.draft == pytest.approx(0.1) and c.verify_token == pytest.approx(0.01)
+    assert c.fixed + c.verify == pytest.approx(0.12)
+    assert CostFit().costs() is None  # no iterations yet
 
 
 def _curve(rate: float, depth: int = 40) -> AcceptanceCurve:
@@ -64,11 +74,11 @@ def test_best_x_follows_acceptance_and_costs():
     """A drafter that is almost always right drafts longer than a poor one; a dearer
     verify (its reload) lengthens X, dearer drafting shortens it; the choice is the
     argmax of B.1's objective."""
-    base = Costs(fixed=0.05, one_token=0.002, verify_token=0.004, verify=0.02)
+    base = Costs(fixed=0.05, draft=0.002, full=0.01, verify_token=0.004, verify=0.02)
     good, poor = best_x(_curve(0.97), base, 8, 32), best_x(_curve(0.5), base, 8, 32)
     assert good > poor and poor <= 3, (good, poor)
-    assert best_x(_curve(0.97), Costs(0.05, 0.002, 0.004, 0.2), 8, 32) > good  # a verify reloads more
-    assert best_x(_curve(0.97), Costs(0.05, 0.03, 0.004, 0.02), 8, 32) < good  # drafting costs more
+    assert best_x(_curve(0.97), Costs(0.05, 0.002, 0.01, 0.004, 0.2), 8, 32) > good  # a verify reloads more
+    assert best_x(_curve(0.97), Costs(0.05, 0.03, 0.01, 0.004, 0.02), 8, 32) < good  # drafting costs more
     tps = [throughput(_curve(0.97).acceptance(x), x, base, 8) for x in range(1, 33)]
     assert tps[good - 1] == max(tps)
 
@@ -83,7 +93,7 @@ def test_anchor_is_fixed_or_the_default_until_there_is_data():
     assert auto.anchor("snapkv", "r", 4) == 4  # still no cost fit
     for it in range(20):
         one, tok, ver = 2 + it % 5, (it % 4) * 5, it % 3
-        auto.record_iteration(0.05 + 0.002 * one + 0.004 * tok + 0.02 * ver, one, tok, ver)
+        auto.record_iteration(0.05 + 0.002 * one + 0.004 * tok + 0.02 * ver, one, 0, tok, ver)
     x = auto.anchor("snapkv", "r", 4)
     assert 4 < x <= 32  # every draft passed: longer than the default
     assert auto.summary()["snapkv"]["draft_len"] == x

@@ -351,8 +351,7 @@ class Mode:
 # VERICACHE chooses X from data (auto): lock-step needs a fixed X, so --long runs staggered
 LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:specache@2bit:auto,"
             "vericache:snapkv@0.25:auto,vericache:kivi@2bit:auto", "staggered")
-LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:auto,vericache:snapkv@0.25:auto",
-                  "staggered")
+LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:auto", "staggered")
 
 
 def main(argv=None) -> int:

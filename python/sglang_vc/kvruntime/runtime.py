@@ -171,6 +171,11 @@ class KVRuntime:
         evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
         return self.allocator.available_size() + evictable
 
+    def waiting_rows(self) -> int:
+        """Prompt rows of the requests the scheduler has planned (matched against the
+        tree) but not started prefilling: the waiting queue's demand on the pool."""
+        return sum(plan.prefill_len for plan in self.plans.values() if plan.tree_prefix_len is None)
+
     def compressor(self, name: str) -> Compressor:
         if name not in self._compressors:
             self._compressors[name] = get_compressor(name)
@@ -229,14 +234,17 @@ class KVRuntime:
         if mode.is_extend() and not mode.is_target_verify() and rids:
             prefix = forward_batch.extend_prefix_lens_cpu
             ext = forward_batch.extend_seq_lens_cpu
-            q_lo = 0
             for i, rid in enumerate(rids):
                 plan = self.plans.get(rid)
                 if plan is not None and plan.tree_prefix_len is None:
                     # A plan's first extend starts at the tree-matched prefix: the row's
                     # [0, p) belongs to the tree, [p, n) to the request (lossy requests
                     # never insert, so later prefill chunks do not move that boundary).
+                    # (Set for the whole batch first: a plan without it is still waiting.)
                     plan.tree_prefix_len = prefix[i]
+            q_lo = 0
+            for i, rid in enumerate(rids):
+                plan = self.plans.get(rid)
                 if (plan is not None and plan.spec is not None and entries[i] is None
                         and seq_lens[i] == plan.prefill_len):
                     pend = self._pending(plan, pool_idx[i], seq_lens[i], q_lo, q_lo + ext[i])

@@ -8,12 +8,12 @@ measured per-iteration costs.
   counted per drafter (and per request once it has enough verifies). Then
   ``A(x) = 1 + sum_{k<=x} prod_{i<=k} p_i`` (the bonus or correction token is the 1).
   Positions never tried yet take the pooled rate of those that were.
-* **Costs.** Each iteration's forward time is fitted (least squares over recent
-  iterations) as ``fixed + c_one * one-token requests + c_tok * verified tokens +
-  c_verify * verifies``.
+* **Costs.** Each iteration's forward time is fitted (non-negative least squares over
+  recent iterations) as ``fixed + c_draft * drafting requests + c_full * full-KV requests
+  + c_tok * verified tokens + c_verify * verifies``.
 * **Objective** (B.1 with B requests in the batch, each cycling through x drafts and one
   verify of x + 1 tokens): committed tokens per second ``B * A(x) / ((x + 1) * fixed +
-  B * (x * c_one + (x + 1) * c_tok + c_verify))``.
+  B * (x * c_draft + (x + 1) * c_tok + c_verify))``.
 
 ``--speculative-num-draft-tokens X`` fixes X; without it X is chosen in ``1 .. max_x``,
 starting at the default until enough verifies and iterations have been seen.
@@ -22,6 +22,7 @@ starting at the default until enough verifies and iterations have been seen.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -77,49 +78,48 @@ class AcceptanceCurve:
 @dataclass(frozen=True)
 class Costs:
     fixed: float  # seconds per iteration, whatever the batch (weights, launch)
-    one_token: float  # per drafting or full-KV request
+    draft: float  # per drafting request
+    full: float  # per request decoding from full KV
     verify_token: float  # per verified token
     verify: float  # per verifying request (its reload's share, its setup)
 
 
 class CostFit:
-    """Least squares of recent iterations' forward time on what they held."""
+    """Non-negative least squares of recent iterations' forward time on what they held
+    (an active set: a term the data would make negative is left out and refitted)."""
 
     def __init__(self, window: int = COST_WINDOW):
         self.rows: collections.deque = collections.deque(maxlen=window)
 
-    def record(self, seconds: float, one_token: int, verify_tokens: int, verifies: int) -> None:
-        self.rows.append((seconds, one_token, verify_tokens, verifies))
+    def record(self, seconds: float, drafting: int, full: int, verify_tokens: int, verifies: int) -> None:
+        self.rows.append((seconds, drafting, full, verify_tokens, verifies))
 
     def costs(self) -> Optional[Costs]:
-        """The fitted costs; None with too few iterations or a negative coefficient (a fit
-        that says nothing about this machine). Where the iterations cannot tell two
-        terms apart (one request: an iteration drafts or verifies, never both), the
-        later terms are left out and counted as zero (folded into the others)."""
+        """The fitted costs; None with too few iterations. Terms the iterations cannot
+        tell apart (one request drafts or verifies, never both) share the time by the
+        minimum-norm solution: B.1's objective only needs their sums."""
         if len(self.rows) < MIN_ITERATIONS:
             return None
         import numpy as np
 
         y = np.array([r[0] for r in self.rows])
-        full = np.array([[1.0, r[1], r[2], r[3]] for r in self.rows])
-        for keep in ([0, 1, 2, 3], [0, 1, 2], [0, 2]):
-            a = full[:, keep]
-            if np.linalg.matrix_rank(a) < len(keep):
-                continue
-            coef = np.linalg.lstsq(a, y, rcond=None)[0]
-            if (coef < -1e-9).any():  # below rounding: a real negative cost
-                return None
-            terms = [0.0] * 4
-            for i, c in zip(keep, coef):
-                terms[i] = max(0.0, float(c))
-            return Costs(*terms)
+        a = np.array([[1.0, *r[1:]] for r in self.rows])
+        active = list(range(a.shape[1]))
+        while active:
+            coef = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
+            if (coef >= -1e-9).all():
+                terms = [0.0] * a.shape[1]
+                for i, c in zip(active, coef):
+                    terms[i] = max(0.0, float(c))
+                return Costs(*terms)
+            active.pop(int(np.argmin(coef)))
         return None
 
 
 def throughput(acceptance: float, x: int, costs: Costs, batch: int) -> float:
     """B.1's committed tokens per second for ``batch`` requests at draft length ``x``."""
     b = max(1, batch)
-    per_cycle = (x + 1) * costs.fixed + b * (x * costs.one_token + (x + 1) * costs.verify_token + costs.verify)
+    per_cycle = (x + 1) * costs.fixed + b * (x * costs.draft + (x + 1) * costs.verify_token + costs.verify)
     return b * acceptance / per_cycle if per_cycle > 0 else 0.0
 
 
@@ -153,8 +153,8 @@ class DraftLength:
         self.curves[drafter].record(drafts, accepted)
         self.own[rid].record(drafts, accepted)
 
-    def record_iteration(self, seconds: float, one_token: int, verify_tokens: int, verifies: int) -> None:
-        self.fit.record(seconds, one_token, verify_tokens, verifies)
+    def record_iteration(self, seconds: float, drafting: int, full: int, verify_tokens: int, verifies: int) -> None:
+        self.fit.record(seconds, drafting, full, verify_tokens, verifies)
 
     def forget(self, live: set[str]) -> None:
         for rid in [r for r in self.own if r not in live]:
@@ -183,6 +183,5 @@ class DraftLength:
             out[drafter] = {"draft_len": x, "acceptance": curve.acceptance(x), "verifies": curve.verifies}
         costs = self.fit.costs()
         if costs is not None:
-            out["costs_s"] = {"fixed": costs.fixed, "one_token": costs.one_token,
-                              "verify_token": costs.verify_token, "verify": costs.verify}
+            out["costs_s"] = dataclasses.asdict(costs)
         return out

@@ -25,7 +25,7 @@ class CompressWhen(str, enum.Enum):
     """Which VERICACHE requests draft from compressed KV (appendix B.1's split of the
     batch into requests decoding from full KV on the device and offloaded ones)."""
 
-    MEMORY_BINDS = "memory-binds"  # only once the device pool could not hold another such request in full
+    MEMORY_BINDS = "memory-binds"  # only once the pool could not hold the waiting ones and another in full
     ALWAYS = "always"  # every request with a compressor
 
 
@@ -52,9 +52,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=[c.value for c in CompressWhen],
         default=CompressWhen.MEMORY_BINDS.value,
         help="VERICACHE: 'memory-binds' (default) compresses a request after its prefill only "
-        "when the device KV pool (free plus evictable rows) could not hold another "
-        "request of its size at full KV; until then requests decode from full KV, as "
-        "fast as the plain server. 'always' compresses every request.",
+        "when the device KV pool (free plus evictable rows) could not hold the waiting "
+        "requests' prompts and another request of its size at full KV; until then requests "
+        "decode from full KV, as fast as the plain server. 'always' compresses every request.",
     )
     g.add_argument(
         "--vc-schedule-trace",

@@ -145,13 +145,15 @@ class VeriCacheWorker(ChainSpecWorker):
         self.model_runner.attn_backend.drafter = self.drafter
 
     def _full_kv_while_memory_free(self, rid: str, own_rows: int) -> Optional[str]:
-        """``--vc-compress-when memory-binds``: a request whose prefill leaves room in the
-        pool for another request of its size keeps its full KV (drafting would only add
-        work: the batch is not bound by device memory); otherwise it is compressed."""
-        room = self.runtime.free_room()
-        if room >= own_rows:
+        """``--vc-compress-when memory-binds``: a request keeps its full KV when, after its
+        prefill, the pool still has room for the waiting requests' prompts and for one
+        more of its own size (drafting would only add work: device memory does not bind
+        the batch); otherwise it is compressed."""
+        room, waiting = self.runtime.free_room(), self.runtime.waiting_rows()
+        if room >= own_rows + waiting:
             stats.add("vericache", full_kv_memory_free=1)
-            return f"the KV pool has room for its full KV ({room} free rows >= {own_rows}; --vc-compress-when)"
+            return (f"the KV pool has room for its full KV ({room} free rows >= {own_rows} + {waiting} "
+                    "waiting; --vc-compress-when)")
         return None
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
@@ -483,7 +485,7 @@ class VeriCacheWorker(ChainSpecWorker):
         phases["forward_s"] = time.perf_counter() - mark
         phases["forwards"] = self.forwards - forwards
         if part:
-            self.draft_length.record_iteration(phases["forward_s"], len(drafters) + len(full), verify_tokens,
+            self.draft_length.record_iteration(phases["forward_s"], len(drafters), len(full), verify_tokens,
                                                len(verifiers))
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
