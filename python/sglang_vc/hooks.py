@@ -202,18 +202,27 @@ def _correct_drafts_histogram(original, req, num_correct_drafts: int):
 
 
 def _readmit_after_compression(*args, **kwargs):
-    """SGLang stops trying to admit waiting requests once one did not fit
-    (``running_batch.batch_is_full``), and clears the flag only when a running request
-    leaves. Compression gives slots back without any request leaving: at the end of a
-    prefill forward, the dropped (or quantized) prompt rows return to the pool, and the
-    waiting requests may fit now. Without this, admission would keep counting running
-    compressed requests at their full prompt size until one finishes."""
+    """Before the scheduler picks its next batch, two things only it knows reach the
+    compressed-KV runtime:
+
+    * SGLang stops trying to admit waiting requests once one did not fit
+      (``running_batch.batch_is_full``), and clears the flag only when a running request
+      leaves. Compression gives slots back without any request leaving: at the end of a
+      prefill forward, the dropped (or quantized) prompt rows return to the pool, and the
+      waiting requests may fit now. Without this, admission would keep counting running
+      compressed requests at their full prompt size until one finishes.
+    * The prompt rows the waiting queue asks for: VERICACHE's ``--vc-compress-when
+      memory-binds`` compresses a request only when the pool could not also hold them
+      (the queue has no seam of its own for a plugin to read)."""
     from sglang_vc.kvruntime import current_runtime
 
     runtime = current_runtime()
     scheduler = args[0]
-    if runtime is not None and runtime.take_returned_slots() and getattr(scheduler, "running_batch", None):
+    if runtime is None:
+        return None
+    if runtime.take_returned_slots() and getattr(scheduler, "running_batch", None):
         scheduler.running_batch.batch_is_full = False
+    runtime.waiting_demand = sum(len(req.origin_input_ids) for req in getattr(scheduler, "waiting_queue", ()))
     return None
 
 

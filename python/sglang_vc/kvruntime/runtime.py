@@ -142,6 +142,7 @@ class KVRuntime:
         # the device (VERICACHE while device memory does not bind).
         self.compress_gate = None
         self.tree_cache = None  # the radix cache (set by it): its evictable rows count as room
+        self.waiting_demand = 0  # prompt rows of the scheduler's waiting queue (hooks.py)
         # ... and, for a token-dropping method, learns which rows stayed on the device:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
@@ -172,9 +173,9 @@ class KVRuntime:
         return self.allocator.available_size() + evictable
 
     def waiting_rows(self) -> int:
-        """Prompt rows of the requests the scheduler has planned (matched against the
-        tree) but not started prefilling: the waiting queue's demand on the pool."""
-        return sum(plan.prefill_len for plan in self.plans.values() if plan.tree_prefix_len is None)
+        """Prompt rows of the requests waiting to be prefilled (the scheduler's queue, as
+        of its last batch choice: ``hooks.py`` sets ``waiting_demand``)."""
+        return self.waiting_demand
 
     def compressor(self, name: str) -> Compressor:
         if name not in self._compressors:
