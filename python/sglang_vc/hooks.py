@@ -202,27 +202,31 @@ def _correct_drafts_histogram(original, req, num_correct_drafts: int):
 
 
 def _readmit_after_compression(*args, **kwargs):
-    """Before the scheduler picks its next batch, two things only it knows reach the
-    compressed-KV runtime:
-
-    * SGLang stops trying to admit waiting requests once one did not fit
-      (``running_batch.batch_is_full``), and clears the flag only when a running request
-      leaves. Compression gives slots back without any request leaving: at the end of a
-      prefill forward, the dropped (or quantized) prompt rows return to the pool, and the
-      waiting requests may fit now. Without this, admission would keep counting running
-      compressed requests at their full prompt size until one finishes.
-    * The prompt rows the waiting queue asks for: VERICACHE's ``--vc-compress-when
-      memory-binds`` compresses a request only when the pool could not also hold them
-      (the queue has no seam of its own for a plugin to read)."""
+    """SGLang stops trying to admit waiting requests once one did not fit
+    (``running_batch.batch_is_full``), and clears the flag only when a running request
+    leaves. Compression gives slots back without any request leaving: at the end of a
+    prefill forward, the dropped (or quantized) prompt rows return to the pool, and the
+    waiting requests may fit now. Without this, admission would keep counting running
+    compressed requests at their full prompt size until one finishes."""
     from sglang_vc.kvruntime import current_runtime
 
     runtime = current_runtime()
     scheduler = args[0]
-    if runtime is None:
-        return None
-    if runtime.take_returned_slots() and getattr(scheduler, "running_batch", None):
+    if runtime is not None and runtime.take_returned_slots() and getattr(scheduler, "running_batch", None):
         scheduler.running_batch.batch_is_full = False
-    runtime.waiting_demand = sum(len(req.origin_input_ids) for req in getattr(scheduler, "waiting_queue", ()))
+    return None
+
+
+def _report_waiting_demand(result, *args, **kwargs):
+    """After the scheduler chose its next batch: the prompt rows of the requests still
+    waiting (not in that batch). VERICACHE's ``--vc-compress-when memory-binds``
+    compresses a request at the end of its prefill only when the pool could not also
+    hold them; the waiting queue has no seam of its own for a plugin to read."""
+    from sglang_vc.kvruntime import current_runtime
+
+    runtime = current_runtime()
+    if runtime is not None:
+        runtime.waiting_demand = sum(len(req.origin_input_ids) for req in getattr(args[0], "waiting_queue", ()))
     return None
 
 
@@ -330,6 +334,11 @@ def install() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         _readmit_after_compression,
         HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        _report_waiting_demand,
+        HookType.AFTER,
     )
     from sglang_vc.kvruntime.graphs import GRAPH_GATE_TARGET, no_graph_for_compressed_batches
 

@@ -173,8 +173,8 @@ class KVRuntime:
         return self.allocator.available_size() + evictable
 
     def waiting_rows(self) -> int:
-        """Prompt rows of the requests waiting to be prefilled (the scheduler's queue, as
-        of its last batch choice: ``hooks.py`` sets ``waiting_demand``)."""
+        """Prompt rows of the requests waiting to be prefilled (the scheduler's queue after
+        its last batch choice: ``hooks.py`` sets ``waiting_demand``)."""
         return self.waiting_demand
 
     def compressor(self, name: str) -> Compressor:
