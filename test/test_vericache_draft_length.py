@@ -96,7 +96,7 @@ def test_anchor_is_fixed_or_the_default_until_there_is_data():
         auto.record_iteration(0.05 + 0.002 * one + 0.004 * tok + 0.02 * ver, one, 0, tok, ver)
     x = auto.anchor("snapkv", "r", 4)
     assert 4 < x <= 32  # every draft passed: longer than the default
-    assert auto.summary()["snapkv"]["draft_len"] == x
+    assert auto.chosen["snapkv"] == x
     # a request with enough verifies of its own uses its own curve
     for _ in range(MIN_VERIFIES):
         auto.record_verify("snapkv", "bad", 4, 0)

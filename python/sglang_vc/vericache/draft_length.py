@@ -22,7 +22,6 @@ starting at the default until enough verifies and iterations have been seen.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -174,14 +173,3 @@ class DraftLength:
         x = best_x(curve, costs, batch, self.max_x)
         self.chosen[drafter] = x
         return x
-
-    def summary(self) -> dict:
-        """For /server_info: per drafter the X chosen last and the measured A(X)."""
-        out = {"mode": "fixed" if self.fixed is not None else "auto", "max": self.max_x}
-        for drafter, curve in self.curves.items():
-            x = self.fixed if self.fixed is not None else self.chosen.get(drafter, self.default)
-            out[drafter] = {"draft_len": x, "acceptance": curve.acceptance(x), "verifies": curve.verifies}
-        costs = self.fit.costs()
-        if costs is not None:
-            out["costs_s"] = dataclasses.asdict(costs)
-        return out
