@@ -225,7 +225,7 @@ def _report_waiting_demand(result, *args, **kwargs):
     from sglang_vc.kvruntime import current_runtime
 
     runtime = current_runtime()
-    if runtime is not None:
+    if runtime is not None and runtime.compress_gate is not None:  # nobody else reads it
         runtime.waiting_demand = sum(len(req.origin_input_ids) for req in getattr(args[0], "waiting_queue", ()))
     return None
 

@@ -47,7 +47,6 @@ class RequestPlan:
     prefill_len: int
     error: Optional[str] = None  # a rejected per-request override (the server default ran)
     tree_prefix_len: Optional[int] = None  # row [0, here) borrowed from the radix tree
-    full_kv_reason: Optional[str] = None  # why a request with a spec kept its full KV
 
     def min_own_rows(self) -> int:
         """Rows of its prefill the request must own itself (not borrowed from the tree):

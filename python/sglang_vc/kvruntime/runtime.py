@@ -142,7 +142,9 @@ class KVRuntime:
         # the device (VERICACHE while device memory does not bind).
         self.compress_gate = None
         self.tree_cache = None  # the radix cache (set by it): its evictable rows count as room
-        self.waiting_demand = 0  # prompt rows of the scheduler's waiting queue (hooks.py)
+        # prompt rows of the scheduler's waiting queue after its last batch choice, kept
+        # (by hooks.py) only while a compress gate reads it
+        self.waiting_demand = 0
         # ... and, for a token-dropping method, learns which rows stayed on the device:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
@@ -171,11 +173,6 @@ class KVRuntime:
         (what SGLang's admission counts)."""
         evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
         return self.allocator.available_size() + evictable
-
-    def waiting_rows(self) -> int:
-        """Prompt rows of the requests waiting to be prefilled (the scheduler's queue after
-        its last batch choice: ``hooks.py`` sets ``waiting_demand``)."""
-        return self.waiting_demand
 
     def compressor(self, name: str) -> Compressor:
         if name not in self._compressors:
@@ -235,17 +232,14 @@ class KVRuntime:
         if mode.is_extend() and not mode.is_target_verify() and rids:
             prefix = forward_batch.extend_prefix_lens_cpu
             ext = forward_batch.extend_seq_lens_cpu
+            q_lo = 0
             for i, rid in enumerate(rids):
                 plan = self.plans.get(rid)
                 if plan is not None and plan.tree_prefix_len is None:
                     # A plan's first extend starts at the tree-matched prefix: the row's
                     # [0, p) belongs to the tree, [p, n) to the request (lossy requests
                     # never insert, so later prefill chunks do not move that boundary).
-                    # (Set for the whole batch first: a plan without it is still waiting.)
                     plan.tree_prefix_len = prefix[i]
-            q_lo = 0
-            for i, rid in enumerate(rids):
-                plan = self.plans.get(rid)
                 if (plan is not None and plan.spec is not None and entries[i] is None
                         and seq_lens[i] == plan.prefill_len):
                     pend = self._pending(plan, pool_idx[i], seq_lens[i], q_lo, q_lo + ext[i])
@@ -271,7 +265,7 @@ class KVRuntime:
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
         if self.compress_gate is not None and (reason := self.compress_gate(plan.rid, n - p)) is not None:
-            plan.spec, plan.full_kv_reason = None, reason
+            plan.spec = None
             self.meta[plan.rid] = {"compressor": "none", "full_kv_reason": reason}
             return None
         if self.full_kv_admit is not None and not self.full_kv_admit(plan.rid, req_pool_idx, p, n):

@@ -149,7 +149,7 @@ class VeriCacheWorker(ChainSpecWorker):
         prefill, the pool still has room for the waiting requests' prompts and for one
         more of its own size (drafting would only add work: device memory does not bind
         the batch); otherwise it is compressed."""
-        room, waiting = self.runtime.free_room(), self.runtime.waiting_rows()
+        room, waiting = self.runtime.free_room(), self.runtime.waiting_demand
         if room >= own_rows + waiting:
             stats.add("vericache", full_kv_memory_free=1)
             return (f"the KV pool has room for its full KV ({room} free rows >= {own_rows} + {waiting} "
