@@ -37,7 +37,7 @@ def _report(tmp_path):
     weights here: 28 GB for 32 layers)."""
     rows = gpu_step.measure(n=256, batch=2, x=4, keep=0.25, topk=16, repeats=1, dev="cpu")
     rows["reload_h2d"] = {"us": 50.0, "bytes": 2 * 256 * 8 * 128 * 2, "gb_s": 55.0}
-    report = {"device": "cpu", "settings": {"batch": 2, "tokens": 256, "keep": 0.25},
+    report = {"device": "cpu", "settings": {"batch": 2, "tokens": 256, "keep": 0.25, "draft_len": 4},
               "model": {"kv_heads": 8, "head_dim": 128, "layers": 32}, "per_layer": rows,
               "gpu_mem_bytes": 80e9}
     path = tmp_path / "step.json"
@@ -50,7 +50,7 @@ def test_gpu_predict_uses_b1_at_the_measured_bandwidths(tmp_path):
     from sglang_vc.vericache import perf_model as pm
 
     report, _ = _report(tmp_path)
-    out = gpu_predict.predict(report, {"specache": (30, 20.0), "snapkv": (8, 3.0)}, 80e9)
+    out = gpu_predict.predict([report], {"specache": {30: 20.0}, "snapkv": {8: 3.0}}, 80e9)
     rows = report["per_layer"]
     kv_full = 2 * 256 * 8 * 128 * 2 * 32
     for p in out["predictions"]:
@@ -61,6 +61,24 @@ def test_gpu_predict_uses_b1_at_the_measured_bandwidths(tmp_path):
         assert p["b1_tokens_per_s"] == best.tokens_per_s and p["batch_size"] == best.batch_size
         assert p["measured_tokens_per_s"] > 0 and 0 < p["draft_share"] < 1
     assert out["predictions"][1]["compression"] == 0.25 and "PREDICTION" in out["label"]
+
+
+def test_gpu_predict_chooses_x_from_the_curve_and_prices_the_verify_by_x(tmp_path):
+    from sglang_vc.bench import gpu_predict
+
+    report, _ = _report(tmp_path)
+    longer = __import__("copy").deepcopy(report)
+    longer["settings"]["draft_len"] = 30
+    longer["per_layer"]["verify_flash"] = {"us": 10 * report["per_layer"]["verify_flash"]["us"]}
+    out = gpu_predict.predict([report, longer], {"specache": {4: 3.0, 16: 14.0, 30: 16.0}}, 80e9)
+    v4, v30 = (report["per_layer"]["verify_flash"]["us"] / 2, longer["per_layer"]["verify_flash"]["us"] / 2)
+    vu = out["verify_us_per_request"]
+    assert vu[4] == v4 and vu[30] == v30 and vu[16] == pytest.approx(v4 + (v30 - v4) * 12 / 26)
+    pts = {p["draft_len"]: p for p in out["predictions"]}
+    assert out["chosen"]["specache"]["measured_costs"] == max(pts, key=lambda x: pts[x]["measured_ratio_to_full"])
+    # B.1 alone at nominal figures for the issue's two settings, at the curve's best X
+    paper = out["nominal_b1"]["paper_mistral24b_rtx6000"]["specache"]
+    assert paper["full_kv_batch"] == 11 and paper["draft_len"] in (16, 30) and paper["ratio_to_full"] > 1
 
 
 @pytest.mark.parametrize("bad", ["specache=30", "specache=30:40", "nosuch=30:5", "specache=x:5"])

@@ -102,14 +102,19 @@ def vc_counters(server):
 # ----------------------------------------------------------------------------- flags
 
 
-def test_vericache_without_compressor_is_a_usage_error():
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_vc.launch_server", "--dtype", "float32",
-         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "VERICACHE" in proc.stderr and "--vc-compressor" in proc.stderr
+def test_vericache_without_compressor_drafts_with_specache_2bit():
+    """No ``--vc-compressor``: the default drafter (SpeCache 2-bit), recorded for
+    /server_info; an explicit compressor wins, and bits without a compressor stay an error."""
+    from sglang_vc.launch_server import parse_args
+
+    vc, _ = parse_args(["--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4"])
+    assert (vc.vc_compressor, vc.vc_kv_bits, vc.vc_compression_ratio) == ("specache", 2, None)
+    assert vc.resolved["vericache_drafter"] == {"compressor": "specache", "kv_bits": 2, "default": True}
+    vc, _ = parse_args(["--speculative-algorithm", "VERICACHE", "--vc-compressor", "snapkv",
+                        "--vc-compression-ratio", "0.25"])
+    assert vc.vc_compressor == "snapkv" and "vericache_drafter" not in vc.resolved
+    vc, _ = parse_args([])  # no VERICACHE: no drafter
+    assert vc.vc_compressor is None
 
 
 @pytest.mark.slow  # a launcher process; the in-process checks are in test_cli / test_specache_serving

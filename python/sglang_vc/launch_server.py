@@ -104,6 +104,9 @@ def parse_args(argv: list[str]):
     except ConfigError as exc:
         parser.error(str(exc))
     sglang_argv = resolve_model_argv(sglang_argv, parser)
+    from sglang_vc.vericache import flags as vericache_flags
+
+    vericache_flags.apply_default_drafter(vc_config, sglang_argv)
     try:
         sglang_argv += backend_flags(vc_config, sglang_argv)
         from sglang_vc.evicpress import flags as evicpress_flags
@@ -173,6 +176,13 @@ def main(argv: list[str] | None = None) -> None:
     vc_config, server_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     configure_logger(server_args)  # SGLang's own format; it configures the same again later
     notices.flush()  # what the flags switched off, as warnings
+    drafter = vc_config.resolved.get("vericache_drafter")
+    if drafter:
+        import logging
+
+        logging.getLogger(__name__).info(
+            "VERICACHE without --vc-compressor: drafting with %s at %d bits, the default drafter "
+            "(--vc-compressor chooses another)", drafter["compressor"], drafter["kv_bits"])
     install_server_info_routes(vc_config)
     from sglang_vc.evicpress.service import install as install_evicpress
 

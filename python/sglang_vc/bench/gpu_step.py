@@ -122,6 +122,12 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
     mask = torch.ones(w_len, n + w_len, dtype=torch.bool, device=dev).tril(diagonal=n)
     out["verify_sdpa"] = {"us": _time_us(lambda: F.scaled_dot_product_attention(
         qw, kw, vw, attn_mask=mask, enable_gqa=True, scale=scale), repeats), "queries": w_len}
+    # the same window as FlashInfer's prefill runs it: the prefix without a mask, a GQA group's
+    # queries folded into one tile (SDPA's flash path; the window's own (x+1)^2 part is left out)
+    q_fold = qw.view(batch, HKV, HQ // HKV * w_len, D)
+    out["verify_flash"] = {"us": _time_us(lambda: F.scaled_dot_product_attention(
+        q_fold, kw[:, :, :n], vw[:, :, :n], scale=scale), repeats), "queries": w_len,
+        "note": "prefix only, GQA group folded into the query tile, no mask (flash)"}
     del kw, vw
 
     # KIVI 2-bit drafter: one fused launch per request (as the server's drafter runs it)
@@ -169,6 +175,12 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
     dev_scores = lambda: [ext.select_topk(ext.payload_scores(qr[0], ext.kivi_attention(qr, p1, scale)[1][0], p1,  # noqa: E731
                                                               scale), topk) for _ in range(batch)]
     out["draft_specache_device_only"] = {"us": _time_us(dev_scores, repeats)}
+    # where the device part goes: the payload scores alone, and the top-k alone
+    lse0 = ext.kivi_attention(qr, p1, scale)[1][0]
+    out["specache_scores_only"] = {"us": _time_us(lambda: [ext.payload_scores(qr[0], lse0, p1, scale)
+                                                          for _ in range(batch)], repeats)}
+    sc = ext.payload_scores(qr[0], lse0, p1, scale)
+    out["specache_topk_only"] = {"us": _time_us(lambda: [ext.select_topk(sc, topk) for _ in range(batch)], repeats)}
 
     # reload: one layer of one request's full KV from pinned host memory on a copy stream
     if dev != "cuda":

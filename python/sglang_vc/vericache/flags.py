@@ -106,6 +106,26 @@ def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:
     return None if gb is None else int(gb * 2**30)
 
 
+# The drafter without --vc-compressor: SpeCache 2-bit, the one that drafts longest on real
+# text at about the device bytes of the others (README, "VeriCache's default drafter").
+DEFAULT_DRAFTER = ("specache", 2)
+
+
+def apply_default_drafter(config, argv: list[str]) -> bool:
+    """``--speculative-algorithm VERICACHE`` without ``--vc-compressor`` drafts with
+    :data:`DEFAULT_DRAFTER` (set on ``config``, recorded in ``config.resolved``); True when
+    it was applied."""
+    from sglang_vc.kvruntime.select import flag_value
+
+    algorithm = flag_value(argv, "--speculative-algorithm")[1]
+    if config.vc_compressor or algorithm is None or algorithm.upper() != ALGORITHM:
+        return False
+    config.vc_compressor, config.vc_kv_bits = DEFAULT_DRAFTER
+    config.resolved["vericache_drafter"] = {"compressor": DEFAULT_DRAFTER[0], "kv_bits": DEFAULT_DRAFTER[1],
+                                            "default": True}
+    return True
+
+
 def backend_choice(argv: list[str]):
     """VERICACHE drafts and verifies with the ``vc_verify`` attention backend over the
     ``vc`` radix cache (a :class:`~sglang_vc.kvruntime.select.BackendChoice`)."""
