@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-cpu
 
-.PHONY: serve serve-cluster test test-all bench venv clean-venv
+.PHONY: serve serve-cluster test test-all bench bench-deps venv clean-venv
 
 serve: $(STAMP)
 	$(PY) -m sglang_vc.launch_server $(ARGS)
@@ -26,6 +26,12 @@ $(VENV)/.installed-storage: requirements/storage.txt $(STAMP)
 	touch $@
 
 venv: $(STAMP)
+
+# SGLang's own load generator (python -m sglang.bench_serving) needs `datasets`
+bench-deps: $(VENV)/.installed-bench
+$(VENV)/.installed-bench: requirements/bench.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements/bench.txt
+	touch $@
 
 # CPU install: torch's CPU build, sglang without its (CUDA) dependency list, the pinned
 # set the CPU path needs, then this project editable. GPU: see README.

@@ -19,6 +19,12 @@ between runs minutes apart), cancel. The report gives, per level, the median of 
 repeats' throughput ratios with their spread, and the same for the servers' CPU seconds
 per generated token (all their processes).
 
+``--load-generator sglang`` sends the load with SGLang's own ``python -m
+sglang.bench_serving --dataset-name random-ids`` (``make bench-deps`` installs the
+``datasets`` package it imports) instead of this module's client, and ``--vc-args`` gives
+flags to the sglang-vc server only: ``--vc-args "--speculative-algorithm VERICACHE"``
+measures VERICACHE against the plain server where memory does not bind.
+
 ``--profile`` then samples every process of each server with py-spy during one more run
 at the highest level (outside the timed runs) and reports which share of the samples is
 in sglang-vc's own code (``sglang_vc`` frames), per process: the wrapper's per-batch work.
@@ -98,6 +104,38 @@ async def run_level(url: str, prompts: list[list[int]], concurrency: int, max_ne
     }
 
 
+def run_level_sglang(url: str, model_dir: str, n: int, concurrency: int, prompt_tokens: int,
+                     max_new_tokens: int) -> dict:
+    """One level through ``python -m sglang.bench_serving`` (random token ids, fixed
+    lengths, EOS ignored, greedy), in this module's row format."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.jsonl"
+        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+               "--tokenizer", model_dir, "--model", model_dir, "--dataset-name", "random-ids",
+               "--num-prompts", str(n), "--random-input-len", str(prompt_tokens), "--random-output-len",
+               str(max_new_tokens), "--random-range-ratio", "1", "--max-concurrency", str(concurrency),
+               "--request-rate", "inf", "--seed", "1", "--disable-tqdm", "--output-file", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"sglang.bench_serving failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        r = json.loads(out.read_text().splitlines()[-1])
+    if r["completed"] != n:
+        raise RuntimeError(f"sglang.bench_serving completed {r['completed']} of {n} requests")
+    return {
+        "concurrency": concurrency,
+        "requests": r["completed"],
+        "elapsed_s": r["duration"],
+        "request_throughput": r["request_throughput"],
+        "output_token_throughput": r["output_throughput"],
+        "total_token_throughput": (r["total_input_tokens"] + r["total_output_tokens"]) / r["duration"],
+        "ttft_mean_s": r["mean_ttft_ms"] / 1e3,
+        "ttft_p50_s": r["median_ttft_ms"] / 1e3,
+    }
+
+
 def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -168,10 +206,16 @@ def flush_cache(server: ServerProcess) -> None:
     raise RuntimeError(f"{server.url}/flush_cache kept failing: the server is not idle")
 
 
-def measure(server: ServerProcess, prompts, level: int, max_new_tokens: int) -> dict:
+def measure(server: ServerProcess, prompts, level: int, max_new_tokens: int, sglang_load: dict | None = None) -> dict:
+    """One timed run; ``sglang_load`` (model_dir, prompt_tokens) sends it with SGLang's
+    own load generator instead."""
     flush_cache(server)
     cpu_before = cpu_seconds(server.proc.pid)
-    row = asyncio.run(run_level(server.url, prompts, level, max_new_tokens))
+    if sglang_load is not None:
+        row = run_level_sglang(server.url, sglang_load["model_dir"], len(prompts), level,
+                               sglang_load["prompt_tokens"], max_new_tokens)
+    else:
+        row = asyncio.run(run_level(server.url, prompts, level, max_new_tokens))
     out_tokens = row["output_token_throughput"] * row["elapsed_s"]
     row["cpu_s_per_output_token"] = (cpu_seconds(server.proc.pid) - cpu_before) / out_tokens
     return row
@@ -285,6 +329,11 @@ def main(argv=None) -> None:
                         help="the baseline's sglang-vc plugins: the CPU platform only (default), or all")
     parser.add_argument("--server-args", default="--dtype float32 --max-total-tokens 16384",
                         help="flags given to both launchers")
+    parser.add_argument("--vc-args", default="",
+                        help="flags given to the sglang-vc launcher only (e.g. \"--speculative-algorithm VERICACHE\")")
+    parser.add_argument("--load-generator", choices=("own", "sglang"), default="own",
+                        help="this module's client (default) or SGLang's python -m sglang.bench_serving "
+                             "--dataset-name random-ids (needs `make bench-deps`)")
     parser.add_argument("--profile", type=int, default=0, metavar="SECONDS",
                         help="after the timed runs, sample each server with py-spy for this long")
     args = parser.parse_args(argv)
@@ -302,6 +351,11 @@ def main(argv=None) -> None:
     if args.profile and spy is None:
         parser.error("--profile needs py-spy (pip install py-spy)")
 
+    if args.load_generator == "sglang":
+        import importlib.util
+
+        if importlib.util.find_spec("datasets") is None:
+            parser.error("--load-generator sglang: sglang.bench_serving imports `datasets`; run `make bench-deps`")
     from sglang_vc import models
 
     try:
@@ -311,6 +365,8 @@ def main(argv=None) -> None:
     prompts = build_prompts(model_dir, max(per_level.values()), args.prompt_tokens)
     common = ["--model-path", model_dir, "--device", args.device, *args.server_args.split()]
 
+    sglang_load = ({"model_dir": model_dir, "prompt_tokens": args.prompt_tokens}
+                   if args.load_generator == "sglang" else None)
     # runs[launcher][repeat][level index] = that ABBA block's two runs of the launcher
     runs: dict[str, list[list[list[dict]]]] = {
         name: [[[] for _ in levels] for _ in range(args.repeats)] for name in LAUNCHERS}
@@ -319,7 +375,8 @@ def main(argv=None) -> None:
     try:
         for launcher in LAUNCHERS:
             print(f"[serving] starting {launcher}", file=sys.stderr)
-            servers[launcher] = ServerProcess(common, launcher=launcher,
+            extra = args.vc_args.split() if launcher == "sglang-vc" else []
+            servers[launcher] = ServerProcess([*common, *extra], launcher=launcher,
                                               env=baseline_env if launcher == "sglang" else None)
             asyncio.run(run_level(servers[launcher].url, prompts[:2], 2, 4))  # warm-up, not measured
         if baseline_env and "sglang_vc" in servers["sglang"].server_info():
@@ -328,13 +385,16 @@ def main(argv=None) -> None:
             first, second = LAUNCHERS if rep % 2 == 0 else LAUNCHERS[::-1]
             for i, level in enumerate(levels):
                 for launcher in (first, second, second, first):
-                    row = measure(servers[launcher], prompts[: per_level[level]], level, args.max_new_tokens)
+                    row = measure(servers[launcher], prompts[: per_level[level]], level, args.max_new_tokens,
+                                  sglang_load)
                     runs[launcher][rep][i].append(row)
                     print(f"[serving] repeat {rep + 1}/{args.repeats} {launcher} c={level}: "
                           f"{row['output_token_throughput']:.1f} tok/s, TTFT {row['ttft_mean_s']:.3f}s, "
                           f"{row['cpu_s_per_output_token'] * 1e3:.1f} CPU ms/token", file=sys.stderr)
         profile = (profile_servers(servers, prompts, max(levels), args.max_new_tokens, args.profile, spy)
                    if args.profile else None)
+        # what the sglang-vc server did (its mechanisms' counters: e.g. how many requests drafted)
+        vc_info = servers["sglang-vc"].server_info().get("sglang_vc")
     finally:
         for server in servers.values():
             server.stop()
@@ -358,6 +418,7 @@ def main(argv=None) -> None:
         "runs": runs,
         "wrapper_over_sglang": ratios,
         "profile": profile,
+        "sglang_vc_server_info": vc_info,
     }
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
