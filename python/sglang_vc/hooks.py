@@ -268,6 +268,17 @@ def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_o
         off += max(n, 0)
 
 
+def _pace_storage_reads(result, *args, **kwargs):
+    """SGLang's storage backend factory has no seam for wrapping the backend it creates
+    (its own failure injector is wired in by environment variables): with
+    ``--vc-storage-read-gbps`` the created backend's reads are paced (an emulated slow
+    link, ``storage_link.py``)."""
+    from sglang_vc.storage_link import pace_created_backend
+
+    config = kwargs.get("storage_config") or next((a for a in args if hasattr(a, "extra_config")), None)
+    return pace_created_backend(result, config) if config is not None else result
+
+
 def _leave_stopping_to_the_launcher() -> None:
     """A supervisor stops a service by signalling its whole process group (systemd's
     control group, a terminal's Ctrl-C), not only the launcher. SGLang's scheduler and
@@ -338,6 +349,11 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         _report_waiting_demand,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend",
+        _pace_storage_reads,
         HookType.AFTER,
     )
     from sglang_vc.kvruntime.graphs import GRAPH_GATE_TARGET, no_graph_for_compressed_batches

@@ -112,6 +112,9 @@ def parse_args(argv: list[str]):
         from sglang_vc.evicpress import flags as evicpress_flags
 
         sglang_argv = evicpress_flags.storage_argv(evicpress_flags.settings_of(vc_config), sglang_argv)
+        from sglang_vc import storage_link
+
+        sglang_argv = storage_link.storage_argv(vc_config.group(storage_link.GROUP), sglang_argv)
     except ConfigError as exc:
         parser.error(str(exc))
     if flag_value(sglang_argv, "--device")[0] < 0 and _platform_device() == "cpu":

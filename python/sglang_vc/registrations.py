@@ -7,6 +7,7 @@ _done = False
 
 def register_flag_groups() -> None:
     """Each mechanism's ``flags`` module registers its flag family when imported."""
+    from sglang_vc import storage_link as _storage_link  # noqa: F401
     from sglang_vc.evicpress import flags as _evicpress_flags  # noqa: F401
     from sglang_vc.specache import flags as _specache_flags  # noqa: F401
     from sglang_vc.speccache import flags as _speccache_flags  # noqa: F401
