@@ -37,7 +37,10 @@ from pathlib import Path
 from sglang_vc.vericache import perf_model as pm
 
 # gpu_step's drafter rows, and the kept fraction each stands for on the device
-DRAFTERS = {"snapkv": "draft_snapkv", "kivi2": "draft_kivi2", "specache": "draft_specache"}
+# (every token dropper keeps the same quarter, read by the same paged kernel)
+DRAFTERS = {"snapkv": "draft_snapkv", "streamingllm": "draft_snapkv", "kvzip": "draft_snapkv",
+            "kivi2": "draft_kivi2", "specache": "draft_specache"}
+TOKEN_DROPPERS = {name for name, row in DRAFTERS.items() if row == "draft_snapkv"}
 
 
 @dataclass
@@ -89,7 +92,7 @@ def _verify_us(reports: list[dict], x: int) -> float:
 
 def _kept(step: dict, settings: dict, kv_layer: float) -> dict[str, float]:
     payload = step["draft_kivi2"]["payload_bytes_per_req"] / kv_layer
-    return {"snapkv": settings["keep"], "kivi2": payload, "specache": payload}
+    return {**{name: settings["keep"] for name in TOKEN_DROPPERS}, "kivi2": payload, "specache": payload}
 
 
 def predict(reports: list[dict], curves: dict[str, dict[int, float]], gpu_mem_bytes: float) -> dict:
@@ -131,7 +134,7 @@ def predict(reports: list[dict], curves: dict[str, dict[int, float]], gpu_mem_by
             tokens = drafting + verifying * (x + 1)
             compute = _weights_us(step, tokens) + drafting * draft_us + verifying * _verify_us(reports, x)
             # the offloaded verifiers' reloads: only the dropped rows for a token-dropping drafter
-            reload_frac = 1 - c if drafter == "snapkv" else 1.0
+            reload_frac = 1 - c if drafter in TOKEN_DROPPERS else 1.0
             link = (b_c / (x + 1)) * reload_us * reload_frac
             iter_us = layers * max(compute, link)  # measured: a reload on the copy stream hides behind compute
             tps = b * a / (x + 1) / (iter_us * 1e-6)
