@@ -60,9 +60,10 @@ def validate_server_args(server_args) -> None:
 
     config = parsed_config()
     if config is None or not config.vc_compressor:
+        # only outside the project's launcher, which picks the default drafter
         raise _config_error(
-            "needs --vc-compressor NAME (the compression of the device KV copy it drafts "
-            "from) with --vc-compression-ratio C or --vc-kv-bits B"
+            "needs sglang-vc's launcher (python -m sglang_vc.launch_server), which sets its drafter: "
+            "SpeCache 2-bit by default, or --vc-compressor NAME with --vc-compression-ratio C or --vc-kv-bits B"
         )
     compressor = get_compressor(config.vc_compressor)
     if compressor.mode in UNSUPPORTED_MODES:
