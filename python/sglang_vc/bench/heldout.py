@@ -69,8 +69,7 @@ def build(tokenizer, n: int, tokens: int) -> list[Prompt]:
             body = tokenizer.decode(ids[:tokens])
             label = SOURCES[kind][2]
             chosen[kind].append(Prompt(f"Continue this {label} exactly where it stops.\n\n{body}", str(path), kind))
-    out = [p for i in range(max(per_kind.values())) for kind in SOURCES
-           if i < len(chosen[kind]) for p in [chosen[kind][i]]]
+    out = [chosen[kind][i] for i in range(max(per_kind.values())) for kind in SOURCES if i < len(chosen[kind])]
     return out[:n]
 
 

@@ -38,6 +38,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -206,14 +207,22 @@ def flush_cache(server: ServerProcess) -> None:
     raise RuntimeError(f"{server.url}/flush_cache kept failing: the server is not idle")
 
 
-def measure(server: ServerProcess, prompts, level: int, max_new_tokens: int, sglang_load: dict | None = None) -> dict:
-    """One timed run; ``sglang_load`` (model_dir, prompt_tokens) sends it with SGLang's
-    own load generator instead."""
+@dataclass(frozen=True)
+class SglangLoad:
+    """What SGLang's load generator needs beyond the run: the tokenizer and prompt length."""
+
+    model_dir: str
+    prompt_tokens: int
+
+
+def measure(server: ServerProcess, prompts, level: int, max_new_tokens: int,
+            sglang_load: SglangLoad | None = None) -> dict:
+    """One timed run; with ``sglang_load`` sent by SGLang's own load generator."""
     flush_cache(server)
     cpu_before = cpu_seconds(server.proc.pid)
     if sglang_load is not None:
-        row = run_level_sglang(server.url, sglang_load["model_dir"], len(prompts), level,
-                               sglang_load["prompt_tokens"], max_new_tokens)
+        row = run_level_sglang(server.url, sglang_load.model_dir, len(prompts), level,
+                               sglang_load.prompt_tokens, max_new_tokens)
     else:
         row = asyncio.run(run_level(server.url, prompts, level, max_new_tokens))
     out_tokens = row["output_token_throughput"] * row["elapsed_s"]
@@ -365,7 +374,7 @@ def main(argv=None) -> None:
     prompts = build_prompts(model_dir, max(per_level.values()), args.prompt_tokens)
     common = ["--model-path", model_dir, "--device", args.device, *args.server_args.split()]
 
-    sglang_load = ({"model_dir": model_dir, "prompt_tokens": args.prompt_tokens}
+    sglang_load = (SglangLoad(model_dir, args.prompt_tokens)
                    if args.load_generator == "sglang" else None)
     # runs[launcher][repeat][level index] = that ABBA block's two runs of the launcher
     runs: dict[str, list[list[list[dict]]]] = {

@@ -167,8 +167,8 @@ def best_mix(cl: Cluster, draft_len: int, accept_len: float, routes: tuple[Route
                          cl.remote_gpus, cl.remote_gpus, cl.remote_gpus * cl.max_batch], dtype=float)
     b_local = b_remote = float(cl.max_batch)
     for _ in range(iterations):
-        tl, tr = cl.t_tok(b_local), cl.t_tok(b_remote)
-        costs = route_costs(cl, draft_len, accept_len, b_local, b_remote)
+        at = (b_local, b_remote)  # the occupancies these costs are priced at
+        costs = route_costs(cl, draft_len, accept_len, *at)
         matrix = np.array([costs[r].vector() for r in routes])
         rates = _max_rate(matrix, capacity)
         used = matrix.T @ rates
@@ -178,7 +178,8 @@ def best_mix(cl: Cluster, draft_len: int, accept_len: float, routes: tuple[Route
             break
         b_local, b_remote = new_local, new_remote
     binding = [name for name, u, cap in zip(RESOURCES, used, capacity) if cap > 0 and u >= cap * (1 - 1e-6)]
-    return Mix({r: float(n) for r, n in zip(routes, rates)}, cl.output_tokens * float(rates.sum()), tl, tr, binding)
+    return Mix({r: float(n) for r, n in zip(routes, rates)}, cl.output_tokens * float(rates.sum()),
+               cl.t_tok(at[0]), cl.t_tok(at[1]), binding)
 
 
 def choose_route(cl: Cluster, draft_len: int, accept_len: float) -> Route:
