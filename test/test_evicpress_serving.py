@@ -628,6 +628,7 @@ def ep_server(model_dir, tmp_path_factory):
         "--evicpress-idle-seconds", "5", "--evicpress-profile-max-new-tokens", "8",
         "--evicpress-profile-queries", "1", "--evicpress-auto-context-tokens", "150",
         "--evicpress-device-size-gb", "0",  # device copies: SGLang's LRU (tier tests: test_evicpress_tree)
+        "--evicpress-storage-copies", "none",  # the knapsack alone places (copies: test_evicpress_tree)
         # the delay model's inputs are pinned, so that placements do not depend on what
         # this machine measures at start-up (their measurement has its own test)
         "--evicpress-host-bandwidth", "10", "--evicpress-disk-bandwidth", "1",

@@ -533,9 +533,10 @@ def test_seaweedfs_storage_tier(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_two_evicpress_servers_share_contexts_through_seaweedfs(tmp_path, monkeypatch, tokenizer):
-    """Server A stores a context (placed on the storage tier, KIVI 4-bit) in a local
-    SeaweedFS and stops; server B, started after it on the same store, answers the same
-    context as a storage-tier hit, with A's tokens, without prefilling it."""
+    """Server A stores a context in a local SeaweedFS (its storage copies, full and KIVI
+    4-bit, and a placement moved to the storage tier as KIVI 4-bit) and stops; server B,
+    started after it on the same store, answers the same context as a storage-tier hit
+    on the full copy, with A's tokens, without prefilling it."""
     import requests
 
     from conftest import real_text_passages
@@ -574,7 +575,121 @@ def test_two_evicpress_servers_share_contexts_through_seaweedfs(tmp_path, monkey
                     assert c1.get("hits_disk", 0) == c0.get("hits_disk", 0) + 1, (c0, c1)
                     assert c1.get("shared_found", 0) == 1
                     assert out["meta_info"]["cached_tokens"] >= len(ids)
-                    placement = api(srv, "GET", "/evicpress/contexts/doc")["placement"]
-                    assert placement["config"] == "kivi@4b", placement
-    # B answers from A's stored 4-bit copy exactly as A did from it
-    assert outs["b"]["output_ids"] == outs["a_stored"]["output_ids"]
+                    described = api(srv, "GET", "/evicpress/contexts/doc")
+                    # A's storage copies (full, kivi@4b) are there beside its placement:
+                    # B takes the full one
+                    assert described["placement"]["config"] == "full", described
+                    assert described["storage_copies"] == ["full"], described
+    # B answers from A's full copy exactly as A did from its prefill
+    assert outs["b"]["output_ids"] == outs["a"]["output_ids"]
+
+
+# -- storage copies: every computed context reaches the shared store -------------------------
+def test_every_computed_context_leaves_full_and_compressed_copies_for_the_next_server(kind, store_dir):
+    """Server A computes a context the policy places on its host tier; the shared store
+    still gets its full KV and a KIVI 4-bit copy, side by side under the context's
+    content key and config. A's later moves (here: forgetting it) leave the copies;
+    server B finds the full copy first and reads A's exact KV."""
+    from sglang_vc.evicpress import codec
+    from sglang_vc.evicpress.codec import FullKV
+    from sglang_vc.evicpress.config import FULL, CompressionConfig, Tier
+    from sglang_vc.evicpress.host_tier import RamHostStore
+    from sglang_vc.evicpress.manager import EvicPressManager, KVDims, Settings
+
+    dims = KVDims(layers=2, heads=2, head_dim=32, v_heads=2, v_head_dim=32, itemsize=4)
+    kivi4 = CompressionConfig("kivi", bits=4)
+    g = torch.Generator().manual_seed(0)
+    kv = FullKV(torch.randn(2, 300, 2, 32, generator=g), torch.randn(2, 300, 2, 32, generator=g))
+    ids = list(range(7, 307))
+
+    def server(copies=(FULL, kivi4)):
+        s = Settings(policy="lru", candidates=(kivi4,), storage_copies=copies, model_id=MODEL,
+                     disk_capacity=64 * MB, prefill_measured=False)
+        disk = StorageTier(make_backend(kind, store_dir), 64 * MB, namespace="model-a")
+        return EvicPressManager(s, dims, RamHostStore(64 * MB), disk)
+
+    a = server()
+    ctx = a.register(ids, ctx_id="doc")
+    a.store_computed(ctx, kv)
+    assert ctx.placement.tier == Tier.HOST  # the policy's choice ...
+    assert ctx.shared == {FULL, kivi4}  # ... and the store's copies beside it
+    assert a.counters["storage_copies_written"] == 2
+    full_bytes = a.counters["bytes_written_storage_copies"]
+    assert full_bytes > 0 and ctx.sizes[kivi4] < ctx.sizes[FULL] / 2.5  # 4-bit codes + group scales of fp32 KV
+    assert a.forget("doc")
+
+    b = server()
+    other = b.register(ids, ctx_id="same-tokens")
+    assert b.find_shared(other) and other.placement.config == FULL and other.placement.tier == Tier.DISK
+    got = b.fetch(other)
+    assert torch.equal(got.kv.k, kv.k) and torch.equal(got.kv.v, kv.v)
+    assert other.shared == {FULL}
+    # B's own copies are not rewritten: A's are already on the store
+    b.write_storage_copies(other, kv)
+    assert other.shared == {FULL, kivi4} and b.counters.get("storage_copies_written", 0) == 0
+    # the compressed copy is the KIVI 4-bit encoding of the same KV
+    key = b.blob_key(other, Tier.DISK, kivi4)
+    cfg, decoded, _ = codec.decode(b.disk.get(key))
+    assert cfg == kivi4 and decoded.num_tokens == 300
+    assert not torch.equal(decoded.k, kv.k) and torch.allclose(decoded.k, kv.k, atol=0.5)
+
+
+def test_storage_copies_off_and_flag_errors():
+    from sglang_vc.config import ConfigError
+    from sglang_vc.evicpress import flags
+
+    def parse(value):
+        import argparse
+
+        p = argparse.ArgumentParser()
+        flags.add_cli_args(p)
+        return flags.from_cli_args(p.parse_args(["--evicpress-storage-copies", value]))
+
+    assert parse("none")["storage_copies"] == []
+    assert parse("kivi@2b,full,kivi@2b")["storage_copies"] == ["kivi@2b", "full"]
+    with pytest.raises(ConfigError, match="unknown method 'zip'"):
+        parse("zip@0.5")
+    with pytest.raises(ConfigError, match="--evicpress-storage-copies"):
+        parse("kivi")
+
+
+def test_a_prompt_one_evicpress_server_computed_is_a_storage_hit_for_the_next(tmp_path, tokenizer):
+    """What plain HiCache gives, kept under EvicPress: server A computes a long prompt
+    (an automatic context, placed by the default policy on its own tiers) and stops;
+    server B, started after it on the same ``file`` store, takes the prompt from storage
+    (A's full copy) instead of prefilling it, and answers with A's tokens."""
+    import requests
+
+    from conftest import real_text_passages
+    from sglang_vc.testing.server import ServerProcess
+
+    ids = tokenizer(real_text_passages(4, words=500)[1])["input_ids"][:600]
+    store = tmp_path / "store"
+    args = ["--dtype", "float32", "--max-total-tokens", "4096", "--enable-hierarchical-cache",
+            "--hicache-ratio", "2", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+            "--radix-cache-backend", "evicpress", "--hicache-storage-backend", "file",
+            "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(store)}),
+            "--evicpress-no-profiler", "--evicpress-host-bandwidth", "10", "--evicpress-disk-bandwidth", "1",
+            "--evicpress-decompress-bandwidth", "5", "--evicpress-prefill-tokens-per-s", "200"]
+    outs, counters = {}, {}
+    for name in ("a", "b"):
+        with ServerProcess(args, log_path=tmp_path / f"server-{name}.log", timeout=420) as srv:
+            outs[name] = srv.generate(input_ids=ids, max_new_tokens=8, ignore_eos=True)
+            deadline = time.monotonic() + 60  # the store runs in a scheduler step after the request
+            while True:
+                r = requests.get(srv.url + "/evicpress/status", timeout=60)
+                assert r.status_code == 200, r.text
+                counters[name] = r.json()["counters"]
+                if name == "b" or counters[name].get("storage_copies_written") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            if name == "a":
+                contexts = requests.get(srv.url + "/evicpress/contexts", timeout=60).json()["contexts"]
+                assert len(contexts) == 1 and contexts[0]["placement"]["tier"] != "disk", contexts
+                assert contexts[0]["storage_copies"] == ["full", "kivi@4b"], contexts
+    a, b = counters["a"], counters["b"]
+    assert a.get("misses") == 1 and a.get("storage_copies_written") == 2, a
+    assert b.get("shared_found") == 1 and b.get("hits_disk") == 1 and not b.get("misses"), b
+    assert outs["a"]["meta_info"]["cached_tokens"] == 0
+    assert outs["b"]["meta_info"]["cached_tokens"] >= len(ids) - 1, outs["b"]["meta_info"]
+    assert outs["b"]["output_ids"] == outs["a"]["output_ids"]

@@ -86,6 +86,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--evicpress-auto-context-tokens", type=int, default=256,
       help="Treat a prompt of at least this many tokens that matches no registered "
       "context as a new context (0: only registered contexts).")
+    a("--evicpress-storage-copies", type=str, default="full,kivi@4b",
+      help="Copies of every newly computed context written to the storage tier "
+      "(--hicache-storage-backend, shared by the model's servers) whatever the policy "
+      "places: comma-separated configs, default full,kivi@4b (the full KV for another "
+      "server's exact hit, KIVI 4-bit for a server behind a slow link to draft from); "
+      "'none' writes none. Outside the disk tier's budget: the backend's own "
+      "retention bounds them, as it bounds HiCache's writes.")
+    a("--evicpress-load-copy", type=str, default=None,
+      help="The storage copy a hit on another server's context loads first, e.g. "
+      "kivi@4b (default: the full KV). A server behind a slow link to the store loads "
+      "the compressed copy; with --speculative-algorithm VERICACHE_REMOTE it drafts from "
+      "it and a server near the store verifies.")
     a("--evicpress-no-profiler", action="store_true",
       help="Do not run the background profiler (profiles come only from the API).")
 
@@ -184,6 +196,27 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"--evicpress-{key.replace('_', '-')} must be >= 0, got {out[key]}")
     if 0 < out["auto_context_tokens"] < 16:
         raise ValueError("--evicpress-auto-context-tokens must be 0 or >= 16")
+    copies = str(out.get("storage_copies") or "none").strip().lower()
+    try:
+        parsed = () if copies == "none" else tuple(
+            dict.fromkeys(CompressionConfig.parse(c.strip()) for c in copies.split(",") if c.strip()))
+    except ValueError as exc:
+        raise ValueError(f"--evicpress-storage-copies: {exc}") from None
+    from sglang_vc.compress.registry import standalone_compressors
+
+    for c in parsed:
+        if not c.is_full and c.method not in standalone_compressors():
+            raise ValueError(f"--evicpress-storage-copies: unknown method {c.method!r}; "
+                             f"known: {', '.join(standalone_compressors())}")
+    out["storage_copies"] = [c.label for c in parsed]
+    if out.get("load_copy"):
+        try:
+            cfg = CompressionConfig.parse(out["load_copy"])
+        except ValueError as exc:
+            raise ValueError(f"--evicpress-load-copy: {exc}") from None
+        if not cfg.is_full and cfg.method not in standalone_compressors():
+            raise ValueError(f"--evicpress-load-copy: unknown method {cfg.method!r}")
+        out["load_copy"] = cfg.label
     ratios = _floats(out["ratios"], "--evicpress-ratios")
     for r in ratios:
         if not 0 < r <= 1:
@@ -313,6 +346,8 @@ def settings_from_dict(d: dict[str, Any], device_pool_bytes: int = 0, **measured
         idle_seconds=float(d["idle_seconds"]),
         auto_context_tokens=int(d["auto_context_tokens"]),
         throttle=bool(d["throttle"]),
+        storage_copies=tuple(CompressionConfig.parse(c) for c in d.get("storage_copies", ())),
+        load_copy=CompressionConfig.parse(d["load_copy"]) if d.get("load_copy") else None,
     )
     if d.get("host_bandwidth"):
         s.host_bandwidth = d["host_bandwidth"] * 1e9
@@ -343,7 +378,8 @@ def describe(ep: dict) -> Optional[dict]:
     if not ep.get("enabled"):
         return None
     return {"policy": ep["policy"], "alpha": ep["alpha"], "candidates": ep["candidates"],
-            "fixed_config": ep["fixed_config"], "disk_dir": ep["disk_dir"]}
+            "fixed_config": ep["fixed_config"], "disk_dir": ep["disk_dir"],
+            "storage_copies": ep.get("storage_copies", [])}
 
 
 register_flag_group(FlagGroup(GROUP, add_cli_args, from_cli_args, describe))

@@ -84,6 +84,14 @@ class Settings:
     # The attention backend serves token-dropped KV (vc_torch): without it, token-dropping
     # configs are refused (a stored one would have to be recomputed on every hit).
     serves_dropped: bool = False
+    # Copies of every newly computed context written to the shared storage tier whatever
+    # the policy places (the paper's remote store keeps every context): FULL for the next
+    # server's exact hit, a compressed one (KIVI 4-bit by default) for servers behind a
+    # slow link to draft from (VeriCache section 5.3). () writes none.
+    storage_copies: tuple[CompressionConfig, ...] = ()
+    # the copy a shared-storage hit loads first (None: the full KV first). A server
+    # behind a slow link loads the compressed copy and drafts from it (VeriCache 5.3)
+    load_copy: Optional[CompressionConfig] = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,9 @@ class Context:
     device_config: Optional[CompressionConfig] = None  # form of the copy we put on the device
     hits: dict = field(default_factory=lambda: collections.Counter())
     suffix_tokens: float = 32.0  # running mean of the question length
+    # configs of this context's copies on the shared storage tier (written by
+    # :meth:`EvicPressManager.write_storage_copies` or found there): never deleted by a move
+    shared: set = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +158,7 @@ class Context:
                 "stored_bytes": self.sizes.get(self.placement.config) if self.stored else 0,
             },
             "device_config": None if self.device_config is None else self.device_config.label,
+            "storage_copies": sorted(c.label for c in self.shared),
             "quality": {c.label: q for c, q in sorted(self.quality.items(), key=lambda x: x[0].sort_key())},
             "profiled": self.profiled,
             "profile_pending": self.profile_reason,
@@ -207,6 +219,7 @@ class EvicPressManager:
         disk_store,
         *,
         device_store=None,
+        copies_store=None,
         counters: Optional[Callable[..., None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -214,6 +227,10 @@ class EvicPressManager:
         self.dims = dims
         self.host = host_store
         self.disk = disk_store
+        # where storage copies are written: the storage tier's backend outside the disk
+        # tier's budget (the shared store keeps every context, as HiCache's writes do);
+        # the disk tier reads them as any other server's entries
+        self.copies = copies_store if copies_store is not None else disk_store
         self.device = device_store if settings.device_capacity > 0 else None
         self.clock = clock
         self.lock = threading.RLock()
@@ -442,14 +459,17 @@ class EvicPressManager:
         """The context whose blob is stored under ``key`` (see :meth:`blob_key`)."""
         return self.contexts.get(key[len("ctx/"):]) if key.startswith("ctx/") else None
 
-    def blob_key(self, ctx: Context, tier: Optional[Tier] = None) -> str:
+    def blob_key(self, ctx: Context, tier: Optional[Tier] = None,
+                 config: Optional[CompressionConfig] = None) -> str:
         """A context's key in a store: ``ctx/<id>`` on this server's own tiers; on the
-        shared storage tier a key of its content (model, namespace, tokens), the same on
-        every server of the model."""
+        shared storage tier a key of its content (model, namespace, tokens) and of the
+        copy's config (default: its placement's), the same on every server of the model,
+        so several copies of one context live side by side."""
         if tier == Tier.DISK:
             from .storage_tier import content_key
 
-            return content_key(self.settings.model_id, ctx.namespace, ctx.token_ids)
+            cfg = ctx.placement.config if config is None else config
+            return content_key(self.settings.model_id, ctx.namespace, ctx.token_ids) + "@" + cfg.label
         return f"ctx/{ctx.ctx_id}"
 
     def host_backed(self, ctx: Context) -> bool:
@@ -469,37 +489,76 @@ class EvicPressManager:
         """Local files of ``ctx``'s entry on the storage tier (header, payload), where the
         backend keeps them in files (diagnostics and tests); [] otherwise."""
         with self.lock:
-            objects = self.disk.object_keys(self.blob_key(ctx, Tier.DISK)) if hasattr(self.disk, "object_keys") else None
+            objects = (self.disk.object_keys(self.blob_key(ctx, Tier.DISK, ctx.placement.config))
+                       if hasattr(self.disk, "object_keys") else None)
             path_of = getattr(getattr(self.disk, "backend", None), "entry_path", None)
             if not objects or path_of is None:
                 return []
             return [str(path_of(name)) for name in objects if name is not None]
 
     def find_shared(self, ctx: Context) -> bool:
-        """Whether another server (or an earlier run) left ``ctx``'s blob on the shared
-        storage tier; if so ``ctx`` is now placed there (its config read from the blob)."""
+        """Whether another server (or an earlier run) left a copy of ``ctx`` on the shared
+        storage tier; if so ``ctx`` is now placed there, on the best copy found: the full
+        KV first, then the configured storage copies, then the profiler's candidates."""
         with self.lock:
             if ctx.stored or not hasattr(self.disk, "probe"):
                 return False
-            key = self.blob_key(ctx, Tier.DISK)
-            if not self.disk.probe(key):
-                return False
-            blob = self.disk.get(key)
-            if blob is None:
-                return False
+            first = [self.settings.load_copy] if self.settings.load_copy is not None else []
+            order = [*first, FULL, *self.settings.storage_copies, *self.settings.candidates]
+            for cfg in dict.fromkeys(order):
+                if cfg.drops_tokens and not self.settings.serves_dropped:
+                    continue
+                key = self.blob_key(ctx, Tier.DISK, cfg)
+                if not self.disk.probe(key):
+                    continue
+                blob = self.disk.get(key)
+                if blob is None:
+                    continue
+                try:
+                    if codec.blob_config(blob) != cfg:
+                        raise ValueError("config differs from its key")
+                    ctx.stored_len = codec.blob_tokens(blob)
+                except Exception:
+                    logger.warning("EvicPress: shared entry %s of %s does not decode; ignored", cfg.label, ctx.ctx_id)
+                    continue
+                ctx.shared.add(cfg)
+                ctx.sizes[cfg] = len(blob)
+                ctx.quality.setdefault(cfg, 1.0 if cfg.is_full else 0.0)
+                self._set_placement(ctx, Placement(cfg, Tier.DISK))
+                self.count(shared_found=1)
+                return True
+            return False
+
+    def write_storage_copies(self, ctx: Context, kv: FullKV) -> int:
+        """Write ``ctx``'s configured storage copies (``Settings.storage_copies``) that the
+        shared store does not hold yet, from its just computed full KV; returns how many
+        were written. On the scheduler thread, in the deferred step after the prefill
+        (off the TTFT path, not off the scheduler: a store write thread is not built).
+        A full or failing store skips the copy (counted); the context stays served."""
+        written = 0
+        for cfg in self.settings.storage_copies:
+            if cfg in ctx.shared or (cfg.drops_tokens and not self.settings.serves_dropped):
+                continue
+            key = self.blob_key(ctx, Tier.DISK, cfg)
+            if hasattr(self.copies, "probe") and self.copies.probe(key):
+                ctx.shared.add(cfg)  # another server wrote it already
+                continue
+            t0 = time.perf_counter()
             try:
-                cfg = codec.blob_config(blob)
-                ctx.stored_len = codec.blob_tokens(blob)
+                blob = codec.encode(kv, cfg)
             except Exception:
-                logger.warning("EvicPress: shared entry of %s does not decode; ignored", ctx.ctx_id)
-                return False
-            if cfg.drops_tokens and not self.settings.serves_dropped:
-                return False
+                logger.exception("EvicPress: could not encode the %s storage copy of %s", cfg.label, ctx.ctx_id)
+                self.count(storage_copy_errors=1)
+                continue
+            if not self.copies.put(key, blob):
+                self.count(storage_copy_skipped=1)
+                continue
+            ctx.shared.add(cfg)
             ctx.sizes[cfg] = len(blob)
-            ctx.quality.setdefault(cfg, ctx.quality.get(cfg, 1.0 if cfg.is_full else 0.0))
-            self._set_placement(ctx, Placement(cfg, Tier.DISK))
-            self.count(shared_found=1)
-            return True
+            written += 1
+            self.count(storage_copies_written=1, bytes_written_storage_copies=len(blob),
+                       storage_copy_seconds=time.perf_counter() - t0)
+        return written
 
     def _read_blob(self, ctx: Context, placement: Placement) -> Optional[bytes]:
         """The stored bytes; None (and the context marked dropped) when absent or
@@ -507,26 +566,32 @@ class EvicPressManager:
         store = self._store(placement.tier)
         if placement.tier == Tier.DISK:
             before = self.disk.stats.corrupted
-            blob = self.disk.get(self.blob_key(ctx, Tier.DISK))
+            blob = self.disk.get(self.blob_key(ctx, Tier.DISK, placement.config))
             if self.disk.stats.corrupted > before:
                 self.count(disk_corrupted=1)
                 logger.warning("EvicPress: disk entry of context %s is corrupted; it will be recomputed", ctx.ctx_id)
         else:
             blob = store.get(self.blob_key(ctx, placement.tier))
+        if blob is None and placement.tier == Tier.DISK:
+            ctx.shared.discard(placement.config)
         if blob is None:
             self._set_placement(ctx, DROPPED)
             self.count(lost=1)
         return blob
 
     def _delete_blob(self, ctx: Context, placement: Placement) -> None:
+        if placement.tier == Tier.DISK and placement.config in ctx.shared:
+            return  # a storage copy outlives the placement: other servers read it
         if placement.tier is not None:
-            self._store(placement.tier).delete(self.blob_key(ctx, placement.tier))
+            self._store(placement.tier).delete(self.blob_key(ctx, placement.tier, placement.config))
 
-    def _put_blob(self, ctx: Context, tier: Tier, blob: bytes) -> bool:
+    def _put_blob(self, ctx: Context, tier: Tier, blob: bytes, config: CompressionConfig) -> bool:
+        if tier == Tier.DISK and config in ctx.shared:
+            return True  # the storage copy of that config is the placement's entry
         store = self._store(tier)
         before = getattr(store.stats, "write_errors", 0)
         try:
-            ok = store.put(self.blob_key(ctx, tier), blob)
+            ok = store.put(self.blob_key(ctx, tier, config), blob)
         except Exception:  # a store refusing the form is a policy bug: say so, place lower
             logger.exception("EvicPress: the %s tier refused context %s", tier.name.lower(), ctx.ctx_id)
             self.count(put_errors=1)
@@ -613,12 +678,12 @@ class EvicPressManager:
                 self._set_placement(ctx, DROPPED)
                 self.count(drops=1)
                 continue
-            if not self._put_blob(ctx, dst.tier, blob):
+            if not self._put_blob(ctx, dst.tier, blob, dst.config):
                 # The tier is full after all (slot rounding, a full file system):
                 # try the next tier down, else drop (recomputed on demand).
                 placed = False
                 for lower in (t for t in sorted(self.tier_specs) if t > dst.tier):
-                    if self._put_blob(ctx, lower, blob):
+                    if self._put_blob(ctx, lower, blob, dst.config):
                         dst = Placement(dst.config, lower)
                         placed = True
                         break
@@ -666,6 +731,8 @@ class EvicPressManager:
             ctx.sizes.clear()
             if not source_config.is_full and source_config not in ctx.quality:
                 ctx.quality[source_config] = ctx.quality.get(source_config, 1.0)
+            if source_config.is_full:
+                self.write_storage_copies(ctx, kv)
             infos, placements, last = self._state(exclude=ctx)
             new = self.info(ctx)
             cfg = None if source_config.is_full else source_config

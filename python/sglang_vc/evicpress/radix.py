@@ -89,6 +89,14 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "evicpress"
 DROP_NAMESPACE = PROFILE_NAMESPACE + "drop:"  # device copies of token-dropped contexts
 _SAME = object()  # "the namespace of the key given"
+_ACTIVE: Optional["EvicPressRadixCache"] = None  # this scheduler's cache (one TP rank)
+
+
+def served_config(rid: str) -> Optional[CompressionConfig]:
+    """The form of the stored context request ``rid``'s prefix was served from on this
+    server (``FULL``, or the lossy copy it loaded: what a drafter must have verified);
+    None when its prefix matched no context or EvicPress is not the radix cache."""
+    return None if _ACTIVE is None else _ACTIVE.served_config(rid)
 
 
 @dataclass
@@ -197,6 +205,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
         self.enable_storage = False
         model_id = f"{server_args.served_model_name}|{pool.dtype}|{dims.layers}x{dims.heads}x{dims.head_dim}"
         disk = StorageTier(backend, int(ep["disk_size_gb"] * flags.GB), namespace=model_id)
+        # storage copies of every computed context (--evicpress-storage-copies): on the
+        # same backend, bounded by the backend's own retention, not the disk tier's budget
+        copies = StorageTier(backend, 1 << 62, namespace=model_id)
         storage_dir = _storage_dir(backend)
         measured = measure_delay_inputs(ep, dims, storage_dir)
         pool_bytes = dims.bytes_per_token * self.token_to_kv_pool_allocator.size
@@ -213,6 +224,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
             settings, dims, host, disk,
             device_store=DeviceTierStore(self, settings.device_capacity,
                                          lambda key: self.evicpress.context_of_key(key)),
+            copies_store=copies,
             counters=lambda **kw: stats.add("evicpress", **kw),
         )
         self._reqs: dict[str, _Req] = {}
@@ -223,6 +235,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         self._deferred: collections.deque = collections.deque()
         self._control = ControlServer(self, int(ep["control_port"]))
         self._control.start()
+        global _ACTIVE
+        _ACTIVE = self
         logger.info(
             "EvicPress: policy=%s device=%.1f MB host=%.1f MB (%d B/token slot) storage=%.1f MB on %s; "
             "bandwidth host=%.2f GB/s disk=%.2f GB/s; candidates=%s",
@@ -263,6 +277,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         excess = self.evicpress.host.excess_slots()
         if excess:
             self.evict_host(excess)
+
+    def served_config(self, rid: str) -> Optional[CompressionConfig]:
+        st = self._reqs.get(rid)
+        return None if st is None or st.ctx is None else st.served
 
     # ------------------------------------------------------------------ helpers
     def _key(self, ids, like: Optional[RadixKey], namespace=_SAME) -> RadixKey:

@@ -84,7 +84,8 @@ def _explicit(ep: dict) -> list[str]:
         "--" + k.replace("_", "-")
         for k, v in defaults.items()
         if k.startswith("evicpress_") and ep.get(k[len("evicpress_"):]) != v
-        and k not in ("evicpress_methods", "evicpress_bits", "evicpress_ratios", "evicpress_fixed_config")
+        and k not in ("evicpress_methods", "evicpress_bits", "evicpress_ratios", "evicpress_fixed_config",
+                      "evicpress_storage_copies")
     ]
 
 
