@@ -28,6 +28,10 @@ def register_all() -> None:
 
     worker_spec.register()  # speculative algorithm "VERICACHE", attention backend "vc_verify"
 
+    from sglang_vc.vericache import remote_spec
+
+    remote_spec.register()  # speculative algorithm "VERICACHE_REMOTE" (SGLang's attention backend)
+
     from sglang_vc.specache import worker_spec as specache_spec
 
     specache_spec.register()  # speculative algorithm "SPECACHE", attention backend "specache"

@@ -37,13 +37,14 @@ class ChainSpecWorker(BaseSpecWorker):
     def clear_cache_pool(self):
         pass
 
-    def prefill_result(self, batch, pp_proxy_tensors=None):
+    def prefill_result(self, batch, pp_proxy_tensors=None, override=None):
         """A prefill (extend) forward: the target model's own, one token committed per
-        request, reported in the spec-V2 schema."""
+        request, reported in the spec-V2 schema. ``override(tokens) -> tokens`` replaces
+        the sampled tokens (a verifier's, for requests whose prefix KV is lossy)."""
         from sglang.srt.managers.utils import GenerationBatchResult
 
         res = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
-        predict = res.next_token_ids
+        predict = res.next_token_ids if override is None else override(res.next_token_ids)
         bs = len(batch.reqs)
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int32, device=predict.device)
         if bs:

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 _WORKERS: dict[str, str] = {
     "VERICACHE": "sglang_vc.vericache.worker:VeriCacheWorker",
     "SPECACHE": "sglang_vc.specache.worker:SpeCacheWorker",
+    "VERICACHE_REMOTE": "sglang_vc.vericache.remote_worker:RemoteVerifyWorker",
 }
 
 
@@ -22,19 +23,19 @@ def worker_cls_for(algorithm: str):
     return pkgutil.resolve_name(path) if path else None
 
 
-def register_algorithm(name: str, attention_backend: str, create_backend: Callable,
+def register_algorithm(name: str, attention_backend: Optional[str], create_backend: Optional[Callable],
                        validate_server_args: Callable, handle_server_args: Callable) -> None:
     """Register algorithm ``name`` (synchronous, no overlap schedule) and the attention
-    backend its worker forwards with, unless already registered. The worker class is
-    imported only when SGLang builds it."""
+    backend its worker forwards with (None: SGLang's own), unless already registered.
+    The worker class is imported only when SGLang builds it."""
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    if attention_backend not in ATTENTION_BACKENDS:
+    if attention_backend is not None and attention_backend not in ATTENTION_BACKENDS:
         register_attention_backend(attention_backend)(create_backend)
-    if attention_backend not in ATTENTION_BACKEND_CHOICES:
+    if attention_backend is not None and attention_backend not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([attention_backend])
     if get_spec(name) is None:
         SpeculativeAlgorithm.register(

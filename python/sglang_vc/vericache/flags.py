@@ -63,14 +63,43 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="VERICACHE staggered schedule: write one JSON line per decode iteration (each "
         "request's role, drafts, commits and ADMIT's reservation) to PATH.",
     )
+    g.add_argument(
+        "--vc-remote-verifier",
+        default=None,
+        metavar="URL",
+        help="VERICACHE_REMOTE: the server near the shared store (its radix tree holds the full "
+        "KV of the stored prefixes) that verifies this server's drafts, e.g. http://local:30000.",
+    )
+    g.add_argument(
+        "--vc-remote-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="VERICACHE_REMOTE: seconds a verify round may take on the remote verifier before "
+        "the request fails with HTTP 503 (never an unverified token; default 60).",
+    )
 
 
 def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
     host = args.vc_host_kv_gb
     if host is not None and not host >= 0:
         raise ConfigError(f"--vc-host-kv-gb must be >= 0, got {host}")
+    url = args.vc_remote_verifier
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        raise ConfigError(f"--vc-remote-verifier must be an http(s) URL, got {url!r}")
+    if not args.vc_remote_timeout > 0:
+        raise ConfigError(f"--vc-remote-timeout must be > 0, got {args.vc_remote_timeout}")
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
-            "compress_when": args.vc_compress_when}
+            "compress_when": args.vc_compress_when, "remote_verifier": url,
+            "remote_timeout": float(args.vc_remote_timeout)}
+
+
+def remote_verifier(settings: Optional[dict]) -> Optional[str]:
+    return (settings or {}).get("remote_verifier")
+
+
+def remote_timeout(settings: Optional[dict]) -> float:
+    return float((settings or {}).get("remote_timeout") or 60.0)
 
 
 def compress_when(settings: Optional[dict]) -> CompressWhen:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .names import ALGORITHM
+from .names import ALGORITHM, REMOTE_ALGORITHM
 
 __all__ = ["check_sampling_params", "check_request", "unsupported_sampling", "unsupported_request"]
 
@@ -104,6 +104,19 @@ def check_sampling_params(sampling_params: Any) -> None:
     algorithm = _serving()
     if algorithm:
         _refuse(unsupported_sampling(sampling_params), algorithm)
+    if algorithm == REMOTE_ALGORITHM:
+        _refuse_remote(sampling_params)
+
+
+def _refuse_remote(sp: Any) -> None:
+    """The remote verifier returns its greedy tokens only: sampling (and a logit bias,
+    which it would not see) is not built for ``VERICACHE_REMOTE``."""
+    greedy = float(sp.temperature) == 0.0 or int(sp.top_k) == 1
+    problems = ([] if greedy else ["sampling (temperature > 0 with top_k != 1)"]) + (
+        ["logit_bias"] if getattr(sp, "logit_bias", None) else [])
+    if problems:
+        raise ValueError(f"{', '.join(problems)}: not built for --speculative-algorithm {REMOTE_ALGORITHM}, "
+                         "whose verifier returns greedy tokens only (use temperature 0)")
 
 
 def check_request(req: Any) -> None:
