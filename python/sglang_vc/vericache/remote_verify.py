@@ -11,6 +11,7 @@ server's own ``/generate`` path::
     sampling_params = {temperature: 0, max_new_tokens: 1, ignore_eos: true}
     return_logprob, logprob_start_len = len(committed) - 1, top_logprobs_num = 1
 
+(a round's calls together, as one batched request: lists of each).
 The local server matches ``committed`` but its last token in its radix tree (SGLang
 clamps the match at ``logprob_start_len``), prefills that token and the drafts, and
 returns, for each draft position,
@@ -59,71 +60,87 @@ class VerifyCall:
 
 
 class RemoteVerifier:
-    """A client of one local server's ``/generate``; :meth:`submit` runs one call per
-    request concurrently (``max_parallel`` at a time)."""
+    """A client of one local server's ``/generate``: :meth:`submit` sends a round's calls
+    as ONE batched request (SGLang's list form of ``input_ids`` and the per-request
+    logprob options), so the local server takes them in one scheduler step, not one
+    per HTTP request; the request runs on a thread while the caller goes on."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0, max_parallel: int = 16):
+    def __init__(self, url: str, timeout_s: float = 60.0):
         self.url = url.rstrip("/")
         self.timeout_s = float(timeout_s)
-        self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="vericache-remote")
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vericache-remote")
         self._session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max_parallel)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
 
-    def _one(self, call: VerifyCall) -> list[int]:
-        committed, drafts = list(map(int, call.committed)), list(map(int, call.drafts))
-        body = {
-            "input_ids": committed + drafts,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True},
-            "return_logprob": bool(drafts),
+    @staticmethod
+    def body(calls: Sequence[VerifyCall]) -> dict:
+        ids, starts, drafts = [], [], []
+        for c in calls:
+            committed, d = [int(t) for t in c.committed], [int(t) for t in c.drafts]
+            ids.append(committed + d)
             # from the last committed token: SGLang gives no prediction for the first token
             # of the range (its predecessor's logits are not recomputed), so the range
             # starts one earlier and that entry is dropped
-            "logprob_start_len": len(committed) - 1 if drafts else -1,
-            "top_logprobs_num": 1 if drafts else 0,
+            starts.append(len(committed) - 1)
+            drafts.append(len(d))
+        return {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True},
+            "return_logprob": [True] * len(calls),
+            "logprob_start_len": starts,
+            "top_logprobs_num": [1] * len(calls),
             "return_text_in_logprobs": False,
         }
+
+    def _answer(self, out: dict, n_drafts: int) -> list[int]:
+        meta = out.get("meta_info", {})
+        # one entry per input token from logprob_start_len on, the first one empty: the
+        # distribution that predicts each token, i.e. the verifier's token at each draft
+        tops = (meta.get("input_top_logprobs") or [])[1:]
+        if len(tops) != n_drafts or any(not t for t in tops):
+            raise RemoteVerifyError(f"verifier {self.url} returned {len(tops)} input top-logprobs for {n_drafts} drafts")
+        ids = out.get("output_ids") or []
+        if len(ids) != 1:
+            raise RemoteVerifyError(f"verifier {self.url} returned {len(ids)} output tokens, expected 1")
+        return [int(t[0][1]) for t in tops] + [int(ids[0])]
+
+    def _post(self, calls: Sequence[VerifyCall]) -> list:
         try:
-            r = self._session.post(self.url + "/generate", json=body, timeout=self.timeout_s)
+            r = self._session.post(self.url + "/generate", json=self.body(calls), timeout=self.timeout_s)
         except requests.RequestException as exc:
             raise RemoteVerifyError(f"verifier {self.url} unreachable: {exc}") from None
         if r.status_code != 200:
             raise RemoteVerifyError(f"verifier {self.url} answered {r.status_code}: {r.text[:300]}")
-        out = r.json()
-        meta = out.get("meta_info", {})
-        targets = []
-        if drafts:
-            tops = (meta.get("input_top_logprobs") or [])[1:]
-            # one entry per input token from logprob_start_len on: the distribution that
-            # predicts it, i.e. the verifier's token at each draft's position
-            if len(tops) != len(drafts) or any(not t for t in tops):
-                raise RemoteVerifyError(
-                    f"verifier {self.url} returned {len(tops)} input top-logprobs for {len(drafts)} drafts")
-            targets = [int(t[0][1]) for t in tops]
-        ids = out.get("output_ids") or []
-        if len(ids) != 1:
-            raise RemoteVerifyError(f"verifier {self.url} returned {len(ids)} output tokens, expected 1")
-        return targets + [int(ids[0])]
+        outs = r.json()
+        if not isinstance(outs, list) or len(outs) != len(calls):
+            raise RemoteVerifyError(f"verifier {self.url} returned {type(outs).__name__} for {len(calls)} calls")
+        answers = []
+        for out, c in zip(outs, calls):
+            try:
+                answers.append(self._answer(out, len(c.drafts)))
+            except RemoteVerifyError as exc:
+                answers.append(exc)
+        return answers
 
     def submit(self, calls: Sequence[VerifyCall]) -> Callable[[], list]:
         """Send ``calls`` now; the function returned waits for their answers: per call,
         the verifier's token at each of its ``len(drafts) + 1`` positions (the position
         of each draft, then the one after the last), or the :class:`RemoteVerifyError`
-        that call failed with."""
+        that call failed with (a failed request fails every call in it)."""
         t0 = time.perf_counter()
-        futures = [self._pool.submit(self._one, c) for c in calls]
+        future = self._pool.submit(self._post, list(calls)) if calls else None
 
         def answers() -> list:
-            out, failed = [], 0
-            for f in futures:
-                try:
-                    out.append(f.result())
-                except RemoteVerifyError as exc:
-                    logger.warning("VERICACHE_REMOTE: %s", exc)
-                    out.append(exc)
-                    failed += 1
-            stats.add(STATS, verify_calls=len(calls), verify_call_failures=failed,
+            if future is None:
+                return []
+            try:
+                out = future.result()
+            except RemoteVerifyError as exc:
+                out = [exc] * len(calls)
+            failed = sum(isinstance(a, RemoteVerifyError) for a in out)
+            if failed:
+                logger.warning("VERICACHE_REMOTE: %d of %d verify calls failed: %s", failed, len(calls),
+                               next(a for a in out if isinstance(a, RemoteVerifyError)))
+            stats.add(STATS, verify_requests=1, verify_calls=len(calls), verify_call_failures=failed,
                       verify_tokens_sent=sum(len(c.drafts) + 1 for c in calls),
                       verify_wait_seconds=time.perf_counter() - t0)
             return out
