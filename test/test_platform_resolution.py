@@ -27,6 +27,9 @@ cases = {
     "evicpress_drop": ["--enable-hierarchical-cache", "--hicache-ratio", "2",
                        "--radix-cache-backend", "evicpress", "--evicpress-disk-dir", "/tmp/unused",
                        "--evicpress-policy", "fixed", "--evicpress-fixed-config", "knorm@0.5"],
+    "vericache_remote": ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--radix-cache-backend", "evicpress",
+                         "--evicpress-disk-dir", "/tmp/unused", "--evicpress-load-copy", "kivi@4b",
+                         "--speculative-algorithm", "VERICACHE_REMOTE", "--vc-remote-verifier", "http://h:1"],
 }
 out = {"platform": type(current_platform).__name__, "is_cuda": current_platform.is_cuda()}
 for name, argv in cases.items():
@@ -34,6 +37,7 @@ for name, argv in cases.items():
     vc, sa = parse_args(["--model-path", model, "--device", "cuda", "--mem-fraction-static", "0.5",
                          "--max-total-tokens", "4096", *argv])
     sa.resolve_once()  # SGLang's whole resolution pipeline, as run_server runs it
+    from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.configs.model_config import ModelConfig
     from sglang_vc.kvruntime.backend import full_kv_backend_name
     mc = ModelConfig.from_server_args(sa)
@@ -44,6 +48,9 @@ for name, argv in cases.items():
         "page_size": sa.page_size,
         "graphs": [sa.cuda_graph_backend_decode, sa.cuda_graph_backend_prefill],
         "mechanisms": sorted(vc.enabled_mechanisms()),
+        # what an algorithm's handle_server_args declared (run_server applies it)
+        "overlap": not resolution_result(sa, "disable_overlap_schedule"),
+        "draft_tokens": resolution_result(sa, "speculative_num_draft_tokens"),
     }
 print("RESULT " + json.dumps(out))
 """
@@ -73,6 +80,10 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     ep = out["evicpress_drop"]
     assert (ep["attention_backend"], ep["radix_cache_backend"]) == ("vc_torch", "evicpress")
     assert ep["graphs"] == [None, "disabled"] and "evicpress" in ep["mechanisms"]
+    # the remote drafts with SGLang's own CUDA attention backend over the EvicPress tree
+    rm = out["vericache_remote"]
+    assert (rm["attention_backend"], rm["radix_cache_backend"]) == (None, "evicpress"), rm
+    assert not rm["overlap"] and rm["draft_tokens"] == 8, rm
 
 
 def test_platform_plugin_steps_aside_on_a_cuda_machine(monkeypatch):
