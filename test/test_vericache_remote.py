@@ -107,7 +107,6 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             local.stop()
             r = _post(remote.url, {"input_ids": lossy_prompts[1], "sampling_params": {"temperature": 0,
                                                                                       "max_new_tokens": n_new}})
-            assert r.status_code == 503 or "remote verify failed" in r.text, (r.status_code, r.text[:500])
             assert "remote verify failed" in r.text, r.text[:500]
             # an exact request is still served
             assert _post(remote.url, {"input_ids": exact_prompts[0], "sampling_params": {

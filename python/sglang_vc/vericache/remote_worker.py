@@ -42,6 +42,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
+from sglang_vc.evicpress.radix import served_config
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
@@ -53,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 
 def _lossy(req) -> bool:
-    from sglang_vc.evicpress.radix import served_config
-
     cfg = served_config(req.rid)
     return cfg is not None and not cfg.is_full
 
@@ -125,14 +124,16 @@ class RemoteVerifyWorker(ChainSpecWorker):
         t0 = torch.tensor([req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                            for req in batch.reqs], dtype=torch.int64)
 
-        # 1. draft X tokens, the whole batch
-        drafts = torch.empty(bs, x, dtype=torch.int64)
+        # 1. draft X tokens, the whole batch; the drafts stay on the device until the
+        # round needs them on the host (one synchronisation, not one per forward)
+        drafted = []
         cur = t0
         for j in range(x):
             self.set_batch(batch, ForwardMode.DECODE, cur, committed + j + 1, slots[:, j], None, seq_dtype, dev)
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-            cur = res.logits_output.next_token_logits.argmax(-1).to("cpu", torch.int64)
-            drafts[:, j] = cur
+            cur = res.logits_output.next_token_logits.argmax(-1)
+            drafted.append(cur)
+        drafts = torch.stack(drafted, 1).to("cpu", torch.int64)
         # the batch leaves the round at its committed lengths: SGLang adds the accepted
         # tokens to what the worker left there
         self.set_batch(batch, ForwardMode.DECODE, t0, committed, slots[:, 0], None, seq_dtype, dev)
