@@ -1,15 +1,19 @@
-"""VeriCache's remote prefix caching, path P1: a remote server drafts from the KIVI 4-bit
-storage copy of a stored prefix and a local server verifies every round.
+"""VeriCache's remote prefix caching: a remote server drafts from the KIVI 4-bit storage
+copy of a stored prefix and a local server verifies (path P1); or the full copy streams
+to the remote server meanwhile, which goes on alone once it has arrived (path P2).
 
-Default suite: one two-server test on SGLang's ``file`` storage backend. The local
+Default suite: one two-server test on SGLang's ``file`` storage backend (P1). The local
 server computes the context (its storage copies go to the store) and is the full-KV
 reference; the remote server (``VERICACHE_REMOTE``) loads the compressed copy, answers a
 batch that mixes lossy-prefix requests and exact ones, token for token as the local
-server does, and fails a request cleanly once the local server is gone.
+server does, and stays exact when its verifier fails mid-request (it reads the full
+copy). The verifier is reached through a proxy in the test that fails on command, so
+the failure lands at a pinned verify call, not at a time. Slow: the same with P2.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import threading
 
@@ -36,6 +40,46 @@ def _post(url, body, timeout=300):
     return requests.post(url + "/generate", json=body, timeout=timeout)
 
 
+class VerifierProxy:
+    """An HTTP proxy to the local server's ``/generate`` that answers 502 once
+    ``fail_after`` more calls have passed (None: never). Counts the calls it forwarded."""
+
+    def __init__(self, target: str):
+        proxy = self
+        self.fail_after: int | None = None
+        self.forwarded = 0
+        self.failed = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if proxy.fail_after is not None and proxy.fail_after <= 0:
+                    proxy.failed += 1
+                    self.send_response(502)
+                    self.end_headers()
+                    return
+                if proxy.fail_after is not None:
+                    proxy.fail_after -= 1
+                r = requests.post(target + self.path, data=body, headers={"Content-Type": "application/json"},
+                                  timeout=120)
+                proxy.forwarded += 1
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
 def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_verifies(tmp_path, tokenizer):
     from conftest import real_text_passages
 
@@ -58,9 +102,10 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
         ref = {i: local.generate(input_ids=p, max_new_tokens=n_new) for i, p in enumerate(lossy_prompts + exact_prompts)}
         before_local = local.server_info()["sglang_vc"]["counters"].get("evicpress", {})
 
+        proxy = VerifierProxy(local.url)
         remote_args = _common(store) + [
             "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
-            "--vc-remote-verifier", local.url, "--vc-remote-timeout", "30",
+            "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p1",
             "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
         with ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420) as remote:
             epx.api(remote, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": ctx_ids})
@@ -93,9 +138,11 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             assert rv["verify_calls"] == rv["first_tokens_verified"] + rv["verify_rounds"], rv
             assert rv.get("verify_call_failures", 0) == 0 and rv["exact_rows"] > 0, rv
             assert rv["accepted"] < rv["drafted"], rv  # the copy is lossy: drafts were rejected
+            assert rv["requests_p1"] == 3 and not rv.get("full_copies_streamed"), rv
             for i in range(3):
                 meta = outs[i]["meta_info"]["sglang_vc_vericache"][0]
-                assert meta["remote_verifier"] == local.url and meta["committed"] >= n_new, meta  # the last round may overshoot
+                assert meta["remote_verifier"] == proxy.url and meta["committed"] >= n_new, meta  # the last round may overshoot
+                assert meta["path"] == "P1", meta
             for i in (3, 4):
                 assert not any(outs[i]["meta_info"].get("sglang_vc_vericache") or []), outs[i]["meta_info"]  # exact: never verified
             # ... counted on the local side too: the verify requests hit its tree
@@ -103,17 +150,27 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             assert after_local.get("hits_device", 0) - before_local.get("hits_device", 0) >= rv["verify_calls"], (
                 before_local, after_local)
 
-            # a local server that is gone: the lossy request fails with 503, never unverified tokens
-            local.stop()
-            r = _post(remote.url, {"input_ids": lossy_prompts[1], "sampling_params": {"temperature": 0,
-                                                                                      "max_new_tokens": n_new}})
-            assert "remote verify failed" in r.text, r.text[:500]
-            # an exact request is still served
-            assert _post(remote.url, {"input_ids": exact_prompts[0], "sampling_params": {
-                "temperature": 0, "max_new_tokens": n_new}}).json()["output_ids"] == ref[3]["output_ids"]
+            # the verifier fails mid-request (after the first token and one round): the
+            # remote reads the full copy at once and the request finishes exactly
+            proxy.fail_after = 2
+            got = _post(remote.url, {"input_ids": lossy_prompts[1], "sampling_params": {"temperature": 0,
+                                                                                        "max_new_tokens": n_new}}).json()
+            assert got["output_ids"] == ref[1]["output_ids"], (got, ref[1]["output_ids"])
+            assert got["meta_info"]["finish_reason"] == ref[1]["meta_info"]["finish_reason"]
+            rv = remote.server_info()["sglang_vc"]["counters"]["vericache_remote"]
+            assert proxy.failed >= 1 and rv["verify_fallbacks"] == 1 and rv["switched_to_local"] >= 1, rv
+            assert got["meta_info"]["sglang_vc_vericache"][0]["verify_rounds"] == 1, got["meta_info"]
+            assert remote.server_info()["sglang_vc"]["counters"]["evicpress"].get("storage_copies_read") == 1
+            # the prefix is exact on the remote now: a new request on it is never verified
+            calls = rv["verify_calls"]
+            got = _post(remote.url, {"input_ids": lossy_prompts[2], "sampling_params": {"temperature": 0,
+                                                                                        "max_new_tokens": n_new}}).json()
+            assert got["output_ids"] == ref[2]["output_ids"]
+            assert remote.server_info()["sglang_vc"]["counters"]["vericache_remote"]["verify_calls"] == calls
             # sampling is refused, not silently greedy
             r = _post(remote.url, {"input_ids": lossy_prompts[0], "sampling_params": {"temperature": 0.7}})
             assert r.status_code == 400 and "greedy tokens only" in r.text, r.text
+        proxy.close()
     finally:
         local.stop()
 

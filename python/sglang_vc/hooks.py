@@ -230,6 +230,17 @@ def _report_waiting_demand(result, *args, **kwargs):
     return None
 
 
+def _switch_remote_requests_to_local(*args, **kwargs):
+    """VERICACHE_REMOTE (path P2, and the fallback of a failed verify): a request whose
+    prefix's full KV has arrived leaves the running batch by SGLang's own retraction and
+    is requeued, to prefill what follows the prefix exactly. Its worker runs inside the
+    forward; only between iterations is the running batch the scheduler's to change."""
+    from sglang_vc.vericache.remote_worker import retract_switched
+
+    retract_switched(args[0])
+    return None
+
+
 def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: bool = False) -> int:
     """SGLang keeps ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` (10 GiB, sized for GPU
     servers) of RAM free before it allows a HiCache host pool, so on a 16-24 GB machine
@@ -350,6 +361,11 @@ def install() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         _report_waiting_demand,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        _switch_remote_requests_to_local,
+        HookType.BEFORE,
     )
     HookRegistry.register(
         "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend",

@@ -529,6 +529,30 @@ class EvicPressManager:
                 return True
             return False
 
+    def read_storage_copy(self, ctx: Context, config: CompressionConfig = FULL) -> Optional[FullKV]:
+        """``ctx``'s storage copy of ``config`` decoded, read from the shared store over
+        this server's link, or None (absent, corrupted). Changes no placement. Safe off
+        the scheduler thread: the manager lock is not held during the read (the store
+        has its own), so a long read does not stall the scheduler's lookups."""
+        with self.lock:
+            key = self.blob_key(ctx, Tier.DISK, config)
+        t0 = time.perf_counter()
+        blob = self.disk.get(key)
+        if blob is None:
+            self.count(storage_copy_misses=1)
+            return None
+        try:
+            cfg, kv, positions = codec.decode(blob)
+            if cfg != config or positions is not None:
+                raise ValueError(f"entry holds {cfg.label}")
+        except Exception:
+            logger.warning("EvicPress: storage copy %s of %s does not decode; not used", config.label, ctx.ctx_id)
+            self.count(storage_copy_misses=1)
+            return None
+        self.count(storage_copies_read=1, bytes_read_storage_copies=len(blob),
+                   storage_copy_read_seconds=time.perf_counter() - t0)
+        return kv
+
     def write_storage_copies(self, ctx: Context, kv: FullKV) -> int:
         """Write ``ctx``'s configured storage copies (``Settings.storage_copies``) that the
         shared store does not hold yet, from its just computed full KV; returns how many

@@ -99,6 +99,16 @@ def served_config(rid: str) -> Optional[CompressionConfig]:
     return None if _ACTIVE is None else _ACTIVE.served_config(rid)
 
 
+def served_context(rid: str) -> Optional[Context]:
+    """The stored context request ``rid``'s prefix matched on this server, or None."""
+    return None if _ACTIVE is None else _ACTIVE.served_context(rid)
+
+
+def active_cache() -> Optional["EvicPressRadixCache"]:
+    """This scheduler's EvicPress radix cache (None when it is not the radix cache)."""
+    return _ACTIVE
+
+
 @dataclass
 class _DroppedPrefix:
     """A request served from a token-dropped copy: its first ``n`` row positions are
@@ -281,6 +291,25 @@ class EvicPressRadixCache(UnifiedRadixCache):
     def served_config(self, rid: str) -> Optional[CompressionConfig]:
         st = self._reqs.get(rid)
         return None if st is None or st.ctx is None else st.served
+
+    def served_context(self, rid: str) -> Optional[Context]:
+        st = self._reqs.get(rid)
+        return None if st is None else st.ctx
+
+    def install_full(self, ctx: Context, kv: FullKV) -> int:
+        """Overwrite the device rows of ``ctx`` (a lossy copy loaded from the store) with
+        its full KV ``kv``, in place: the requests holding those rows keep them, and later
+        requests match an exact copy (``device_config`` FULL). Only the context's own
+        rows change; a request's rows after the context are its own to recompute. Returns
+        the rows written (0 when the context is not on the device)."""
+        n = self._floor(min(kv.num_tokens, ctx.stored_len or ctx.num_tokens))
+        have, _, idx = self._device_match(self._key(ctx.token_ids[:n].tolist(), None, ctx.namespace))
+        if have == 0:
+            return 0
+        self._write(idx[:have], kv.prefix(have))
+        ctx.device_config = FULL
+        self.evicpress.count(full_copies_installed=1)
+        return have
 
     # ------------------------------------------------------------------ helpers
     def _key(self, ids, like: Optional[RadixKey], namespace=_SAME) -> RadixKey:

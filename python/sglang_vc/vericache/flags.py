@@ -12,6 +12,7 @@ from typing import Optional
 from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 
 from .names import ALGORITHM, ATTENTION_BACKEND
+from .remote_stream import RemotePath
 
 GROUP = "vericache"
 
@@ -76,7 +77,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         metavar="S",
         help="VERICACHE_REMOTE: seconds a verify round may take on the remote verifier before "
-        "the request fails with HTTP 503 (never an unverified token; default 60).",
+        "the request falls back to reading the full copy of its prefix from the store (slower, "
+        "exact; HTTP 503 if that fails too; default 60).",
+    )
+    g.add_argument(
+        "--vc-remote-path",
+        choices=[p.value for p in RemotePath],
+        default=RemotePath.AUTO.value,
+        help="VERICACHE_REMOTE: 'p1' verifies every round on the remote verifier; 'p2' also "
+        "streams the prefix's full copy here while drafting and, once it has arrived, decodes "
+        "without the verifier; 'auto' (default) picks per request from the measured link "
+        "speed, verify round and draft step (P1 for short outputs, P2 for long ones).",
     )
 
 
@@ -91,11 +102,15 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
         raise ConfigError(f"--vc-remote-timeout must be > 0, got {args.vc_remote_timeout}")
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
             "compress_when": args.vc_compress_when, "remote_verifier": url,
-            "remote_timeout": float(args.vc_remote_timeout)}
+            "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path}
 
 
 def remote_verifier(settings: Optional[dict]) -> Optional[str]:
     return (settings or {}).get("remote_verifier")
+
+
+def remote_path(settings: Optional[dict]) -> RemotePath:
+    return RemotePath((settings or {}).get("remote_path") or RemotePath.AUTO.value)
 
 
 def remote_timeout(settings: Optional[dict]) -> float:
