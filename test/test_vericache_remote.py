@@ -175,6 +175,76 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
         local.stop()
 
 
+@pytest.mark.slow
+def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, tokenizer):
+    """Path P2: the remote server drafts from the 4-bit copy, verified by the local
+    server, while the full copy streams over its (emulated) link; once it has arrived
+    the requests are retracted and decode alone on the full KV. And a verify that fails
+    at a request's first token: the full copy is read at once, the first token is exact."""
+    from conftest import real_text_passages
+
+    store = tmp_path / "store"
+    passages = real_text_passages(6, words=500)
+    docs = [tokenizer(passages[k])["input_ids"][:CTX] for k in (0, 1)]
+    questions = ["\n\nQuestion: What is this text about?\nAnswer:", "\n\nSummarize the text above in one line:",
+                 "\n\nThe most important word in this text is"]
+    prompts = [docs[0] + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    prompts.append(tokenizer(passages[4][:300])["input_ids"])  # no stored prefix: exact
+    late = docs[1] + tokenizer(questions[0], add_special_tokens=False)["input_ids"]
+    n_new = 32
+
+    local = ServerProcess(_common(store), log_path=tmp_path / "local.log", timeout=420)
+    proxy = VerifierProxy(local.url)
+    try:
+        for name, ids in zip(("doc", "doc2"), docs):
+            epx.api(local, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
+            local.generate(input_ids=ids + [13], max_new_tokens=1)  # computes it: copies go to the store
+        ref = [local.generate(input_ids=p, max_new_tokens=n_new) for p in prompts + [late]]
+        remote_args = _common(store) + [
+            "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
+            "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p2",
+            "--vc-storage-read-gbps", "0.05",  # emulated: the full copy (18.4 MB) takes 0.37 s
+            "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
+        with ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420) as remote:
+            for name, ids in zip(("doc", "doc2"), docs):
+                epx.api(remote, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
+            outs: dict[int, dict] = {}
+
+            def ask(i):
+                outs[i] = _post(remote.url, {"input_ids": prompts[i], "sampling_params": {
+                    "temperature": 0, "max_new_tokens": n_new}}).json()
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in (3, 0, 1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for i in range(4):
+                assert outs[i]["output_ids"] == ref[i]["output_ids"], (i, outs[i], ref[i]["output_ids"])
+                assert outs[i]["meta_info"]["finish_reason"] == ref[i]["meta_info"]["finish_reason"], i
+            counters = remote.server_info()["sglang_vc"]["counters"]
+            rv, ep = counters["vericache_remote"], counters["evicpress"]
+            assert rv["requests_p2"] == 3 and rv["full_copies_streamed"] == 1 and rv["full_copies_installed"] == 1, rv
+            assert rv["first_tokens_verified"] == 3 and rv["switched_to_local"] >= 1, rv  # verified, then alone
+            assert not rv.get("verify_fallbacks") and proxy.failed == 0, rv
+            # the 4-bit copy first, then the full copy, over the remote's link
+            assert ep["storage_copies_read"] == 1 and ep["bytes_read_storage_copies"] > 0.9 * CTX * 46080, ep
+            assert 0 < ep["bytes_loaded_disk"] < 0.4 * CTX * 46080, ep
+            switched = [outs[i]["meta_info"]["sglang_vc_vericache"][0] for i in range(3)]
+            assert all(m["path"] == "P2" for m in switched) and any(m.get("switched_to_local") for m in switched)
+            # the verifier fails at the first token of a request on the other context
+            proxy.fail_after = 0
+            got = _post(remote.url, {"input_ids": late, "sampling_params": {"temperature": 0,
+                                                                            "max_new_tokens": n_new}}).json()
+            assert got["output_ids"] == ref[4]["output_ids"], (got, ref[4]["output_ids"])
+            assert got["meta_info"]["finish_reason"] == ref[4]["meta_info"]["finish_reason"]
+            rv = remote.server_info()["sglang_vc"]["counters"]["vericache_remote"]
+            assert rv["verify_fallbacks"] == 1 and proxy.failed >= 1, rv
+    finally:
+        proxy.close()
+        local.stop()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--vc-remote-verifier", "local:30000"], "http(s) URL"),
     (["--vc-remote-verifier", "http://h:1", "--vc-remote-timeout", "0"], "--vc-remote-timeout"),
