@@ -248,6 +248,7 @@ def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, 
 @pytest.mark.parametrize("argv, message", [
     (["--vc-remote-verifier", "local:30000"], "http(s) URL"),
     (["--vc-remote-verifier", "http://h:1", "--vc-remote-timeout", "0"], "--vc-remote-timeout"),
+    (["--vc-remote-verifier", "http://h:1", "--vc-remote-path", "p3"], "--vc-remote-path"),
 ])
 def test_remote_flag_values_are_usage_errors(argv, message, capsys):
     from sglang_vc.launch_server import parse_args

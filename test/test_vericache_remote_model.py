@@ -72,3 +72,34 @@ def test_bad_inputs_are_refused():
         rm.best_mix(_cluster(64, compression=1.0), 4, 2.0)
     with pytest.raises(ValueError, match="no request fits"):
         rm.best_mix(_cluster(64, weights_bytes=79 * GB), 4, 2.0)
+
+
+def _inputs(k: int, **kw):
+    from sglang_vc.vericache.remote_stream import PathInputs
+
+    # a 47 MB full copy on a 20 MB/s link (2.4 s); a 1.5 s verify round committing 6.7
+    # tokens; a 0.05 s draft step
+    base = dict(new_tokens=k, full_bytes=47e6, link_bytes_per_s=20e6, round_s=1.5, commits_per_round=6.7,
+                step_s=0.05, draft_tokens=8)
+    return PathInputs(**{**base, **kw})
+
+
+def test_the_runtime_choice_is_p1_when_the_full_copy_would_arrive_too_late():
+    from sglang_vc.vericache.remote_stream import RemotePath, choose_path
+
+    # 8 tokens: P1 is done in ~1.8 s, before the copy's 2.35 s
+    assert choose_path(_inputs(8)) is RemotePath.P1
+    # 256 tokens: P1 takes ~57 s; P2 has the copy after 2.35 s and decodes the rest alone
+    assert choose_path(_inputs(256)) is RemotePath.P2
+    # ... unless decoding alone is slower than verifying remotely
+    assert choose_path(_inputs(256, step_s=0.5)) is RemotePath.P1
+    # a faster link moves the crossover down
+    assert choose_path(_inputs(16, link_bytes_per_s=2e9)) is RemotePath.P2
+
+
+def test_before_anything_is_measured_long_outputs_take_p2():
+    from sglang_vc.vericache.remote_stream import RemotePath, choose_path
+
+    cold = dict(round_s=None, commits_per_round=None, step_s=None)
+    assert choose_path(_inputs(15, **cold)) is RemotePath.P1
+    assert choose_path(_inputs(16, **cold)) is RemotePath.P2

@@ -9,8 +9,9 @@ store, a *local* server on a fast emulated link to it and a *remote* server on a
 * ``lossy`` -- on the remote server, decoding from the KIVI 4-bit copy (c times the bytes);
 * ``P1``    -- on the remote server (``VERICACHE_REMOTE``): it loads the compressed copy,
   drafts from it, and the local server verifies every round (paper section 5.3, path P1);
-* ``P2``    -- NOT BUILT (streaming the rest of the full KV to the remote while it
-  drafts): reported as such, no figures.
+* ``P2``    -- as P1, while the context's full copy streams over the slow link to the
+  remote server, which then decodes alone on the full KV (its requests retracted and
+  re-prefilled after the context; path P2).
 
 A storer server computes the contexts first (its storage copies, full and KIVI 4-bit, go
 to the store, SGLang's ``file`` backend in a temporary directory); every phase then
@@ -20,9 +21,9 @@ tokens over the phase's wall time. ``identical`` compares each path's tokens, le
 finish reason with B1's (full KV). Bytes over each link are the servers' ``storage_link``
 counters. The JSON has one entry per path in ``results``; a plot is written beside it.
 
-On this machine both servers share the same CPU cores in P1 (the local server's verify
-prefills run between the remote's draft forwards), so P1 pays for the verifier's compute
-where two machines would not; the links are emulated (pacing after the bytes arrived).
+On this machine both servers share the same CPU cores in P1 and P2 (the local server's
+verify prefills run between the remote's draft forwards), so they pay for the verifier's
+compute where two machines would not; the links are emulated (pacing after the bytes arrived).
 """
 
 from __future__ import annotations
@@ -252,26 +253,27 @@ def main(argv=None) -> int:
             res.slow_link_bytes = link_bytes(counters(remote.url)) - link_bytes(before)
             results.append(res)
 
-    # P1: the remote drafts from the compressed copy, a fresh local server verifies
-    with server("local-P1", local_flags) as local, server("remote-P1", [
-            *remote_flags, "--evicpress-load-copy", KIVI4, "--speculative-algorithm", "VERICACHE_REMOTE",
-            "--speculative-num-draft-tokens", str(args.draft_tokens), "--vc-remote-verifier", local.url]) as remote:
-        register(local.url, contexts)
-        register(remote.url, contexts)
-        before_l, before_r = counters(local.url), counters(remote.url)
-        answers, wall = run_phase("P1", remote.url, prompts, args.max_new_tokens)
-        res = summarize("P1", answers, wall, ref)
-        after_r = counters(remote.url)
-        res.slow_link_bytes = link_bytes(after_r) - link_bytes(before_r)
-        res.fast_link_bytes = link_bytes(counters(local.url)) - link_bytes(before_l)
-        rv = {k: v - before_r.get("vericache_remote", {}).get(k, 0)
-              for k, v in after_r.get("vericache_remote", {}).items()}
-        if rv.get("verify_rounds"):
-            rv["mean_committed_per_round"] = rv["committed"] / rv["verify_rounds"]
-        res.verify = rv
-        results.append(res)
-    results.append(PathResult(path="P2", built=False, note="not built: streaming the rest of the full KV to the "
-                              "remote server while it drafts, then verifying there"))
+    # P1 and P2: the remote drafts from the compressed copy, a fresh local server
+    # verifies; on P2 the full copy streams to the remote meanwhile
+    for name in ("P1", "P2"):
+        with server(f"local-{name}", local_flags) as local, server(f"remote-{name}", [
+                *remote_flags, "--evicpress-load-copy", KIVI4, "--speculative-algorithm", "VERICACHE_REMOTE",
+                "--speculative-num-draft-tokens", str(args.draft_tokens), "--vc-remote-verifier", local.url,
+                "--vc-remote-path", name.lower()]) as remote:
+            register(local.url, contexts)
+            register(remote.url, contexts)
+            before_l, before_r = counters(local.url), counters(remote.url)
+            answers, wall = run_phase(name, remote.url, prompts, args.max_new_tokens)
+            res = summarize(name, answers, wall, ref)
+            after_r = counters(remote.url)
+            res.slow_link_bytes = link_bytes(after_r) - link_bytes(before_r)
+            res.fast_link_bytes = link_bytes(counters(local.url)) - link_bytes(before_l)
+            rv = {k: v - before_r.get("vericache_remote", {}).get(k, 0)
+                  for k, v in after_r.get("vericache_remote", {}).items()}
+            if rv.get("verify_rounds"):
+                rv["mean_committed_per_round"] = rv["committed"] / rv["verify_rounds"]
+            res.verify = rv
+            results.append(res)
 
     b2 = next(r for r in results if r.path == "B2")
     ratios = {}
@@ -287,7 +289,7 @@ def main(argv=None) -> int:
                      "slow_gbps": args.slow_gbps, "link_ratio": args.fast_gbps / args.slow_gbps,
                      "draft_tokens": args.draft_tokens, "dtype": args.dtype, "links": "emulated (paced reads)",
                      "attention_backend": args.attention_backend,
-                     "cores": "local and remote servers share this machine's cores in P1"},
+                     "cores": "local and remote servers share this machine's cores in P1 and P2"},
         "results": [asdict(r) for r in results], "ratios": ratios,
         "seconds": time.perf_counter() - t_start,
     }
@@ -335,7 +337,7 @@ def plot(report: dict, path: Path) -> None:
     s = report["settings"]
     fig.suptitle(f"{report['model']}: {s['requests']} requests on {s['contexts']} x {s['context_tokens']}-token "
                  f"stored prefixes, {s['max_new_tokens']} new tokens; links {s['fast_gbps']} / {s['slow_gbps']} GB/s "
-                 f"(emulated; P2 not built)", fontsize=9)
+                 f"(emulated)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
