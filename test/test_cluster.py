@@ -136,3 +136,44 @@ def test_sigterm_stops_the_cluster(cluster):
         time.sleep(0.2)
     assert not alive(), f"left behind: {alive()}\n" + (logs / "cluster.log").read_text()[-3000:]
     assert time.monotonic() - t < 10.0 and proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_remote_prefix_preset_serves_a_stored_prefix_exactly_from_the_remote_server(model_dir, tmp_path, tokenizer):
+    """``--remote-prefix``: a local SeaweedFS, a local and a remote server on it. A context
+    the local server computed reaches the remote server as its 4-bit copy; the remote
+    answers on it as the local server does, its tokens verified by the local server."""
+    from sglang_vc.seaweedfs import missing
+
+    if missing():
+        pytest.skip(missing())
+    base = _consecutive_free_ports(2)
+    local, remote = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_vc.cluster", "--remote-prefix", "--store-dir", str(tmp_path / "store"),
+         "--worker-base-port", str(base), "--log-dir", str(tmp_path), "--remote-gbps", "0.05",
+         "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "4096",
+         "--evicpress-no-profiler", "--evicpress-auto-context-tokens", "0", "--speculative-num-draft-tokens", "4"],
+        stdout=open(tmp_path / "cluster.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 420
+        while "remote prefix caching: send requests" not in (tmp_path / "cluster.log").read_text():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "cluster.log").read_text()[-3000:]
+            time.sleep(1)
+        ids = tokenizer(real_text_passages(2, words=400)[0])["input_ids"][:400]
+        prompt = ids + tokenizer("\n\nQuestion: What is this text about?\nAnswer:", add_special_tokens=False)["input_ids"]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        for url in (local, remote):
+            r = requests.post(url + "/evicpress/contexts", json={"id": "doc", "token_ids": ids}, timeout=60)
+            assert r.status_code == 200, r.text
+        want = requests.post(local + "/generate", json=body, timeout=300).json()  # computes it: copies to the store
+        got = requests.post(remote + "/generate", json=body, timeout=300).json()
+        assert got["output_ids"] == want["output_ids"], (got, want)
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        c = requests.get(remote + "/server_info", timeout=30).json()["sglang_vc"]["counters"]
+        assert c["evicpress"]["shared_found"] == 1 and c["vericache_remote"]["first_tokens_verified"] == 1, c
+        assert c["storage_link"]["read_bytes"] > 0, c  # the remote's paced link carried the copy
+        assert "seaweedfs" in (tmp_path / "cluster.log").read_text().lower()
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, (tmp_path / "cluster.log").read_text()[-3000:]

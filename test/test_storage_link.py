@@ -34,6 +34,26 @@ def test_link_carries_bytes_at_its_rate_and_queues_back_to_back_reads():
     assert link.carry(0) == 0.0
 
 
+def test_a_small_read_is_not_queued_behind_a_whole_large_one():
+    """Reads go over the link in slices: a one-slice read that starts while a three-slice
+    read is under way (here: during its first slice's wait) waits one slice, where a
+    link that reserved the whole large read at once would make it wait three."""
+    clock = Clock()
+    s = storage_link.SLICE_BYTES / 1e9
+    small = []
+
+    def sleep(seconds):
+        clock.now += seconds
+        if not small:  # the small read arrives during the large one's first slice
+            small.append(None)
+            small[0] = link.carry(storage_link.SLICE_BYTES)
+
+    link = storage_link.Link(1e9, clock=clock, sleep=sleep)
+    large = link.carry(3 * storage_link.SLICE_BYTES)
+    assert small[0] == pytest.approx(s)  # its own slice only
+    assert large == pytest.approx(3 * s) and clock.now == pytest.approx(4 * s)  # 4 slices carried in all
+
+
 class FakeBackend:
     def __init__(self):
         self.extra = "backend-specific"

@@ -286,3 +286,36 @@ def test_the_launcher_refuses_a_remote_server_without_a_verifier():
     r = subprocess.run([sys.executable, "-m", "sglang_vc.launch_server", "--speculative-algorithm",
                         "VERICACHE_REMOTE"], capture_output=True, text=True, timeout=180)
     assert r.returncode == 2 and "--vc-remote-verifier" in r.stderr, r.stderr[-2000:]
+
+
+def test_full_copies_are_read_once_per_context_and_handed_over_when_done():
+    import time as _time
+    from types import SimpleNamespace
+
+    from sglang_vc.vericache.remote_stream import FullCopies
+
+    gate = threading.Event()
+    reads = []
+
+    def read(ctx):
+        reads.append(ctx.ctx_id)
+        gate.wait(5)
+        return f"kv-{ctx.ctx_id}" if ctx.ctx_id != "bad" else None
+
+    copies = FullCopies(read)
+    a, b = SimpleNamespace(ctx_id="a"), SimpleNamespace(ctx_id="b")
+    assert copies.stream(a) and not copies.stream(a)  # one read per context in flight
+    assert copies.arrived() == [] and copies.streaming("a")
+    gate.set()
+    deadline = _time.monotonic() + 5
+    got = []
+    while not got and _time.monotonic() < deadline:
+        got = copies.arrived()
+    assert got == [(a, "kv-a")] and not copies.streaming("a")
+    # read_now joins a read in flight rather than starting another
+    gate.clear()
+    copies.stream(b)
+    threading.Timer(0.2, gate.set).start()
+    assert copies.read_now(b) == "kv-b" and reads == ["a", "b"] and copies.arrived() == []
+    assert copies.read_now(SimpleNamespace(ctx_id="bad")) is None  # a failed read: None, not an exception
+    copies.close()

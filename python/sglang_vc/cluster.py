@@ -14,6 +14,14 @@ servers, and each one's ``GET /server_info`` has its ``sglang_vc`` section
 
 SIGTERM or SIGINT stops the router and every server (each server stops its own
 children), then exits; a server that dies stops the whole cluster with an error.
+
+``--remote-prefix`` starts VeriCache's remote prefix caching instead (no router): one
+shared store (a local SeaweedFS, or ``--store file``), a *local* server on a fast link to
+it and a *remote* server (``VERICACHE_REMOTE``) on a slow one, which loads the KIVI 4-bit
+copy of a stored prefix, drafts from it and has the local server verify. Links are
+emulated when given (``--local-gbps``, ``--remote-gbps``: paced storage reads). Send
+requests to the remote server; a context either server computed is in the store for
+both (its full and 4-bit copies).
 """
 
 from __future__ import annotations
@@ -127,7 +135,67 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-dir", default=None, help="one log file per server and the router (default: stderr)")
     ap.add_argument("--counters", metavar="ROUTER_URL", default=None,
                     help="print every server's sglang_vc counters through a running router, and exit")
+    rp = ap.add_argument_group("Remote prefix caching (VeriCache)")
+    rp.add_argument("--remote-prefix", action="store_true",
+                    help="start a local server (the verifier, port --worker-base-port) and a remote "
+                    "VERICACHE_REMOTE server (the next port) on one shared store, instead of N servers "
+                    "behind a router")
+    rp.add_argument("--store", choices=["seaweedfs", "file"], default="seaweedfs",
+                    help="the shared store: a local SeaweedFS (default; needs requirements/storage.txt) "
+                    "or SGLang's file backend in --store-dir")
+    rp.add_argument("--store-dir", default=None, help="the store's data directory (default: a new temporary one)")
+    rp.add_argument("--local-gbps", type=float, default=None,
+                    help="EMULATION: pace the local server's storage reads to G GB/s (default: not paced)")
+    rp.add_argument("--remote-gbps", type=float, default=None,
+                    help="EMULATION: pace the remote server's storage reads to G GB/s (default: not paced)")
     return ap
+
+
+def _has(flags: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in flags)
+
+
+def remote_prefix_servers(args, server_flags: list[str], store_extra: dict, backend: str,
+                          log_dir: Optional[Path]) -> list[Member]:
+    """The local and remote servers of ``--remote-prefix`` on one store."""
+    shared = ["--enable-hierarchical-cache", "--hicache-storage-backend", backend,
+              "--hicache-storage-backend-extra-config", json.dumps(store_extra), "--radix-cache-backend", "evicpress"]
+    if not _cuda():  # SGLang's default HiCache transfer kernels are CUDA's
+        shared += [] if _has(server_flags, "--hicache-io-backend") else ["--hicache-io-backend", "direct"]
+        shared += [] if _has(server_flags, "--hicache-mem-layout") else ["--hicache-mem-layout", "layer_first"]
+    ports = (args.worker_base_port, args.worker_base_port + 1)
+    urls = [f"http://{args.host}:{p}" for p in ports]
+    paced = [[] if g is None else ["--vc-storage-read-gbps", str(g)] for g in (args.local_gbps, args.remote_gbps)]
+    roles = [
+        ("local server", [*shared, *paced[0]]),
+        ("remote server", [*shared, *paced[1], "--speculative-algorithm", "VERICACHE_REMOTE",
+                           "--vc-remote-verifier", urls[0], "--evicpress-load-copy", "kivi@4b",
+                           "--evicpress-storage-copies", "none"]),
+    ]
+    return [Member(name, [sys.executable, "-m", "sglang_vc.launch_server", "--host", args.host, "--port", str(port),
+                          *server_flags, *extra], url,
+                   log_dir / f"{name.replace(' ', '-')}.log" if log_dir else None)
+            for (name, extra), port, url in zip(roles, ports, urls)]
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _free_ports(n: int) -> list[int]:
+    from sglang_vc.testing.server import free_port
+
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -145,6 +213,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
 
+    if args.remote_prefix:
+        return run_remote_prefix(args, server_flags, log_dir)
+    if any(v is not None for v in (args.store_dir, args.local_gbps, args.remote_gbps)):
+        ap.error("--store-dir, --local-gbps and --remote-gbps belong to --remote-prefix")
     servers = []
     for i in range(args.nodes):
         port = args.worker_base_port + i
@@ -158,17 +230,71 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"http://{args.host}:{args.port}", log_dir / "router.log" if log_dir else None)
     members = [*servers, router]
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    code = 0
-    try:
+    def ready(stop: threading.Event) -> None:
         for s in servers:
             s.start()
         wait_ready(servers, "/health_generate", READY_TIMEOUT_S, stop)
         router.start()
         wait_ready([router], "/health", READY_TIMEOUT_S, stop)
         log(f"{args.nodes} server(s) behind the router on {router.url} ({args.policy})")
+
+    return supervise(members, ready)
+
+
+def run_remote_prefix(args, server_flags: list[str], log_dir: Optional[Path]) -> int:
+    import tempfile
+
+    from sglang_vc import seaweedfs
+
+    for g in (args.local_gbps, args.remote_gbps):
+        if g is not None and not g > 0:
+            log("error: --local-gbps and --remote-gbps must be > 0")
+            return 2
+    for flag in ("--speculative-algorithm", "--radix-cache-backend", "--hicache-storage-backend"):
+        if _has(server_flags, flag):
+            log(f"error: {flag} is set by --remote-prefix")
+            return 2
+    root = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="sglang-vc-store-"))
+    store = None
+    if args.store == "seaweedfs":
+        why = seaweedfs.missing()
+        if why:
+            log(f"error: {why}; or use --store file")
+            return 2
+        store = seaweedfs.LocalSeaweedFS(root / "seaweedfs", _free_ports(8),
+                                         (log_dir or root) / "seaweedfs.log")
+        extra, backend = store.extra_config(), "seaweedfs"
+    else:
+        extra, backend = {"file_storage_path": str(root / "file")}, "file"
+    members = remote_prefix_servers(args, server_flags, extra, backend, log_dir)
+
+    def ready(stop: threading.Event) -> None:
+        if store is not None:
+            try:
+                log(f"SeaweedFS store on {store.start()} (data in {store.data_dir})")
+            except seaweedfs.SeaweedFSError as exc:
+                raise RuntimeError(str(exc)) from None
+        for m in members:
+            m.start()
+        wait_ready(members, "/health_generate", READY_TIMEOUT_S, stop)
+        log(f"remote prefix caching: send requests to the remote server {members[1].url}; "
+            f"the local server {members[0].url} verifies ({backend} store)")
+
+    try:
+        return supervise(members, ready)
+    finally:
+        if store is not None:
+            store.stop()
+
+
+def supervise(members: list[Member], ready) -> int:
+    """Start the members (``ready``), then wait for a signal or a member's death; stop all."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    code = 0
+    try:
+        ready(stop)
         while not stop.wait(0.5):
             dead = [m for m in members if m.proc is not None and not m.alive()]
             if dead:

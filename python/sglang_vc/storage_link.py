@@ -3,8 +3,9 @@ server's storage reads to ``G`` GB/s (off by default), so one machine can run a 
 server (fast link) and a "remote" one (slow link) on one shared store, as VeriCache's
 remote prefix caching (paper sec. 4.2.2) assumes. It is an EMULATION: the bytes still
 come as fast as the store serves them; the reader then waits until a link of that speed
-would have delivered them. Reads are serialised through one token bucket per server
-process, as one link would carry them. Writes are not paced.
+would have delivered them. One token bucket per server process carries every read, in
+slices of ``SLICE_BYTES``, so concurrent reads share the link as flows on one link do (a
+small load is not queued behind a whole large one). Writes are not paced.
 
 The flag becomes a key of SGLang's ``--hicache-storage-backend-extra-config``
 (``vc_read_gbps``; the backends ignore keys they do not know), and the storage backend
@@ -70,9 +71,12 @@ def storage_argv(settings: Optional[dict], argv: list[str]) -> list[str]:
         "--hicache-storage-backend-extra-config", json.dumps(given)]
 
 
+SLICE_BYTES = 1 << 20
+
+
 class Link:
-    """A token bucket of one link: each read waits until ``bytes / rate`` after the later
-    of now and the end of the previous read."""
+    """A token bucket of one link: each slice of a read waits until ``bytes / rate``
+    after the later of now and the end of the previous slice (of any read)."""
 
     def __init__(self, bytes_per_s: float, clock=time.monotonic, sleep=time.sleep):
         self.bytes_per_s = bytes_per_s
@@ -82,14 +86,17 @@ class Link:
 
     def carry(self, nbytes: int) -> float:
         """Wait as the link would for ``nbytes`` that already arrived; the seconds waited."""
-        if nbytes <= 0:
-            return 0.0
-        with self._lock:
-            now = self._clock()
-            self._free_at = max(now, self._free_at) + nbytes / self.bytes_per_s
-            wait = self._free_at - now
-        self._sleep(wait)
-        return wait
+        waited = 0.0
+        while nbytes > 0:
+            part = min(nbytes, SLICE_BYTES)
+            nbytes -= part
+            with self._lock:
+                now = self._clock()
+                self._free_at = max(now, self._free_at) + part / self.bytes_per_s
+                wait = self._free_at - now
+            self._sleep(wait)
+            waited += wait
+        return waited
 
 
 class PacedReads(HiCacheStorageFailureInjector):

@@ -296,6 +296,15 @@ class EvicPressRadixCache(UnifiedRadixCache):
         st = self._reqs.get(rid)
         return None if st is None else st.ctx
 
+    def mark_exact(self, rid: str) -> bool:
+        """Request ``rid`` matched a lossy copy that :meth:`install_full` has since made
+        exact, before its prefill computed anything over it: it is served FULL."""
+        st = self._reqs.get(rid)
+        if st is None or st.ctx is None or not (st.ctx.device_config is None or st.ctx.device_config.is_full):
+            return False
+        st.served = FULL
+        return True
+
     def install_full(self, ctx: Context, kv: FullKV) -> int:
         """Overwrite the device rows of ``ctx`` (a lossy copy loaded from the store) with
         its full KV ``kv``, in place: the requests holding those rows keep them, and later

@@ -238,30 +238,36 @@ class StorageTier(ByteBudget):
 
     def get(self, key: str) -> Optional[bytes]:
         """The newest generation's bytes (whoever wrote it), or None when absent,
-        forgotten here, or damaged."""
+        forgotten here, or damaged. The read itself runs outside the tier's lock (a
+        generation's objects never change once written): a long read, such as a full
+        copy streamed over a slow link, does not stall the tier's other callers."""
         with self._lock:
             self.stats.gets += 1
-            for _ in range(_MAX_TRIES):
+        for _ in range(_MAX_TRIES):
+            with self._lock:
                 gen = self._latest(key)
                 if gen is None or gen <= self._forgotten.get(key, -1):
                     self.stats.misses += 1
                     return None
-                try:
-                    blob = self._read_entry(key, gen)
-                except _Damaged as exc:
+            try:
+                blob = self._read_entry(key, gen)
+            except _Damaged as exc:
+                with self._lock:
                     newer = self._latest(key)
                     if newer is not None and newer > gen:  # superseded while we read
                         continue
                     self._drop_damaged(key, gen, str(exc))
-                    return None
+                return None
+            with self._lock:
                 own = self._entries.get(key)
                 if own is None or own.generation != gen:
                     self.stats.remote_hits += 1
                 self.stats.hits += 1
                 self.stats.bytes_read += self.entry_bytes(key, len(blob))
-                return blob
+            return blob
+        with self._lock:
             self.stats.misses += 1  # other servers kept rewriting it: a miss, not damage
-            return None
+        return None
 
     def probe(self, key: str) -> bool:
         """Whether the backend holds a generation of ``key`` that this tier would read

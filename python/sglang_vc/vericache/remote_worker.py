@@ -217,9 +217,24 @@ class RemoteVerifyWorker(ChainSpecWorker):
             return self._round(batch)
         return self._prefill(batch, pp_proxy_tensors)
 
+    def _exact_since_match(self, req) -> bool:
+        """A request matched its context while the copy was lossy, and the full copy was
+        installed before its prefill (SGLang matches waiting requests early): its prefill
+        computes everything after the context over exact rows, so it is exact."""
+        ctx = evicpress_radix.served_context(req.rid)
+        if ctx is None or not (ctx.device_config is None or ctx.device_config.is_full):
+            return False
+        if req.prefix_len > (ctx.stored_len or ctx.num_tokens):  # an earlier chunk saw the lossy rows
+            return False
+        if evicpress_radix.active_cache().mark_exact(req.rid):
+            stats.add(STATS, exact_after_install=1)
+            return True
+        return False
+
     def _prefill(self, batch, pp_proxy_tensors):
         lossy = [i for i, req in enumerate(batch.reqs)
-                 if getattr(req, "inflight_middle_chunks", 0) == 0 and self._lossy(req)]
+                 if getattr(req, "inflight_middle_chunks", 0) == 0 and self._lossy(req)
+                 and not self._exact_since_match(req)]
         if not lossy:
             return self.prefill_result(batch, pp_proxy_tensors)
         for i in lossy:
