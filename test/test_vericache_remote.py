@@ -203,7 +203,9 @@ def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, 
         remote_args = _common(store) + [
             "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
             "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p2",
-            "--vc-storage-read-gbps", "0.05",  # emulated: the full copy (18.4 MB) takes 0.37 s
+            # emulated, fast: the full copy (18.4 MB, 18 ms on the link) is here long before
+            # a request's 8 verified rounds are done, on any machine
+            "--vc-storage-read-gbps", "1.0",
             "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
         with ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420) as remote:
             for name, ids in zip(("doc", "doc2"), docs):
@@ -224,14 +226,18 @@ def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, 
                 assert outs[i]["meta_info"]["finish_reason"] == ref[i]["meta_info"]["finish_reason"], i
             counters = remote.server_info()["sglang_vc"]["counters"]
             rv, ep = counters["vericache_remote"], counters["evicpress"]
-            assert rv["requests_p2"] == 3 and rv["full_copies_streamed"] == 1 and rv["full_copies_installed"] == 1, rv
-            assert rv["first_tokens_verified"] == 3 and rv["switched_to_local"] >= 1, rv  # verified, then alone
+            # the first lossy prefill starts the one stream; a request prefilled after the
+            # copy was installed is exact from its prefill (how many: up to the scheduler)
+            p2, late_exact = rv.get("requests_p2", 0), rv.get("exact_after_install", 0)
+            assert p2 >= 1 and p2 + late_exact == 3, rv
+            assert rv["full_copies_streamed"] == 1 and rv["full_copies_installed"] == 1, rv
+            assert rv["first_tokens_verified"] == p2 and rv["switched_to_local"] == p2, rv  # verified, then alone
             assert not rv.get("verify_fallbacks") and proxy.failed == 0, rv
             # the 4-bit copy first, then the full copy, over the remote's link
             assert ep["storage_copies_read"] == 1 and ep["bytes_read_storage_copies"] > 0.9 * CTX * 46080, ep
             assert 0 < ep["bytes_loaded_disk"] < 0.4 * CTX * 46080, ep
-            switched = [outs[i]["meta_info"]["sglang_vc_vericache"][0] for i in range(3)]
-            assert all(m["path"] == "P2" for m in switched) and any(m.get("switched_to_local") for m in switched)
+            metas = [m[0] for i in range(3) if (m := outs[i]["meta_info"].get("sglang_vc_vericache")) and m[0]]
+            assert len(metas) == p2 and all(m["path"] == "P2" and m.get("switched_to_local") for m in metas), metas
             # the verifier fails at the first token of a request on the other context
             proxy.fail_after = 0
             got = _post(remote.url, {"input_ids": late, "sampling_params": {"temperature": 0,
