@@ -244,6 +244,9 @@ class EvicPressManager:
         self.rebalance_pending = False
         self.active_requests: dict[str, float] = {}
         self.last_user_activity = clock()
+        # the entry find_shared read to check it, kept for the fetch that follows: one read
+        # of a shared context over the link, not two (ctx_id -> (config, blob, seconds))
+        self._found: dict[str, tuple[CompressionConfig, bytes, float]] = {}
         self._local = collections.Counter()
         self._counters = counters
         host_cap = settings.host_capacity
@@ -511,6 +514,7 @@ class EvicPressManager:
                 key = self.blob_key(ctx, Tier.DISK, cfg)
                 if not self.disk.probe(key):
                     continue
+                t0 = time.perf_counter()
                 blob = self.disk.get(key)
                 if blob is None:
                     continue
@@ -525,6 +529,7 @@ class EvicPressManager:
                 ctx.sizes[cfg] = len(blob)
                 ctx.quality.setdefault(cfg, 1.0 if cfg.is_full else 0.0)
                 self._set_placement(ctx, Placement(cfg, Tier.DISK))
+                self._found[ctx.ctx_id] = (cfg, blob, time.perf_counter() - t0)
                 self.count(shared_found=1)
                 return True
             return False
@@ -588,6 +593,9 @@ class EvicPressManager:
         """The stored bytes; None (and the context marked dropped) when absent or
         corrupted -- a corrupted disk entry is never served."""
         store = self._store(placement.tier)
+        found = self._found.pop(ctx.ctx_id, None)
+        if found is not None and placement.tier == Tier.DISK and found[0] == placement.config:
+            return found[1]  # read (and checked) by find_shared just now
         if placement.tier == Tier.DISK:
             before = self.disk.stats.corrupted
             blob = self.disk.get(self.blob_key(ctx, Tier.DISK, placement.config))
@@ -773,7 +781,8 @@ class EvicPressManager:
             p = ctx.placement
             if p.dropped:
                 return None
-            t0 = time.perf_counter()
+            found = self._found.get(ctx.ctx_id)
+            t0 = time.perf_counter() - (found[2] if found is not None else 0.0)  # its read time counts
             blob = self._read_blob(ctx, p)
             if blob is None:
                 self._publish_usage()
