@@ -90,6 +90,10 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
                  "\n\nThe most important word in this text is"]
     lossy_prompts = [ctx_ids + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
     exact_prompts = [tokenizer(p[:300])["input_ids"] for p in passages[3:5]]  # no stored prefix
+    # shares the context's first 40 tokens (its radix match runs into the lossy rows), then
+    # another text: less than half the context, so no context match; it is verified too
+    overlap_prompt = ctx_ids[:40] + tokenizer(passages[5][:300], add_special_tokens=False)["input_ids"]
+    prompts = lossy_prompts + exact_prompts + [overlap_prompt]
     n_new = 24
 
     local = ServerProcess(_common(store), log_path=tmp_path / "local.log", timeout=420)
@@ -99,7 +103,7 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
         described = epx.api(local, "GET", "/evicpress/contexts/doc")
         assert described["storage_copies"] == ["full", "kivi@4b"], described
         # the full-KV reference, from the local server
-        ref = {i: local.generate(input_ids=p, max_new_tokens=n_new) for i, p in enumerate(lossy_prompts + exact_prompts)}
+        ref = {i: local.generate(input_ids=p, max_new_tokens=n_new) for i, p in enumerate(prompts)}
         before_local = local.server_info()["sglang_vc"]["counters"].get("evicpress", {})
 
         proxy = VerifierProxy(local.url)
@@ -114,7 +118,7 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             outs: dict[int, dict] = {}
 
             def ask(i):
-                p = (lossy_prompts + exact_prompts)[i]
+                p = prompts[i]
                 outs[i] = _post(remote.url, {"input_ids": p, "sampling_params": {"temperature": 0,
                                                                                   "max_new_tokens": n_new}}).json()
 
@@ -150,6 +154,14 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             assert after_local.get("hits_device", 0) - before_local.get("hits_device", 0) >= rv["verify_calls"], (
                 before_local, after_local)
 
+            # a prompt whose radix match runs into the lossy rows without matching the
+            # context (sent once the copy is on the device) is verified as well
+            got = _post(remote.url, {"input_ids": overlap_prompt, "sampling_params": {
+                "temperature": 0, "max_new_tokens": n_new}}).json()
+            assert got["output_ids"] == ref[5]["output_ids"], (got, ref[5]["output_ids"])
+            assert remote.server_info()["sglang_vc"]["counters"]["evicpress"].get("lossy_overlaps") == 1
+            assert got["meta_info"]["sglang_vc_vericache"][0]["verify_rounds"] >= n_new // 4 - 1, got["meta_info"]
+
             # the verifier fails mid-request (after the first token and one round): the
             # remote reads the full copy at once and the request finishes exactly
             proxy.fail_after = 2
@@ -170,6 +182,9 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             # sampling is refused, not silently greedy
             r = _post(remote.url, {"input_ids": lossy_prompts[0], "sampling_params": {"temperature": 0.7}})
             assert r.status_code == 400 and "greedy tokens only" in r.text, r.text
+            r = _post(remote.url, {"input_ids": lossy_prompts[0], "cache_salt": "tenant-a",
+                                   "sampling_params": {"temperature": 0}})
+            assert r.status_code == 400 and "cache_salt" in r.text, r.text
         proxy.close()
     finally:
         local.stop()

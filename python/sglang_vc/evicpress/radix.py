@@ -173,6 +173,9 @@ def evicpress_factory(ctx):
 
 class EvicPressRadixCache(UnifiedRadixCache):
     evicpress: Optional[EvicPressManager] = None
+    # set by a worker that may make a lossy device copy exact in place (install_full):
+    # then no KV computed over a lossy copy may enter the tree
+    lossy_out_of_tree: bool = False
 
     # ------------------------------------------------------------------ set-up
     def init_hicache(self, server_args, params) -> None:
@@ -296,11 +299,14 @@ class EvicPressRadixCache(UnifiedRadixCache):
         st = self._reqs.get(rid)
         return None if st is None else st.ctx
 
-    def mark_exact(self, rid: str) -> bool:
+    def mark_exact(self, rid: str, prefix_len: int) -> bool:
         """Request ``rid`` matched a lossy copy that :meth:`install_full` has since made
-        exact, before its prefill computed anything over it: it is served FULL."""
+        exact, and its prefill forward starts at ``prefix_len``, within the context's
+        rows: nothing of it was computed over the lossy copy, so it is served FULL."""
         st = self._reqs.get(rid)
         if st is None or st.ctx is None or not (st.ctx.device_config is None or st.ctx.device_config.is_full):
+            return False
+        if prefix_len > st.usable:  # an earlier chunk ran over the lossy rows
             return False
         st.served = FULL
         return True
@@ -501,7 +507,25 @@ class EvicPressRadixCache(UnifiedRadixCache):
                                            full_device_match_len=drop.n, cache_protected_len=drop.n)
                 # evicted meanwhile or capped shorter: the request recomputes the context
                 del self._dropped[params.req.rid]
-        return super().match_prefix(params)
+        result = super().match_prefix(params)
+        if self.lossy_out_of_tree and params.req is not None and int(result.device_prefix_len) > 0:
+            self._flag_lossy_overlap(params.req, params.key, int(result.device_prefix_len))
+        return result
+
+    def _flag_lossy_overlap(self, req, key: RadixKey, have: int) -> None:
+        """A request served as exact whose device prefix runs into rows of a lossy copy
+        (another context's, sharing its first tokens) is lossy too: its drafts get
+        verified. Only where lossy copies may become exact (``lossy_out_of_tree``)."""
+        st = self._reqs.get(req.rid)
+        if st is None or (st.served is not None and not st.served.is_full):
+            return
+        hit = self.evicpress.lossy_overlap(key.raw_token_ids(), key.extra_key, have)
+        if hit is None:
+            return
+        ctx, n = hit
+        st.ctx, st.served, st.usable, st.tier = ctx, ctx.device_config, self._floor(n), "overlap"
+        req.skip_radix_cache_insert = True
+        self.evicpress.count(lossy_overlaps=1)
 
     def prefix_device_indices(self, req) -> torch.Tensor:
         drop = self._dropped.get(req.rid) if self.evicpress is not None else None
@@ -650,6 +674,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         elif first:
             st.tier, st.capture_len = "miss", st.usable
             st.base_config = (ctx.device_config or FULL) if have else FULL
+        if first and self.lossy_out_of_tree and st.served is not None and not st.served.is_full:
+            # every chunk of it (SGLang checkpoints middle chunks into the tree): its KV
+            # was computed over a copy that install_full may later make exact
+            req.skip_radix_cache_insert = True
         if first:
             tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
             mgr.on_request(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp)
@@ -756,7 +784,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if st.backed_hit:  # SGLang loaded the backup back: the rows are on the device now
             ctx, mgr = st.ctx, self.evicpress
             self._deferred.append(lambda: mgr.after_hit(ctx, Tier.HOST))
-        if st.ctx is None or st.served is None or st.served.is_full:
+        if st.ctx is None or st.served is None or st.served.is_full or st.tier == "overlap":
             return
         try:
             sp = req.sampling_params

@@ -251,13 +251,16 @@ class StorageTier(ByteBudget):
                     return None
             try:
                 blob = self._read_entry(key, gen)
-            except _Damaged as exc:
-                with self._lock:
+            except _Damaged:
+                with self._lock:  # again, with writers and deleters held off
                     newer = self._latest(key)
                     if newer is not None and newer > gen:  # superseded while we read
                         continue
-                    self._drop_damaged(key, gen, str(exc))
-                return None
+                    try:
+                        blob = self._read_entry(key, gen)  # rewritten under the same generation
+                    except _Damaged as exc:
+                        self._drop_damaged(key, gen, str(exc))
+                        return None
             with self._lock:
                 own = self._entries.get(key)
                 if own is None or own.generation != gen:

@@ -98,10 +98,17 @@ class FullCopies:
         return [(ctx, _result(f)) for ctx, f in out]
 
     def read_now(self, ctx):
-        """``ctx``'s full copy, waiting for it (the read in flight, else a new one)."""
+        """``ctx``'s full copy, waiting for it: the read in flight, else one read here (not
+        queued behind another context's stream)."""
         with self._lock:
             entry = self._inflight.pop(ctx.ctx_id, None)
-        return _result(entry[1]) if entry is not None else _result(self._pool.submit(self._read, ctx))
+        if entry is not None:
+            return _result(entry[1])
+        try:
+            return self._read(ctx)
+        except Exception:
+            logger.exception("VERICACHE_REMOTE: reading a full copy failed")
+            return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -86,11 +86,15 @@ def retract_switched(scheduler) -> int:
     worker = _ACTIVE
     if worker is None:
         return 0
+    cache = evicpress_radix.active_cache()
+    if cache is not None:  # before any request is matched (the cache is made after the worker)
+        cache.lossy_out_of_tree = True
     worker.install_arrived()
     batch = getattr(scheduler, "running_batch", None)
     if not worker.switching or batch is None or batch.is_empty():
         return 0
-    out = [i for i, r in enumerate(batch.reqs) if r.rid in worker.switching and not r.finished()]
+    out = [i for i, r in enumerate(batch.reqs)
+           if r.rid in worker.switching and not r.finished() and r.to_finish is None]
     if not out:
         return 0
     reqs = [batch.reqs[i] for i in out]
@@ -127,7 +131,7 @@ class RemoteVerifyWorker(ChainSpecWorker):
         self.per_request: dict[str, dict] = {}
         self.lossy_ctx: dict[str, str] = {}  # rid -> ctx_id of the lossy copy it drafts from
         self.switching: set[str] = set()  # rids to retract: their context is exact now
-        self._copies: Optional[FullCopies] = None
+        self._copies: Optional[FullCopies] = None  # made with the radix cache (after this worker)
         self.round_s: Optional[float] = None
         self.commits_per_round: Optional[float] = None
         self.step_s: Optional[float] = None
@@ -168,7 +172,8 @@ class RemoteVerifyWorker(ChainSpecWorker):
         path = self._choose(req, ctx)
         stats.add(STATS, **{f"requests_{path.value}": 1})
         self._info(req)["path"] = path.value.upper()
-        if path is RemotePath.P2 and self.copies.stream(ctx):
+        exact = ctx.device_config is None or ctx.device_config.is_full  # installed; this request ran over lossy rows
+        if path is RemotePath.P2 and not exact and self.copies.stream(ctx):
             stats.add(STATS, full_copies_streamed=1)
 
     def _switch(self, ctx_id: str) -> None:
@@ -224,14 +229,15 @@ class RemoteVerifyWorker(ChainSpecWorker):
         ctx = evicpress_radix.served_context(req.rid)
         if ctx is None or not (ctx.device_config is None or ctx.device_config.is_full):
             return False
-        if req.prefix_len > (ctx.stored_len or ctx.num_tokens):  # an earlier chunk saw the lossy rows
-            return False
-        if evicpress_radix.active_cache().mark_exact(req.rid):
+        if evicpress_radix.active_cache().mark_exact(req.rid, req.prefix_len):
             stats.add(STATS, exact_after_install=1)
             return True
         return False
 
     def _prefill(self, batch, pp_proxy_tensors):
+        for req in batch.reqs:  # a rid seen again is a new (or requeued) request
+            self.switching.discard(req.rid)
+            self.lossy_ctx.pop(req.rid, None)
         lossy = [i for i, req in enumerate(batch.reqs)
                  if getattr(req, "inflight_middle_chunks", 0) == 0 and self._lossy(req)
                  and not self._exact_since_match(req)]
@@ -240,7 +246,9 @@ class RemoteVerifyWorker(ChainSpecWorker):
         for i in lossy:
             self._start(batch.reqs[i])
         # the first token of a lossy request is the verifier's; asked before the forward
-        pending = self.verifier.submit([VerifyCall(batch.reqs[i].origin_input_ids, ()) for i in lossy])
+        # (after the outputs a retracted request already has)
+        pending = self.verifier.submit([VerifyCall(list(batch.reqs[i].origin_input_ids) + list(batch.reqs[i].output_ids), ())
+                                        for i in lossy])
 
         def override(predict: torch.Tensor) -> torch.Tensor:
             answers = pending()
