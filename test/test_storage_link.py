@@ -54,6 +54,29 @@ def test_a_small_read_is_not_queued_behind_a_whole_large_one():
     assert large == pytest.approx(3 * s) and clock.now == pytest.approx(4 * s)  # 4 slices carried in all
 
 
+def test_a_background_read_yields_to_foreground_reads():
+    """While a foreground read is on the link, a background read's slices wait; once it
+    is done they go. Pinned by the recorded schedule: the foreground read counts as
+    carrying for the background read's first two tries."""
+    clock = Clock()
+    s = storage_link.SLICE_BYTES / 1e9
+    tries = []
+
+    def sleep(seconds):
+        clock.now += seconds
+        tries.append(link.foreground)
+        if len(tries) == 2:
+            link.foreground -= 1  # the foreground read finishes
+
+    link = storage_link.Link(1e9, clock=clock, sleep=sleep)
+    link.foreground = 1  # a foreground read is carrying
+    with storage_link.background_reads():
+        waited = link.carry(storage_link.SLICE_BYTES)
+    assert tries == [1, 1, 0]  # two yields, then its slice
+    assert waited == pytest.approx(3 * s) and link.foreground == 0
+    assert link.carry(storage_link.SLICE_BYTES) == pytest.approx(s)  # foreground, outside the block
+
+
 class FakeBackend:
     def __init__(self):
         self.extra = "backend-specific"

@@ -16,6 +16,7 @@ SGLang's factory creates is wrapped in :class:`PacedReads` (``hooks.py``). Count
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import threading
@@ -72,30 +73,60 @@ def storage_argv(settings: Optional[dict], argv: list[str]) -> list[str]:
 
 
 SLICE_BYTES = 1 << 20
+_reads = threading.local()
+
+
+@contextlib.contextmanager
+def background_reads():
+    """Reads of this thread inside the block are background traffic: each of their slices
+    waits while a foreground read is on the link (VERICACHE_REMOTE's full-copy streams
+    yield to the compressed copies requests wait for)."""
+    before = getattr(_reads, "background", False)
+    _reads.background = True
+    try:
+        yield
+    finally:
+        _reads.background = before
 
 
 class Link:
     """A token bucket of one link: each slice of a read waits until ``bytes / rate``
-    after the later of now and the end of the previous slice (of any read)."""
+    after the later of now and the end of the previous slice (of any read); a
+    background read's slices also wait until no foreground read is carrying."""
 
     def __init__(self, bytes_per_s: float, clock=time.monotonic, sleep=time.sleep):
         self.bytes_per_s = bytes_per_s
         self._clock, self._sleep = clock, sleep
         self._free_at = 0.0
         self._lock = threading.Lock()
+        self.foreground = 0  # foreground reads on the link now
 
     def carry(self, nbytes: int) -> float:
         """Wait as the link would for ``nbytes`` that already arrived; the seconds waited."""
-        waited = 0.0
-        while nbytes > 0:
-            part = min(nbytes, SLICE_BYTES)
-            nbytes -= part
+        background = getattr(_reads, "background", False)
+        if not background:
             with self._lock:
-                now = self._clock()
-                self._free_at = max(now, self._free_at) + part / self.bytes_per_s
-                wait = self._free_at - now
-            self._sleep(wait)
-            waited += wait
+                self.foreground += 1
+        waited = 0.0
+        try:
+            while nbytes > 0:
+                part = min(nbytes, SLICE_BYTES)
+                nbytes -= part
+                with self._lock:
+                    busy = background and self.foreground > 0
+                    if not busy:
+                        now = self._clock()
+                        self._free_at = max(now, self._free_at) + part / self.bytes_per_s
+                        wait = self._free_at - now
+                if busy:  # yield a slice's time to the foreground reads, then try again
+                    nbytes += part
+                    wait = part / self.bytes_per_s
+                self._sleep(wait)
+                waited += wait
+        finally:
+            if not background:
+                with self._lock:
+                    self.foreground -= 1
         return waited
 
 

@@ -12,7 +12,9 @@ and from there decodes as any full-KV request, with no more verify rounds. A ver
 fails (the local server is down or too slow) takes the same way, the full copy read at
 once: slower, never wrong.
 
-Deviation: the paper streams the remainder ``(1 - c) KV`` on top of the compressed copy;
+On an emulated link (``--vc-storage-read-gbps``) a stream is background traffic: its
+slices wait while a read a request waits for is on the link. Deviation: the paper
+streams the remainder ``(1 - c) KV`` on top of the compressed copy;
 the store here holds independent copies, so P2 reads the whole full copy (``KV`` bytes).
 
 The choice per request (:func:`choose_path`): P2 when the full copy would arrive before
@@ -73,7 +75,10 @@ class FullCopies:
     reads one (``EvicPressManager.read_storage_copy``)."""
 
     def __init__(self, read):
+        from sglang_vc.storage_link import background_reads  # SGLang's storage types: not at flag parsing
+
         self._read = read
+        self._background = background_reads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vc-full-copy")
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[object, Future]] = {}  # ctx_id -> (ctx, read)
@@ -83,8 +88,14 @@ class FullCopies:
         with self._lock:
             if ctx.ctx_id in self._inflight:
                 return False
-            self._inflight[ctx.ctx_id] = (ctx, self._pool.submit(self._read, ctx))
+            self._inflight[ctx.ctx_id] = (ctx, self._pool.submit(self._read_behind, ctx))
             return True
+
+    def _read_behind(self, ctx):
+        """A stream is background traffic on the link: the compressed copies requests
+        wait for go first (``storage_link.background_reads``)."""
+        with self._background():
+            return self._read(ctx)
 
     def streaming(self, ctx_id: str) -> bool:
         with self._lock:
