@@ -5,7 +5,8 @@ remote prefix caching (paper sec. 4.2.2) assumes. It is an EMULATION: the bytes 
 come as fast as the store serves them; the reader then waits until a link of that speed
 would have delivered them. One token bucket per server process carries every read, in
 slices of ``SLICE_BYTES``, so concurrent reads share the link as flows on one link do (a
-small load is not queued behind a whole large one). Writes are not paced.
+small load is not queued behind a whole large one); reads a thread makes inside
+:func:`background_reads` yield to the others. Writes are not paced.
 
 The flag becomes a key of SGLang's ``--hicache-storage-backend-extra-config``
 (``vc_read_gbps``; the backends ignore keys they do not know), and the storage backend
