@@ -406,30 +406,19 @@ def test_sglang_builds_it_through_its_dynamic_backend(tmp_path):
 
 
 # -- SeaweedFS (slow; needs `weed` and boto3) -------------------------------------------------
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports outside the ephemeral range (see ``testing.server``)."""
-    from sglang_vc.testing.server import free_port
-
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p not in ports:
-            ports.append(p)
-    return ports
-
-
 @contextlib.contextmanager
 def seaweedfs(tmp_path: Path, monkeypatch):
     """A local SeaweedFS (:mod:`sglang_vc.seaweedfs`) on free loopback ports for the test;
     yields the S3 endpoint. Skips, saying why, when ``weed`` or boto3 is missing."""
     from sglang_vc.seaweedfs import LocalSeaweedFS, SeaweedFSError, missing
+    from sglang_vc.testing.server import free_ports
 
     why = missing()
     if why:
         pytest.skip(why)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "evicpress-test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "evicpress-test")
-    store = LocalSeaweedFS(tmp_path / "seaweedfs" / "data", _free_ports(8), tmp_path / "weed.log")
+    store = LocalSeaweedFS(tmp_path / "seaweedfs" / "data", free_ports(8), tmp_path / "weed.log")
     try:
         store.start()
     except SeaweedFSError as exc:

@@ -192,16 +192,6 @@ def _cuda() -> bool:
         return False
 
 
-def _free_ports(n: int) -> list[int]:
-    from sglang_vc.testing.server import free_port
-
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port()
-        if p not in ports:
-            ports.append(p)
-    return ports
-
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = build_parser()
@@ -250,6 +240,7 @@ def run_remote_prefix(args, server_flags: list[str], log_dir: Optional[Path]) ->
     import tempfile
 
     from sglang_vc import seaweedfs
+    from sglang_vc.testing.server import free_ports
 
     for g in (args.local_gbps, args.remote_gbps):
         if g is not None and not g > 0:
@@ -267,7 +258,7 @@ def run_remote_prefix(args, server_flags: list[str], log_dir: Optional[Path]) ->
         if why:
             log(f"error: {why}; or use --store file")
             return 2
-        store = seaweedfs.LocalSeaweedFS(root / "seaweedfs", _free_ports(8),
+        store = seaweedfs.LocalSeaweedFS(root / "seaweedfs", free_ports(8),
                                          (log_dir or root) / "seaweedfs.log")
         extra, backend = store.extra_config(), "seaweedfs"
     else:

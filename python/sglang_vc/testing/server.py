@@ -50,6 +50,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in [{PORT_RANGE[0]}, {hi})")
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that are free now (see :func:`free_port`)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
 class ServerProcess:
     """A server subprocess in its own process group, so that stopping it also stops the
     scheduler and detokenizer processes SGLang spawns."""
