@@ -202,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.nodes < 1:
         ap.error("--nodes must be at least 1")
     for flag in ("--port", "--host"):
-        if any(a == flag or a.startswith(flag + "=") for a in server_flags):
+        if _has(server_flags, flag):
             ap.error(f"{flag} is the cluster's own; the servers' ports come from --worker-base-port")
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir:

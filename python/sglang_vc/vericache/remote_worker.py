@@ -23,7 +23,7 @@ One iteration (lock-step; ``L`` = committed KV length, ``t0`` = last output toke
 
 The KV a lossy request keeps for its committed tokens is the drafts' (computed over the
 lossy prefix): it only feeds later drafts; every committed token is the verifier's
-full-KV argmax. Such KV never enters the radix tree (``skip_radix_cache_insert``). Greedy
+full-KV argmax. Such KV never enters the radix tree (the radix cache's ``lossy_out_of_tree``). Greedy
 only (sampling is refused with HTTP 400, :mod:`.requests`).
 
 Path P2 and the fallback (:mod:`.remote_stream`): the context's full copy streams here
@@ -165,7 +165,6 @@ class RemoteVerifyWorker(ChainSpecWorker):
     def _start(self, req) -> None:
         """A lossy request's prefill: its path, and its context's full copy on P2."""
         ctx = evicpress_radix.served_context(req.rid)
-        req.skip_radix_cache_insert = True  # KV computed over the lossy copy
         if ctx is None:
             return
         self.lossy_ctx[req.rid] = ctx.ctx_id
