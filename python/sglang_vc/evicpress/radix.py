@@ -298,6 +298,12 @@ class EvicPressRadixCache(UnifiedRadixCache):
         st = self._reqs.get(rid)
         return None if st is None else st.ctx
 
+    def context_rows(self, rid: str) -> int:
+        """The rows of request ``rid``'s prefix that are its context's copy (0 when it
+        matched none): what follows them the request computed itself."""
+        st = self._reqs.get(rid)
+        return 0 if st is None or st.ctx is None else st.usable
+
     def mark_exact(self, rid: str, prefix_len: int) -> bool:
         """Request ``rid`` matched a lossy copy that :meth:`install_full` has since made
         exact, and its prefill forward starts at ``prefix_len``, within the context's

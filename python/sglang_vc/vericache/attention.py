@@ -22,6 +22,8 @@ from sglang_vc import stats
 from sglang_vc.kvruntime import NULL_SLOT, kernels
 from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend
 
+from .chain_attention import verify_lens
+
 if TYPE_CHECKING:
     from .staging import PoolStaging
     from .specache_drafter import SpeCacheDrafter
@@ -66,7 +68,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         starts = seq_lens.tolist()
         rows = forward_batch.req_pool_indices.tolist()
-        lens = _verify_lens(forward_batch.spec_info, len(starts))
+        lens = verify_lens(forward_batch.spec_info, len(starts))
         staged = self.staging.requests if self.staging is not None else {}
         unstaged = self.staging.unstaged if self.staging is not None else set()
         entries = [None if i in staged else self.runtime.entry_for_row(r) for i, r in enumerate(rows)]
@@ -263,12 +265,3 @@ class _TorchNative:
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         return TorchNativeAttnBackend.forward_extend(self.backend, q, k, v, layer, forward_batch, save_kv_cache)
-
-
-def _verify_lens(spec_info, bs: int) -> list[int]:
-    """Tokens each request forwards in this verify: SGLang's ragged layout, or the
-    uniform draft width."""
-    layout = getattr(spec_info, "ragged_verify_layout", None)
-    if layout is not None and layout.verify_lens_cpu is not None:
-        return list(layout.verify_lens_cpu)
-    return [spec_info.draft_token_num] * bs

@@ -87,7 +87,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="VERICACHE_REMOTE: 'p1' verifies every round on the remote verifier; 'p2' also "
         "streams the prefix's full copy here while drafting and, once it has arrived, decodes "
         "without the verifier; 'auto' (default) picks per request from the measured link "
-        "speed, verify round and draft step (P1 for short outputs, P2 for long ones).",
+        "speed, verify round and draft step (P1 for short outputs, P2 for long ones). "
+        "'tiering': lossless tiering inside this server, no verifier elsewhere: a request "
+        "served a compressed copy drafts from it while the full copy loads from this "
+        "server's storage, then verifies the drafts against it (--vc-tiering-drafts).",
+    )
+    g.add_argument(
+        "--vc-tiering-drafts",
+        type=int,
+        default=32,
+        metavar="N",
+        help="VERICACHE_REMOTE, --vc-remote-path tiering: the most tokens a request drafts from "
+        "the compressed copy while its full copy loads (default 32; 0 waits without drafting).",
     )
 
 
@@ -100,9 +111,12 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
         raise ConfigError(f"--vc-remote-verifier must be an http(s) URL, got {url!r}")
     if not args.vc_remote_timeout > 0:
         raise ConfigError(f"--vc-remote-timeout must be > 0, got {args.vc_remote_timeout}")
+    if args.vc_tiering_drafts < 0:
+        raise ConfigError(f"--vc-tiering-drafts must be >= 0, got {args.vc_tiering_drafts}")
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
             "compress_when": args.vc_compress_when, "remote_verifier": url,
-            "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path}
+            "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path,
+            "tiering_drafts": int(args.vc_tiering_drafts)}
 
 
 def remote_verifier(settings: Optional[dict]) -> Optional[str]:
@@ -111,6 +125,10 @@ def remote_verifier(settings: Optional[dict]) -> Optional[str]:
 
 def remote_path(settings: Optional[dict]) -> RemotePath:
     return RemotePath((settings or {}).get("remote_path") or RemotePath.AUTO.value)
+
+
+def tiering_drafts(settings: Optional[dict]) -> int:
+    return int((settings or {}).get("tiering_drafts", 32))
 
 
 def remote_timeout(settings: Optional[dict]) -> float:

@@ -12,6 +12,10 @@ over this server's link to the store; the worker (:mod:`.remote_worker`) drafts 
 and sends every round to the local server for verification (:mod:`.remote_verify`).
 Requests whose prefix is not a lossy copy decode as usual, X tokens per iteration.
 
+With ``--vc-remote-path tiering`` there is no verifier elsewhere: the same server drafts
+from the compressed copy while the context's full copy loads from its own storage, and
+verifies the drafts against it (:mod:`.tiering`, lossless tiering inside one server).
+
 Flags resolved for it: no overlap schedule (the worker is synchronous), one chain,
 ``speculative_num_steps = X``. SGLang's own attention backend and the EvicPress radix
 cache are kept: the drafts are ordinary decode forwards over the loaded copy.
@@ -20,7 +24,7 @@ cache are kept: the drafts are ordinary decode forwards over the loaded copy.
 from __future__ import annotations
 
 from . import flags
-from .names import DEFAULT_REMOTE_DRAFT_TOKENS, REMOTE_ALGORITHM
+from .names import CHAIN_BACKEND, DEFAULT_REMOTE_DRAFT_TOKENS, REMOTE_ALGORITHM
 
 _registered = False
 
@@ -32,7 +36,15 @@ def register() -> None:
     _registered = True
     from sglang_vc.speculative import register_algorithm
 
-    register_algorithm(REMOTE_ALGORITHM, None, None, validate_server_args, handle_server_args)
+    # vc_chain: the CPU's attention backend for a tiering verify (see handle_server_args)
+    register_algorithm(REMOTE_ALGORITHM, CHAIN_BACKEND, _create_chain_backend, validate_server_args,
+                       handle_server_args)
+
+
+def _create_chain_backend(model_runner):
+    from .chain_attention import create
+
+    return create(model_runner)
 
 
 def _error(message: str):
@@ -44,9 +56,16 @@ def _error(message: str):
 def validate_server_args(server_args) -> None:
     from sglang_vc.config import get_vc_config
 
+    from .remote_stream import RemotePath
+
     settings = get_vc_config(server_args).group(flags.GROUP)
-    if not flags.remote_verifier(settings):
-        raise _error("needs --vc-remote-verifier URL (the server near the store that verifies)")
+    tiering = flags.remote_path(settings) is RemotePath.TIERING
+    if tiering and flags.remote_verifier(settings):
+        raise _error("--vc-remote-path tiering verifies against this server's own full copy: "
+                     "drop --vc-remote-verifier")
+    if not tiering and not flags.remote_verifier(settings):
+        raise _error("needs --vc-remote-verifier URL (the server near the store that verifies), "
+                     "or --vc-remote-path tiering (lossless tiering inside this server)")
     if getattr(server_args, "radix_cache_backend", None) != "evicpress":
         raise _error("needs --radix-cache-backend evicpress (it loads the compressed copy of a "
                      "stored prefix, --evicpress-load-copy)")
@@ -73,3 +92,13 @@ def handle_server_args(server_args) -> None:
     server_args.speculative_eagle_topk = 1
     server_args.disable_overlap_schedule = True
     server_args.enable_mixed_chunk = False
+    from sglang_vc.config import get_vc_config
+
+    from .remote_stream import RemotePath
+
+    tiering = flags.remote_path(get_vc_config(server_args).group(flags.GROUP)) is RemotePath.TIERING
+    if tiering and str(getattr(server_args, "device", "") or "").startswith("cpu") and \
+            server_args.attention_backend in (None, "torch_native"):
+        # a tiering verify is a chain TARGET_VERIFY forward, which SGLang's torch_native
+        # backend does not run (FlashInfer on a GPU does): torch_native plus that forward
+        server_args.attention_backend = CHAIN_BACKEND

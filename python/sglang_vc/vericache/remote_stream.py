@@ -39,6 +39,7 @@ class RemotePath(str, enum.Enum):
     P1 = "p1"  # every round verified by the local server
     P2 = "p2"  # ... until the full copy has arrived; then this server alone
     AUTO = "auto"  # per request, by choose_path
+    TIERING = "tiering"  # no verifier: the full copy from this server's own storage (.tiering)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,12 @@ class FullCopies:
     def streaming(self, ctx_id: str) -> bool:
         with self._lock:
             return ctx_id in self._inflight
+
+    def ready(self, ctx_id: str) -> bool:
+        """No read of ``ctx_id`` in flight (none started, or it has finished)."""
+        with self._lock:
+            entry = self._inflight.get(ctx_id)
+            return entry is None or entry[1].done()
 
     def arrived(self) -> list[tuple[object, Optional[object]]]:
         """The reads that finished since the last call: (ctx, FullKV or None)."""

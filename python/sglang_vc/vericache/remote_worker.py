@@ -61,6 +61,7 @@ from .names import META_INFO_KEY
 from .remote_stream import FullCopies, PathInputs, RemotePath, choose_path
 from .remote_verify import STATS, RemoteVerifier, RemoteVerifyError, VerifyCall
 from .sampling import greedy_verify_ids
+from .tiering import Lossy, Tiering
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,13 @@ class RemoteVerifyWorker(ChainSpecWorker):
         self.num_drafts = x
         settings = flags.settings_of(server_args)
         url = flags.remote_verifier(settings)
-        self.verifier = RemoteVerifier(url, flags.remote_timeout(settings))
         self.path = flags.remote_path(settings)
+        # lossless tiering (no verifier elsewhere): the full copy from this server's storage
+        self.verifier = None if self.path is RemotePath.TIERING else RemoteVerifier(url, flags.remote_timeout(settings))
+        self.tiering = (Tiering(self, lambda: self.copies, flags.tiering_drafts(settings))
+                        if self.path is RemotePath.TIERING else None)
+        self.page_size = int(server_args.page_size or 1)
+        self.device = self.model_runner.device
         self.per_request: dict[str, dict] = {}
         self.lossy_ctx: dict[str, str] = {}  # rid -> ctx_id of the lossy copy it drafts from
         self.switching: set[str] = set()  # rids to retract: their context is exact now
@@ -136,7 +142,8 @@ class RemoteVerifyWorker(ChainSpecWorker):
         self.commits_per_round: Optional[float] = None
         self.step_s: Optional[float] = None
         _ACTIVE = self
-        logger.info("VERICACHE_REMOTE: X=%d, verifier %s, path %s", x, url, self.path.value)
+        logger.info("VERICACHE_REMOTE: X=%d, verifier %s, path %s", x,
+                    url or "this server's own full copies (lossless tiering)", self.path.value)
 
     # ------------------------------------------------------------------ lossy requests
     def _lossy(self, req) -> bool:
@@ -172,7 +179,7 @@ class RemoteVerifyWorker(ChainSpecWorker):
         stats.add(STATS, **{f"requests_{path.value}": 1})
         self._info(req)["path"] = path.value.upper()
         exact = ctx.device_config is None or ctx.device_config.is_full  # installed; this request ran over lossy rows
-        if path is RemotePath.P2 and not exact and self.copies.stream(ctx):
+        if path in (RemotePath.P2, RemotePath.TIERING) and not exact and self.copies.stream(ctx):
             stats.add(STATS, full_copies_streamed=1)
 
     def _switch(self, ctx_id: str) -> None:
@@ -218,6 +225,8 @@ class RemoteVerifyWorker(ChainSpecWorker):
             for rid in [r for r in self.lossy_ctx if r not in live]:
                 del self.lossy_ctx[rid]
             self.switching &= live
+            if self.tiering is not None:
+                self.tiering.retain(live)
             return self._round(batch)
         return self._prefill(batch, pp_proxy_tensors)
 
@@ -237,6 +246,8 @@ class RemoteVerifyWorker(ChainSpecWorker):
         for req in batch.reqs:  # a rid seen again is a new (or requeued) request
             self.switching.discard(req.rid)
             self.lossy_ctx.pop(req.rid, None)
+            if self.tiering is not None:
+                self.tiering.drop(req.rid)
         lossy = [i for i, req in enumerate(batch.reqs)
                  if getattr(req, "inflight_middle_chunks", 0) == 0 and self._lossy(req)
                  and not self._exact_since_match(req)]
@@ -244,6 +255,8 @@ class RemoteVerifyWorker(ChainSpecWorker):
             return self.prefill_result(batch, pp_proxy_tensors)
         for i in lossy:
             self._start(batch.reqs[i])
+        if self.tiering is not None:
+            return self._tiering_prefill(batch, lossy, pp_proxy_tensors)
         # the first token of a lossy request is the verifier's; asked before the forward
         # (after the outputs a retracted request already has)
         pending = self.verifier.submit([VerifyCall(list(batch.reqs[i].origin_input_ids) + list(batch.reqs[i].output_ids), ())
@@ -269,6 +282,35 @@ class RemoteVerifyWorker(ChainSpecWorker):
 
         return self.prefill_result(batch, pp_proxy_tensors, override=override)
 
+    def _tiering_prefill(self, batch, lossy: list[int], pp_proxy_tensors):
+        cache = evicpress_radix.active_cache()
+        todo = [Lossy(i, evicpress_radix.served_context(batch.reqs[i].rid),
+                      min(batch.reqs[i].prefix_len, cache.context_rows(batch.reqs[i].rid))) for i in lossy]
+
+        def install(ctx, kv) -> int:
+            exact = ctx.device_config is None or ctx.device_config.is_full
+            rows = cache.install_full(ctx, kv)
+            if rows and not exact:
+                stats.add(STATS, full_copies_installed=1)
+            return rows
+
+        def override(predict: torch.Tensor) -> torch.Tensor:
+            fixed = self.tiering.prefill(batch, todo, predict, install)
+            for x in todo:  # every row after x.start recomputed over the full copy
+                req = batch.reqs[x.index]
+                if req.to_finish is None:
+                    cache.mark_exact(req.rid, x.start)
+                    self.lossy_ctx.pop(req.rid, None)
+            return fixed
+
+        return self.prefill_result(batch, pp_proxy_tensors, override=override)
+
+    def fail(self, req, reason: str) -> None:
+        _abort(req, reason)
+
+    def info_of(self, req) -> dict:
+        return self._info(req)
+
     # ------------------------------------------------------------------ one round
     @torch.inference_mode()
     def _round(self, batch):
@@ -284,17 +326,19 @@ class RemoteVerifyWorker(ChainSpecWorker):
                            for req in batch.reqs], dtype=torch.int64)
 
         # 1. draft X tokens, the whole batch; the drafts stay on the device until the
-        # round needs them on the host (one synchronisation, not one per forward)
+        # round needs them on the host (one synchronisation, not one per forward). Not
+        # when every request commits tokens verified at its prefill (lossless tiering)
         drafted = []
         cur = t0
-        for j in range(x):
+        held_only = self.tiering is not None and all(self.tiering.holding(r.rid) for r in batch.reqs)
+        for j in range(0 if held_only else x):
             self.set_batch(batch, ForwardMode.DECODE, cur, committed + j + 1, slots[:, j], None, seq_dtype, dev)
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
             cur = res.logits_output.next_token_logits.argmax(-1)
             drafted.append(cur)
-        drafts = torch.stack(drafted, 1).to("cpu", torch.int64)
-        drafted_at = time.perf_counter()
-        self.step_s = _ema(self.step_s, (drafted_at - started) / x)
+        drafts = torch.stack(drafted, 1).to("cpu", torch.int64) if drafted else torch.zeros(bs, x, dtype=torch.int64)
+        if drafted:
+            self.step_s = _ema(self.step_s, (time.perf_counter() - started) / x)
         # the batch leaves the round at its committed lengths: SGLang adds the accepted
         # tokens to what the worker left there
         self.set_batch(batch, ForwardMode.DECODE, t0, committed, slots[:, 0], None, seq_dtype, dev)
@@ -307,7 +351,15 @@ class RemoteVerifyWorker(ChainSpecWorker):
         for i, req in enumerate(batch.reqs):
             if req.rid in self.switching:
                 accept_lens[i] = 0
+        if self.tiering is not None:
+            # tokens verified at the prefill: committed with their KV, drafts discarded
+            self.tiering.drain(batch, committed, slots, accept_tokens, accept_lens, x)
         lossy = [i for i, req in enumerate(batch.reqs) if self._lossy(req)]
+        if lossy and self.verifier is None:  # never: a tiering request is exact after its prefill
+            for i in lossy:
+                _abort(batch.reqs[i], "lossless tiering: a lossy request reached a decode round unverified")
+                accept_lens[i] = 1
+            lossy = []
         if lossy:
             draft_rows = drafts[lossy].tolist()
             answers = self.verifier.submit([
@@ -335,14 +387,15 @@ class RemoteVerifyWorker(ChainSpecWorker):
                     self._record(batch.reqs[i], x, a, int(accept_lens[i]))
                 self.round_s = _ema(self.round_s, time.perf_counter() - started)
                 self.commits_per_round = _ema(self.commits_per_round, commits / len(good))
-        stats.add(STATS, rounds=1, exact_rows=bs - len(lossy))
+        stats.add(STATS, rounds=1, exact_rows=bs - len(lossy), rounds_without_forward=int(held_only))
         return self.result(batch, accept_tokens, accept_lens)
 
     def _info(self, req) -> dict:
         """The request's counters, returned in its ``meta_info``."""
         info = self.per_request.get(req.rid)
         if info is None:
-            info = self.per_request[req.rid] = {"remote_verifier": self.verifier.url, "verify_rounds": 0,
+            info = self.per_request[req.rid] = {"remote_verifier": self.verifier.url if self.verifier else None,
+                                                "verify_rounds": 0,
                                                 "drafted": 0, "accepted": 0, "committed": 0,
                                                 "draft_tokens": self.num_drafts}
             if req.customized_info is None:

@@ -1,0 +1,235 @@
+"""Lossless tiering inside one server: draft from a context's compressed copy while its
+full KV loads from this server's own slow tier, then verify the drafts against it
+(``VERICACHE_REMOTE`` with ``--vc-remote-path tiering``: no verifier elsewhere).
+
+EvicPress served the request's prefix from a lossy copy (``--evicpress-load-copy``, or a
+lossy placement); the context's full copy sits in storage (``--evicpress-storage-copies``).
+At the request's prefill (:meth:`Tiering.prefill`, inside the worker's prefill):
+
+1. the prefill forward runs over the lossy rows, and the full copy's read starts on the
+   reader thread (:class:`~.remote_stream.FullCopies`);
+2. **draft** while the read is in flight: greedy decode forwards of the lossy requests
+   over the lossy copy, up to ``--vc-tiering-drafts`` tokens, their KV in scratch slots
+   of SGLang's KV pool;
+3. the full copy has arrived: it is written over the context's rows
+   (``EvicPressRadixCache.install_full``), and ONE ragged ``TARGET_VERIFY`` forward
+   recomputes each request's own tokens after the context and its drafts over the exact
+   prefix: the exact KV replaces what the lossy copy produced, and its logits give the
+   full-KV greedy token at the prompt's end and after each draft;
+4. **commit** the first token (the prefill's one), and keep the accepted drafts and the
+   correction after them (:func:`~.sampling.greedy_verify_ids`) *held*, with their exact
+   KV in the scratch slots: the following decode rounds commit up to ``X`` held tokens
+   each, moving their KV into the round's slots (:meth:`Tiering.drain`), with no forward
+   when every request in the batch has held tokens.
+
+What drafting buys over loading the full copy first is the decode forwards of the
+accepted drafts, run while the link was busy anyway. The prefill waits for the read (the
+scheduler does not run other batches meanwhile), as EvicPress's own loads in
+``match_prefix`` do. A read that fails ends the request with HTTP 503, never an
+unverified token.
+
+Not built: drafting with a page size above 1 (the scratch slots are single tokens; the
+prefill then only waits); overlapping the wait with other requests' decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sglang_vc import stats
+
+from .remote_verify import STATS
+from .sampling import greedy_verify_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    """A request's verified tokens not yet committed. ``tokens[j]`` is the exact token at
+    position ``pos + j + 1``; ``slots[j]`` holds the exact KV of the token at ``pos + j``
+    (the one before it), so a round starting at committed length ``L`` commits
+    ``tokens[L - pos ..]`` with the KV in ``slots[L - pos ..]``."""
+
+    pos: int
+    tokens: list[int]
+    slots: torch.Tensor  # [len(tokens)] pool slots, owned until drained or dropped
+
+
+@dataclass
+class Lossy:
+    """One lossy request of a prefill batch: its index, the context it was served, and
+    the first row its own computed KV starts at (recomputed exactly after the install)."""
+
+    index: int
+    ctx: object
+    start: int
+
+
+class Tiering:
+    def __init__(self, worker, copies: Callable[[], object], max_drafts: int):
+        self.worker = worker
+        self._copies = copies
+        self.max_drafts = max(0, int(max_drafts))
+        self.held: dict[str, Held] = {}
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def prefill(self, batch, lossy: list[Lossy], predict: torch.Tensor, install) -> torch.Tensor:
+        """After the prefill forward (``predict``: its sampled tokens): draft, wait for the
+        full copies, install them (``install(ctx, kv) -> rows`` or 0), verify; returns the
+        tokens to commit (the exact first token of each lossy request)."""
+        w = self.worker
+        copies = self._copies()
+        started = time.perf_counter()
+        fixed = predict.clone()
+        sub = w.sub_batch(batch, [x.index for x in lossy])
+        reqs = sub.reqs
+        n, dev = len(reqs), sub.seq_lens.device
+        seq_lens = sub.seq_lens.to("cpu", torch.int64)  # L: prompt length (its KV computed)
+        rows = sub.req_pool_indices.to("cpu", torch.int64)
+        budget = [min(self.max_drafts, max(0, int(r.sampling_params.max_new_tokens or 0) - 1)) for r in reqs]
+        k_max = max(budget) if w.page_size == 1 else 0
+        scratch = w.token_to_kv_pool_allocator.alloc(n * k_max) if k_max else None
+        if scratch is None:
+            k_max = 0
+        scratch = (scratch.view(n, k_max).to("cpu", torch.int64) if k_max
+                   else torch.zeros(n, 0, dtype=torch.int64))
+        req_to_token = w.req_to_token_pool.req_to_token
+
+        # 2. draft while the full copies load (greedy: the requests are greedy)
+        drafts, cur = [], predict[torch.tensor([x.index for x in lossy], device=predict.device)]
+        while len(drafts) < k_max and not all(copies.ready(x.ctx.ctx_id) for x in lossy):
+            j = len(drafts)
+            pos = seq_lens + j
+            req_to_token[rows.to(req_to_token.device), pos.to(req_to_token.device)] = scratch[:, j].to(
+                req_to_token.device, req_to_token.dtype)
+            w.set_batch(sub, ForwardMode.DECODE, cur, pos + 1, scratch[:, j], None, sub.seq_lens.dtype, dev)
+            res = w.target_worker.forward_batch_generation(sub, is_verify=True)
+            drafts.append(cur)
+            cur = res.logits_output.next_token_logits.argmax(-1)
+        k = len(drafts)
+        drafted_s = time.perf_counter() - started
+
+        # 3. the full copies (one read and one install per context), then verify
+        # everything computed over the lossy rows
+        ok, exact_rows = [], {}
+        for i, x in enumerate(lossy):
+            cid = x.ctx.ctx_id
+            if cid not in exact_rows:
+                kv = copies.read_now(x.ctx)
+                exact_rows[cid] = install(x.ctx, kv) if kv is not None else 0
+            if exact_rows[cid] <= 0:
+                w.fail(reqs[i], "the context's full copy could not be read or installed")
+                continue
+            ok.append(i)
+            x.start = min(x.start, exact_rows[cid])
+        waited_s = time.perf_counter() - started - drafted_s
+        if not ok:
+            self._free(scratch)
+            return fixed
+        draft_ids = torch.stack(drafts, 1).to("cpu", torch.int64) if k else torch.zeros(n, 0, dtype=torch.int64)
+        ids, positions, starts, lens = [], [], [], []
+        for i in ok:
+            r, s, length = reqs[i], lossy[i].start, int(seq_lens[i])
+            kb = min(k, budget[i])
+            toks = (list(r.origin_input_ids) + list(r.output_ids))[s:length] + draft_ids[i, :kb].tolist()
+            ids += toks
+            positions += range(s, s + len(toks))
+            starts.append(s)
+            lens.append(len(toks))
+        idx = torch.tensor(ok)
+        vsub = w.sub_batch(sub, ok) if len(ok) < n else sub
+        q_req = torch.arange(len(ok)).repeat_interleave(torch.tensor(lens))
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        own = pos_t < seq_lens[idx][q_req]  # the prompt's own rows; the rest are drafts
+        slots = torch.empty(len(positions), dtype=torch.int64)
+        slots[own] = req_to_token[rows[idx][q_req][own].to(req_to_token.device),
+                                  pos_t[own].to(req_to_token.device)].to("cpu", torch.int64)
+        slots[~own] = scratch[idx[q_req[~own]], pos_t[~own] - seq_lens[idx[q_req[~own]]]]
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        logits = w.forward_sub(vsub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts), slots,
+                               w.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
+        exact = logits.argmax(-1).to("cpu", torch.int64)
+
+        # 4. commit the first token; hold the accepted drafts and the correction
+        offsets = torch.tensor([0] + lens).cumsum(0).tolist()
+        n_acc_total, n_drafted = 0, 0
+        for j, i in enumerate(ok):
+            r = reqs[i]
+            kb = min(k, budget[i])
+            last = offsets[j + 1] - 1 - kb  # the prompt's last token: predicts the first
+            targets = exact[last: offsets[j + 1]][None, :]  # [1, kb + 1]
+            verdict = greedy_verify_ids(draft_ids[i: i + 1, :kb], targets)
+            a = int(verdict.num_accepted[0])
+            fixed[lossy[i].index] = int(targets[0, 0])
+            tokens = targets[0, 1: a + 1].tolist()  # after the first: accepted drafts' successors
+            if tokens:
+                self.held[r.rid] = Held(int(seq_lens[i]), tokens, scratch[i, :a].clone())
+            self._free(scratch[i, a:])  # the rejected drafts' slots
+            n_acc_total += a
+            n_drafted += kb
+            info = w.info_of(r)
+            info.update(path="TIERING", drafted=kb, accepted=a, committed=1 + len(tokens))
+        for i in range(n):
+            if i not in ok:
+                self._free(scratch[i])
+        stats.add(STATS, tiering_requests=len(ok), tiering_drafted=n_drafted, tiering_accepted=n_acc_total,
+                  tiering_draft_forwards=k, tiering_draft_seconds=drafted_s, tiering_wait_seconds=waited_s)
+        return fixed
+
+    def _free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.worker.token_to_kv_pool_allocator.free(slots.flatten().to(self.worker.device))
+
+    # ------------------------------------------------------------------ decode rounds
+    def holding(self, rid: str) -> bool:
+        return rid in self.held
+
+    def drain(self, batch, committed: torch.Tensor, slots: torch.Tensor, accept_tokens: torch.Tensor,
+              accept_lens: torch.Tensor, x: int) -> int:
+        """Commit up to ``x`` held tokens of each holding request of the round (``slots``:
+        the round's slots ``[bs, x]``); their KV moves in from the scratch slots. Returns
+        how many requests it served."""
+        pool = self.worker.token_to_kv_pool_allocator.get_kvcache()
+        served, committed_tokens, src, dst, done = 0, 0, [], [], []
+        for i, req in enumerate(batch.reqs):
+            h = self.held.get(req.rid)
+            if h is None:
+                continue
+            o = int(committed[i]) - h.pos
+            m = min(x, len(h.tokens) - o)
+            if o < 0 or m <= 0:  # not where it was left (retracted meanwhile): drop
+                self.drop(req.rid)
+                continue
+            accept_tokens[i, :m] = torch.tensor(h.tokens[o: o + m])
+            accept_lens[i] = m
+            src.append(h.slots[o: o + m])
+            dst.append(slots[i, :m])
+            served += 1
+            committed_tokens += m
+            if o + m >= len(h.tokens):
+                done.append(req.rid)
+        if src:
+            dev = self.worker.device
+            pool.move_kv_cache(torch.cat(dst).to(dev), torch.cat(src).to(dev))
+        for rid in done:  # after the move: their scratch slots are free again
+            self.drop(rid)
+        stats.add(STATS, held_tokens_committed=committed_tokens)
+        return served
+
+    def drop(self, rid: str) -> None:
+        h = self.held.pop(rid, None)
+        if h is not None:
+            self._free(h.slots)
+
+    def retain(self, live: set[str]) -> None:
+        for rid in [r for r in self.held if r not in live]:
+            self.drop(rid)

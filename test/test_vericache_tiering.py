@@ -1,0 +1,127 @@
+"""Lossless tiering inside one server (``VERICACHE_REMOTE --vc-remote-path tiering``): a
+context whose full KV is only in this server's storage and whose compressed copy it
+loaded drafts from that copy while the full copy loads, then verifies the drafts
+against it; the output is the full-KV server's, token for token.
+
+The reference server computes the context (its storage copies go to the store) and
+answers every prompt with full KV. The tiering server loads the KIVI 4-bit copy over an
+emulated slow link (the full copy takes about 7 s on it, 16 draft forwards of this model
+well under one here: the drafts are made before the copy arrives on any machine that
+runs the suite), answers a batch that mixes requests on the context with one that has
+no stored prefix, and commits tokens verified at the prefill in rounds with no forward.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import requests
+
+import sglang_vc.testing.evicpress as epx
+from sglang_vc.testing.server import ServerProcess
+
+from test_vericache_remote import CTX, _common
+
+N_NEW = 24
+DRAFTS = 16
+
+
+def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and_stays_exact(tmp_path, tokenizer):
+    from conftest import real_text_passages
+
+    store = tmp_path / "store"
+    passages = real_text_passages(6, words=500)
+    ctx_ids = tokenizer(passages[0])["input_ids"][:CTX]
+    questions = ["\n\nQuestion: What is this text about?\nAnswer:", "\n\nSummarize the text above in one line:"]
+    prompts = [ctx_ids + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
+    prompts.append(tokenizer(passages[3][:300])["input_ids"])  # no stored prefix: exact
+    doc2 = tokenizer(passages[1])["input_ids"][:CTX]
+    last_q = tokenizer("\n\nThe most important word in this text is", add_special_tokens=False)["input_ids"]
+    alone, later = doc2 + last_q, ctx_ids + last_q
+
+    ref_server = ServerProcess(_common(store), log_path=tmp_path / "reference.log", timeout=420)
+    try:
+        for name, ids in (("doc", ctx_ids), ("doc2", doc2)):
+            epx.api(ref_server, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
+            ref_server.generate(input_ids=ids + [13], max_new_tokens=1)  # computes it: copies go to the store
+        ref = [ref_server.generate(input_ids=p, max_new_tokens=N_NEW) for p in prompts + [alone, later]]
+    finally:
+        ref_server.stop()
+
+    args = _common(store) + [
+        "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
+        "--vc-remote-path", "tiering", "--vc-tiering-drafts", str(DRAFTS),
+        "--vc-storage-read-gbps", "0.002",  # emulated, GB/s: 18.4 MB of full copy, about 9 s
+        "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
+    with ServerProcess(args, log_path=tmp_path / "tiering.log", timeout=420) as server:
+        for name, ids in (("doc", ctx_ids), ("doc2", doc2)):
+            epx.api(server, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
+        outs: dict[int, dict] = {}
+
+        def ask(i):
+            outs[i] = requests.post(server.url + "/generate", json={"input_ids": prompts[i], "sampling_params": {
+                "temperature": 0, "max_new_tokens": N_NEW}}, timeout=300).json()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in (2, 0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in range(3):
+            assert outs[i]["output_ids"] == ref[i]["output_ids"], (i, outs[i], ref[i]["output_ids"])
+            assert outs[i]["meta_info"]["finish_reason"] == ref[i]["meta_info"]["finish_reason"], i
+        counters = server.server_info()["sglang_vc"]["counters"]
+        rv, ep = counters["vericache_remote"], counters["evicpress"]
+        # the 4-bit copy first (what the drafts read), then the full copy, once
+        assert ep["storage_copies_read"] == 1 and ep["bytes_read_storage_copies"] > 0.9 * CTX * 46080, ep
+        assert 0 < ep["bytes_loaded_disk"] < 0.4 * CTX * 46080, ep
+        assert rv["full_copies_streamed"] == 1 and rv["full_copies_installed"] == 1, rv
+        # the requests on the context matched before the install drafted (how many: up to
+        # the scheduler; one matched after it is exact from the start)
+        print("phase 1 counters:", rv, ep)
+        n = rv["tiering_requests"]
+        assert 1 <= n <= 2 and rv["tiering_drafted"] == n * DRAFTS, rv  # all made while the copy loaded
+        assert 0 < rv["held_tokens_committed"] == rv["tiering_accepted"] <= rv["tiering_drafted"], rv
+        assert not rv.get("verify_rounds"), rv  # no verifier elsewhere
+        metas = [m[0] for i in range(2) if (m := outs[i]["meta_info"].get("sglang_vc_vericache")) and m[0]]
+        assert len(metas) == n and all(m["path"] == "TIERING" and m["drafted"] == DRAFTS for m in metas), metas
+
+        # alone on another context: its verified drafts are committed in rounds that run
+        # no forward at all
+        got = server.generate(input_ids=alone, max_new_tokens=N_NEW)
+        assert got["output_ids"] == ref[3]["output_ids"] and \
+            got["meta_info"]["finish_reason"] == ref[3]["meta_info"]["finish_reason"]
+        rv2 = server.server_info()["sglang_vc"]["counters"]["vericache_remote"]
+        meta = got["meta_info"]["sglang_vc_vericache"][0]
+        assert meta["path"] == "TIERING" and meta["drafted"] == DRAFTS and meta["accepted"] >= 1, meta
+        assert rv2["tiering_requests"] == n + 1 and rv2["full_copies_installed"] == 2, rv2
+        assert rv2["rounds_without_forward"] >= 1, rv2
+        # the compressed path was taken: some drafts were rejected
+        assert rv2["tiering_accepted"] < rv2["tiering_drafted"], rv2
+
+        # the first context is exact on the device now: a new request on it drafts nothing
+        got = server.generate(input_ids=later, max_new_tokens=N_NEW)
+        assert got["output_ids"] == ref[4]["output_ids"] and \
+            got["meta_info"]["finish_reason"] == ref[4]["meta_info"]["finish_reason"]
+        after = server.server_info()["sglang_vc"]["counters"]["vericache_remote"]
+        assert after["tiering_requests"] == n + 1 and after["full_copies_streamed"] == 2, after
+        print("tiering counters:", after)
+
+
+def test_tiering_takes_no_verifier_and_refuses_negative_drafts(model_dir, capsys):
+    import pytest
+
+    from sglang_vc.config import ConfigError
+    from sglang_vc.launch_server import parse_args
+    from sglang_vc.vericache import remote_spec
+
+    base = ["--speculative-algorithm", "VERICACHE_REMOTE", "--radix-cache-backend", "evicpress",
+            "--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--evicpress-load-copy", "kivi@4b"]
+    _, sa = parse_args(base + ["--vc-remote-path", "tiering"])
+    remote_spec.validate_server_args(sa)  # no --vc-remote-verifier needed
+    _, sa = parse_args(base + ["--vc-remote-path", "tiering", "--vc-remote-verifier", "http://h:1"])
+    with pytest.raises(ConfigError, match="drop --vc-remote-verifier"):
+        remote_spec.validate_server_args(sa)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(base + ["--vc-remote-path", "tiering", "--vc-tiering-drafts", "-1"])
+    assert exc.value.code == 2 and "--vc-tiering-drafts" in capsys.readouterr().err
