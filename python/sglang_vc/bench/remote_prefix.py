@@ -11,7 +11,12 @@ store, a *local* server on a fast emulated link to it and a *remote* server on a
   drafts from it, and the local server verifies every round (paper section 5.3, path P1);
 * ``P2``    -- as P1, while the context's full copy streams over the slow link to the
   remote server, which then decodes alone on the full KV (its requests retracted and
-  re-prefilled after the context; path P2).
+  re-prefilled after the context; path P2);
+* ``tiering`` -- lossless tiering inside the remote server alone (``--vc-remote-path
+  tiering``): it loads the compressed copy, drafts from it while the full copy loads over
+  the same link, then verifies the drafts against the full copy and commits the accepted
+  ones without decoding them again; ``tiering-wait`` is the same path with no drafts
+  (``--vc-tiering-drafts 0``), what drafting buys measured against it.
 
 A storer server computes the contexts first (its storage copies, full and KIVI 4-bit, go
 to the store, SGLang's ``file`` backend in a temporary directory); every phase then
@@ -43,6 +48,7 @@ import requests
 
 PROG = "python -m sglang_vc.bench.remote_prefix"
 KIVI4 = "kivi@4b"
+OPTIONAL_PATHS = ("lossy", "P1", "P2", "tiering", "tiering-wait")
 
 
 def log(msg: str) -> None:
@@ -65,6 +71,7 @@ class PathResult:
     requests: int = 0
     ttft_mean_s: Optional[float] = None
     ttft_max_s: Optional[float] = None
+    latency_mean_s: Optional[float] = None  # first byte sent to the last token
     tokens_per_s: Optional[float] = None
     wall_s: Optional[float] = None
     identical: Optional[bool] = None
@@ -156,6 +163,7 @@ def summarize(name: str, answers: list[Answer], wall: float, ref: Optional[list[
     if ok:
         res.ttft_mean_s = statistics.mean(a.ttft_s for a in ok)
         res.ttft_max_s = max(a.ttft_s for a in ok)
+        res.latency_mean_s = statistics.mean(a.latency_s for a in ok)
     res.tokens_per_s = sum(len(a.output_ids) for a in ok) / wall
     if ref is not None:
         same = [a.error is None and b.error is None and a.output_ids == b.output_ids
@@ -179,6 +187,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fast-gbps", type=float, default=2.0, help="the local server's emulated link to the store")
     ap.add_argument("--slow-gbps", type=float, default=0.1, help="the remote server's emulated link to the store")
     ap.add_argument("--draft-tokens", type=int, default=4, help="X of the remote server's drafts")
+    ap.add_argument("--tiering-drafts", type=int, default=32, help="--vc-tiering-drafts of the tiering path")
+    ap.add_argument("--paths", default=",".join(OPTIONAL_PATHS),
+                    help=f"the paths to run besides B1 (the reference) and B2 (the baseline): a comma list "
+                    f"of {', '.join(OPTIONAL_PATHS)}")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--attention-backend", default="vc_torch",
                     help="every server's attention backend (default vc_torch: on the CPU, SGLang's "
@@ -193,6 +205,11 @@ def main(argv=None) -> int:
         ap.error("--questions in 1..4, --contexts >= 1, --context-tokens >= 64, --max-new-tokens >= 1")
     if not (args.fast_gbps > 0 and args.slow_gbps > 0):
         ap.error("--fast-gbps and --slow-gbps must be > 0")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if any(p not in OPTIONAL_PATHS for p in paths):
+        ap.error(f"--paths: choose from {', '.join(OPTIONAL_PATHS)}; got {args.paths!r}")
+    if args.tiering_drafts < 0:
+        ap.error("--tiering-drafts must be >= 0")
 
     from sglang_vc import models
     from sglang_vc.testing.server import ServerProcess
@@ -244,18 +261,29 @@ def main(argv=None) -> int:
         raise RuntimeError("B1 (the full-KV reference) had failed requests")
 
     # B2 and lossy: the remote server alone, full copy or the compressed one
-    for name, extra in (("B2", []), ("lossy", ["--evicpress-load-copy", KIVI4])):
+    tiering = ["--evicpress-load-copy", KIVI4, "--speculative-algorithm", "VERICACHE_REMOTE",
+               "--speculative-num-draft-tokens", str(args.draft_tokens), "--vc-remote-path", "tiering"]
+    alone = [("B2", []), ("lossy", ["--evicpress-load-copy", KIVI4]),
+             ("tiering", [*tiering, "--vc-tiering-drafts", str(args.tiering_drafts)]),
+             ("tiering-wait", [*tiering, "--vc-tiering-drafts", "0"])]
+    for name, extra in alone:
+        if name != "B2" and name not in paths:
+            continue
         with server(f"remote-{name}", [*remote_flags, *extra]) as remote:
             register(remote.url, contexts)
             before = counters(remote.url)
             answers, wall = run_phase(name, remote.url, prompts, args.max_new_tokens)
             res = summarize(name, answers, wall, ref)
-            res.slow_link_bytes = link_bytes(counters(remote.url)) - link_bytes(before)
+            after = counters(remote.url)
+            res.slow_link_bytes = link_bytes(after) - link_bytes(before)
+            if name.startswith("tiering"):
+                res.verify = {k: v - before.get("vericache_remote", {}).get(k, 0)
+                              for k, v in after.get("vericache_remote", {}).items()}
             results.append(res)
 
     # P1 and P2: the remote drafts from the compressed copy, a fresh local server
     # verifies; on P2 the full copy streams to the remote meanwhile
-    for name in ("P1", "P2"):
+    for name in [p for p in ("P1", "P2") if p in paths]:
         with server(f"local-{name}", local_flags) as local, server(f"remote-{name}", [
                 *remote_flags, "--evicpress-load-copy", KIVI4, "--speculative-algorithm", "VERICACHE_REMOTE",
                 "--speculative-num-draft-tokens", str(args.draft_tokens), "--vc-remote-verifier", local.url,
@@ -287,7 +315,8 @@ def main(argv=None) -> int:
         "settings": {"contexts": args.contexts, "context_tokens": args.context_tokens, "questions": args.questions,
                      "requests": len(prompts), "max_new_tokens": args.max_new_tokens, "fast_gbps": args.fast_gbps,
                      "slow_gbps": args.slow_gbps, "link_ratio": args.fast_gbps / args.slow_gbps,
-                     "draft_tokens": args.draft_tokens, "dtype": args.dtype, "links": "emulated (paced reads)",
+                     "draft_tokens": args.draft_tokens, "tiering_drafts": args.tiering_drafts,
+                     "paths": ["B1", "B2", *paths], "dtype": args.dtype, "links": "emulated (paced reads)",
                      "attention_backend": args.attention_backend,
                      "cores": "local and remote servers share this machine's cores in P1 and P2"},
         "results": [asdict(r) for r in results], "ratios": ratios,
@@ -297,7 +326,8 @@ def main(argv=None) -> int:
     plot(report, out.with_suffix(".png"))
     for r in results:
         if r.built:
-            log(f"{r.path}: TTFT {r.ttft_mean_s:.3f} s, {r.tokens_per_s:.1f} tok/s, identical={r.identical} "
+            log(f"{r.path}: TTFT {r.ttft_mean_s:.3f} s, latency {r.latency_mean_s:.3f} s, "
+                f"{r.tokens_per_s:.1f} tok/s, identical={r.identical} "
                 f"({r.identical_requests}/{r.requests}), slow link {r.slow_link_bytes / 1e6:.1f} MB, "
                 f"fast link {r.fast_link_bytes / 1e6:.1f} MB, errors {r.errors}")
         else:

@@ -1,5 +1,6 @@
-"""Attention backend ``vc_chain``: SGLang's ``torch_native`` backend plus chain
-``TARGET_VERIFY`` forwards, for ``VERICACHE_REMOTE``'s lossless tiering on the CPU.
+"""Attention backend ``vc_chain``: ``vc_torch`` (SGLang's ``torch_native`` backend,
+attending only an extend's new queries) plus chain ``TARGET_VERIFY`` forwards, for
+``VERICACHE_REMOTE``'s lossless tiering on the CPU.
 
 A tiering verify forwards each request's tokens after its exact prefix as one chain
 (:meth:`~sglang_vc.spec_worker.ChainSpecWorker.ragged_verify_input`). A chain's mask is
@@ -16,7 +17,7 @@ import copy
 
 import torch
 
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
 
 def verify_lens(spec_info, bs: int) -> list[int]:
@@ -48,12 +49,12 @@ def extend_view(forward_batch):
     return view
 
 
-class ChainVerifyTorchNative(TorchNativeAttnBackend):
+class ChainVerifyAttnBackend(VCTorchAttnBackend):
     _view = None  # this forward's extend view (a TARGET_VERIFY forward only)
 
     def init_forward_metadata(self, forward_batch):
-        super().init_forward_metadata(forward_batch)
         self._view = extend_view(forward_batch) if forward_batch.forward_mode.is_target_verify() else None
+        super().init_forward_metadata(self._view or forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if forward_batch.forward_mode.is_target_verify():
@@ -62,4 +63,4 @@ class ChainVerifyTorchNative(TorchNativeAttnBackend):
 
 
 def create(model_runner):
-    return ChainVerifyTorchNative(model_runner)
+    return ChainVerifyAttnBackend(model_runner)

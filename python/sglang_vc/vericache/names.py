@@ -11,4 +11,4 @@ META_INFO_KEY = "sglang_vc_vericache"
 # each round on a server near the store (--vc-remote-verifier URL)
 REMOTE_ALGORITHM = "VERICACHE_REMOTE"
 DEFAULT_REMOTE_DRAFT_TOKENS = 8
-CHAIN_BACKEND = "vc_chain"  # torch_native plus chain TARGET_VERIFY forwards (tiering on the CPU)
+CHAIN_BACKEND = "vc_chain"  # vc_torch plus chain TARGET_VERIFY forwards (tiering on the CPU)

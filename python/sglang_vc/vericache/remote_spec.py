@@ -98,7 +98,7 @@ def handle_server_args(server_args) -> None:
 
     tiering = flags.remote_path(get_vc_config(server_args).group(flags.GROUP)) is RemotePath.TIERING
     if tiering and str(getattr(server_args, "device", "") or "").startswith("cpu") and \
-            server_args.attention_backend in (None, "torch_native"):
+            server_args.attention_backend in (None, "torch_native", "vc_torch"):
         # a tiering verify is a chain TARGET_VERIFY forward, which SGLang's torch_native
-        # backend does not run (FlashInfer on a GPU does): torch_native plus that forward
+        # backend does not run (FlashInfer on a GPU does): vc_torch plus that forward
         server_args.attention_backend = CHAIN_BACKEND
