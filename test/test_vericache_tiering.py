@@ -8,12 +8,14 @@ answers every prompt with full KV. The tiering server loads the KIVI 4-bit copy 
 emulated slow link (the full copy takes about 9 s on it; the 16 draft forwards of two
 requests took 2.8 s here, so the drafts are all made before the copy arrives), answers a batch that mixes requests on the context with one that has
 no stored prefix, and commits tokens verified at the prefill in rounds with no forward.
+Its verify forwards each request's tokens in pieces (small here, so that several run).
 """
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import requests
 
 import sglang_vc.testing.evicpress as epx
@@ -25,6 +27,7 @@ N_NEW = 24
 DRAFTS = 16
 
 
+@pytest.mark.slow  # two servers in turn, about 2.5 minutes here
 def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and_stays_exact(tmp_path, tokenizer):
     from conftest import real_text_passages
 
@@ -52,7 +55,9 @@ def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and
         "--vc-remote-path", "tiering", "--vc-tiering-drafts", str(DRAFTS),
         "--vc-storage-read-gbps", "0.002",  # emulated, GB/s: 18.4 MB of full copy, about 9 s
         "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
-    with ServerProcess(args, log_path=tmp_path / "tiering.log", timeout=420) as server:
+    # each verify in pieces of 4 tokens before its tail (the default is 512)
+    with ServerProcess(args, log_path=tmp_path / "tiering.log", timeout=420,
+                       env={"SGLANG_VC_TIERING_VERIFY_PIECE": "4"}) as server:
         for name, ids in (("doc", ctx_ids), ("doc2", doc2)):
             epx.api(server, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
         outs: dict[int, dict] = {}
@@ -106,8 +111,6 @@ def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and
 
 
 def test_tiering_takes_no_verifier_and_refuses_negative_drafts(model_dir, capsys):
-    import pytest
-
     from sglang_vc.config import ConfigError
     from sglang_vc.launch_server import parse_args
     from sglang_vc.vericache import remote_spec
@@ -122,3 +125,26 @@ def test_tiering_takes_no_verifier_and_refuses_negative_drafts(model_dir, capsys
     with pytest.raises(SystemExit) as exc:
         parse_args(base + ["--vc-remote-path", "tiering", "--vc-tiering-drafts", "-1"])
     assert exc.value.code == 2 and "--vc-tiering-drafts" in capsys.readouterr().err
+
+
+def test_a_chain_verify_forward_is_a_causal_extend_after_each_prefix():
+    """vc_chain's view of a ragged TARGET_VERIFY batch: prefix = each request's committed
+    length, extend = its verify tokens, the sequence = both (what torch_native extends)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_vc.vericache.chain_attention import extend_view, verify_lens
+
+    layout = SimpleNamespace(verify_lens_cpu=[5, 1, 3])
+    fb = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, seq_lens=torch.tensor([400, 12, 7]),
+                         seq_lens_cpu=torch.tensor([400, 12, 7]),
+                         spec_info=SimpleNamespace(ragged_verify_layout=layout, draft_token_num=5))
+    view = extend_view(fb)
+    assert view.forward_mode == ForwardMode.EXTEND and view.spec_info is None
+    assert view.extend_prefix_lens_cpu == [400, 12, 7] and view.extend_seq_lens_cpu == [5, 1, 3]
+    assert view.seq_lens.tolist() == [405, 13, 10] and view.extend_prefix_lens.tolist() == [400, 12, 7]
+    assert fb.forward_mode == ForwardMode.TARGET_VERIFY and fb.seq_lens.tolist() == [400, 12, 7]  # a copy
+    # a uniform chain (no ragged layout): every request forwards the draft width
+    assert verify_lens(SimpleNamespace(draft_token_num=4), 2) == [4, 4]

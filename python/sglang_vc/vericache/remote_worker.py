@@ -325,20 +325,26 @@ class RemoteVerifyWorker(ChainSpecWorker):
         t0 = torch.tensor([req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
                            for req in batch.reqs], dtype=torch.int64)
 
-        # 1. draft X tokens, the whole batch; the drafts stay on the device until the
-        # round needs them on the host (one synchronisation, not one per forward). Not
-        # when every request commits tokens verified at its prefill (lossless tiering)
-        drafted = []
-        cur = t0
-        held_only = self.tiering is not None and all(self.tiering.holding(r.rid) for r in batch.reqs)
-        for j in range(0 if held_only else x):
-            self.set_batch(batch, ForwardMode.DECODE, cur, committed + j + 1, slots[:, j], None, seq_dtype, dev)
-            res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-            cur = res.logits_output.next_token_logits.argmax(-1)
-            drafted.append(cur)
-        drafts = torch.stack(drafted, 1).to("cpu", torch.int64) if drafted else torch.zeros(bs, x, dtype=torch.int64)
-        if drafted:
-            self.step_s = _ema(self.step_s, (time.perf_counter() - started) / x)
+        # 1. draft X tokens; the drafts stay on the device until the round needs them on
+        # the host (one synchronisation, not one per forward). Only the rows that need
+        # them: a request holding tokens verified at its prefill (lossless tiering)
+        # commits those, so a round of holders alone runs no forward
+        holders = {i for i, r in enumerate(batch.reqs) if self.tiering is not None and self.tiering.holding(r.rid)}
+        drafting = [i for i in range(bs) if i not in holders]
+        drafts = torch.zeros(bs, x, dtype=torch.int64)
+        if drafting:
+            whole = not holders
+            sub = batch if whole else self.sub_batch(batch, drafting)
+            idx = torch.tensor(drafting)
+            cur, drafted = t0[idx], []
+            for j in range(x):
+                self.set_batch(sub, ForwardMode.DECODE, cur, committed[idx] + j + 1, slots[idx, j], None, seq_dtype, dev)
+                res = self.target_worker.forward_batch_generation(sub, is_verify=True)
+                cur = res.logits_output.next_token_logits.argmax(-1)
+                drafted.append(cur)
+            drafts[idx] = torch.stack(drafted, 1).to("cpu", torch.int64)
+            if whole:  # the draft step of the whole batch (what choose_path prices)
+                self.step_s = _ema(self.step_s, (time.perf_counter() - started) / x)
         # the batch leaves the round at its committed lengths: SGLang adds the accepted
         # tokens to what the worker left there
         self.set_batch(batch, ForwardMode.DECODE, t0, committed, slots[:, 0], None, seq_dtype, dev)
@@ -387,7 +393,7 @@ class RemoteVerifyWorker(ChainSpecWorker):
                     self._record(batch.reqs[i], x, a, int(accept_lens[i]))
                 self.round_s = _ema(self.round_s, time.perf_counter() - started)
                 self.commits_per_round = _ema(self.commits_per_round, commits / len(good))
-        stats.add(STATS, rounds=1, exact_rows=bs - len(lossy), rounds_without_forward=int(held_only))
+        stats.add(STATS, rounds=1, exact_rows=bs - len(lossy), rounds_without_forward=int(not drafting))
         return self.result(batch, accept_tokens, accept_lens)
 
     def _info(self, req) -> dict:

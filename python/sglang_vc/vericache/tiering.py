@@ -35,6 +35,7 @@ prefill then only waits); overlapping the wait with other requests' decoding.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -61,6 +62,24 @@ class Held:
     pos: int
     tokens: list[int]
     slots: torch.Tensor  # [len(tokens)] pool slots, owned until drained or dropped
+
+
+# tokens a chain forwards per verify forward before its tail (the logits are tokens x
+# vocabulary); the environment variable lets a test run a verify in several pieces
+VERIFY_PIECE = int(os.environ.get("SGLANG_VC_TIERING_VERIFY_PIECE", "512"))
+
+
+@dataclass
+class _Chain:
+    """One request's verify: ``tokens`` (its own after the context, then its drafts) at
+    positions ``start ..``, their KV into ``slots``; the logits of the last ``tail``
+    tokens are the ones that matter."""
+
+    index: int  # in the lossy sub-batch
+    tokens: list[int]
+    start: int
+    slots: torch.Tensor
+    tail: int
 
 
 @dataclass
@@ -106,9 +125,12 @@ class Tiering:
 
         # 2. draft while the full copies load (greedy: the requests are greedy)
         drafts, cur = [], predict[torch.tensor([x.index for x in lossy], device=predict.device)]
+        cap = torch.tensor(budget, dtype=torch.int64)
         while len(drafts) < k_max and not all(copies.ready(x.ctx.ctx_id) for x in lossy):
             j = len(drafts)
-            pos = seq_lens + j
+            # a request past its own budget drafts in place (within its max_new_tokens:
+            # inside its row); those drafts are not verified
+            pos = seq_lens + torch.clamp(cap, max=j)
             req_to_token[rows.to(req_to_token.device), pos.to(req_to_token.device)] = scratch[:, j].to(
                 req_to_token.device, req_to_token.dtype)
             w.set_batch(sub, ForwardMode.DECODE, cur, pos + 1, scratch[:, j], None, sub.seq_lens.dtype, dev)
@@ -136,37 +158,21 @@ class Tiering:
             self._free(scratch)
             return fixed
         draft_ids = torch.stack(drafts, 1).to("cpu", torch.int64) if k else torch.zeros(n, 0, dtype=torch.int64)
-        ids, positions, starts, lens = [], [], [], []
+        chains = []
         for i in ok:
             r, s, length = reqs[i], lossy[i].start, int(seq_lens[i])
             kb = min(k, budget[i])
-            toks = (list(r.origin_input_ids) + list(r.output_ids))[s:length] + draft_ids[i, :kb].tolist()
-            ids += toks
-            positions += range(s, s + len(toks))
-            starts.append(s)
-            lens.append(len(toks))
-        idx = torch.tensor(ok)
-        vsub = w.sub_batch(sub, ok) if len(ok) < n else sub
-        q_req = torch.arange(len(ok)).repeat_interleave(torch.tensor(lens))
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        own = pos_t < seq_lens[idx][q_req]  # the prompt's own rows; the rest are drafts
-        slots = torch.empty(len(positions), dtype=torch.int64)
-        slots[own] = req_to_token[rows[idx][q_req][own].to(req_to_token.device),
-                                  pos_t[own].to(req_to_token.device)].to("cpu", torch.int64)
-        slots[~own] = scratch[idx[q_req[~own]], pos_t[~own] - seq_lens[idx[q_req[~own]]]]
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        logits = w.forward_sub(vsub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts), slots,
-                               w.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
-        exact = logits.argmax(-1).to("cpu", torch.int64)
+            slots = torch.cat([req_to_token[int(rows[i]), s:length].to("cpu", torch.int64), scratch[i, :kb]])
+            chains.append(_Chain(i, (list(r.origin_input_ids) + list(r.output_ids))[s:length] + draft_ids[i, :kb].tolist(),
+                                 s, slots, kb + 1))
+        exact = self._verify(sub, chains, dev)
 
         # 4. commit the first token; hold the accepted drafts and the correction
-        offsets = torch.tensor([0] + lens).cumsum(0).tolist()
         n_acc_total, n_drafted = 0, 0
         for j, i in enumerate(ok):
             r = reqs[i]
             kb = min(k, budget[i])
-            last = offsets[j + 1] - 1 - kb  # the prompt's last token: predicts the first
-            targets = exact[last: offsets[j + 1]][None, :]  # [1, kb + 1]
+            targets = exact[j][None, :]  # [1, kb + 1]: after the prompt's last token and each draft
             verdict = greedy_verify_ids(draft_ids[i: i + 1, :kb], targets)
             a = int(verdict.num_accepted[0])
             fixed[lossy[i].index] = int(targets[0, 0])
@@ -184,6 +190,37 @@ class Tiering:
         stats.add(STATS, tiering_requests=len(ok), tiering_drafted=n_drafted, tiering_accepted=n_acc_total,
                   tiering_draft_forwards=k, tiering_draft_seconds=drafted_s, tiering_wait_seconds=waited_s)
         return fixed
+
+    def _verify(self, sub, chains: list["_Chain"], dev) -> list[torch.Tensor]:
+        """Forward each chain's tokens over the exact prefix (chain ``TARGET_VERIFY``
+        forwards; the KV goes to the chain's slots) and return, per chain, the full-KV
+        greedy token after each of its last ``tail`` tokens. A long chain goes in pieces of
+        at most ``VERIFY_PIECE`` tokens before its tail: the forward's logits are tokens x
+        vocabulary."""
+        w = self.worker
+        done = [0] * len(chains)
+        while True:
+            part = [j for j, c in enumerate(chains) if len(c.tokens) - done[j] > c.tail]
+            last = not part
+            if last:
+                part = list(range(len(chains)))
+            lens = [chains[j].tail if last else min(VERIFY_PIECE, len(chains[j].tokens) - done[j] - chains[j].tail)
+                    for j in part]
+            ids, pos, slots, starts = [], [], [], []
+            for j, n in zip(part, lens):
+                c, a = chains[j], done[j]
+                ids += c.tokens[a: a + n]
+                pos += range(c.start + a, c.start + a + n)
+                slots.append(c.slots[a: a + n])
+                starts.append(c.start + a)
+                done[j] += n
+            rows = [chains[j].index for j in part]
+            fsub = sub if len(rows) == len(sub.reqs) else w.sub_batch(sub, rows)
+            ids_t, pos_t = torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+            logits = w.forward_sub(fsub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts), torch.cat(slots),
+                                   w.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
+            if last:
+                return list(logits.argmax(-1).to("cpu", torch.int64).split(lens))
 
     def _free(self, slots: torch.Tensor) -> None:
         if slots.numel():
