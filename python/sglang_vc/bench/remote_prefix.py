@@ -13,10 +13,12 @@ store, a *local* server on a fast emulated link to it and a *remote* server on a
   remote server, which then decodes alone on the full KV (its requests retracted and
   re-prefilled after the context; path P2);
 * ``tiering`` -- lossless tiering inside the remote server alone (``--vc-remote-path
-  tiering``): it loads the compressed copy, drafts from it while the full copy loads over
-  the same link, then verifies the drafts against the full copy and commits the accepted
-  ones without decoding them again; ``tiering-wait`` is the same path with no drafts
-  (``--vc-tiering-drafts 0``), what drafting buys measured against it.
+  tiering``): each context's KIVI 4-bit copy is placed on its host tier before the phase
+  (EvicPress's placement API), its full KV only in the store; a request drafts from the
+  4-bit copy while the full copy loads over the slow link, then verifies the drafts
+  against it and commits the accepted ones without decoding them again;
+  ``tiering-wait`` is the same with no drafts (``--vc-tiering-drafts 0``): what drafting
+  buys, measured against it.
 
 A storer server computes the contexts first (its storage copies, full and KIVI 4-bit, go
 to the store, SGLang's ``file`` backend in a temporary directory); every phase then
@@ -127,6 +129,14 @@ def register(url: str, contexts: list[list[int]]) -> None:
         r = requests.post(url + "/evicpress/contexts", json={"id": f"ctx{i}", "token_ids": ids}, timeout=300)
         if r.status_code != 200:
             raise RuntimeError(f"registering ctx{i}: HTTP {r.status_code}: {r.text[:300]}")
+
+
+def place(url: str, n: int, tier: str, config: str) -> None:
+    for i in range(n):
+        r = requests.post(url + f"/evicpress/contexts/ctx{i}/placement", json={"tier": tier, "config": config},
+                          timeout=600)
+        if r.status_code != 200 or not r.json().get("ok"):
+            raise RuntimeError(f"placing ctx{i} on {tier} as {config}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def build_requests(model_dir: str, n_contexts: int, ctx_tokens: int, per_context: int):
@@ -271,6 +281,8 @@ def main(argv=None) -> int:
             continue
         with server(f"remote-{name}", [*remote_flags, *extra]) as remote:
             register(remote.url, contexts)
+            if name.startswith("tiering"):
+                place(remote.url, len(contexts), "host", KIVI4)  # before the phase: not timed
             before = counters(remote.url)
             answers, wall = run_phase(name, remote.url, prompts, args.max_new_tokens)
             res = summarize(name, answers, wall, ref)

@@ -103,6 +103,8 @@ class ControlServer:
 
                 def move():
                     try:
+                        if ctx.placement.dropped:  # another server left it in the shared store
+                            mgr.find_shared(ctx)
                         ok = mgr.set_placement(ctx, dst)
                     except ValueError as exc:
                         raise ControlError(400, str(exc)) from None
