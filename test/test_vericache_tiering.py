@@ -89,8 +89,11 @@ def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and
         metas = [m[0] for i in range(2) if (m := outs[i]["meta_info"].get("sglang_vc_vericache")) and m[0]]
         assert len(metas) == n and all(m["path"] == "TIERING" and m["drafted"] == DRAFTS for m in metas), metas
 
-        # alone on another context: its verified drafts are committed in rounds that run
+        # alone on another context whose 4-bit copy EvicPress placed on the host tier (its
+        # full KV only in storage): its verified drafts are committed in rounds that run
         # no forward at all
+        placed = epx.api(server, "POST", "/evicpress/contexts/doc2/placement", {"tier": "host", "config": "kivi@4b"})
+        assert placed["ok"] and placed["placement"]["tier"] == "host" and placed["placement"]["config"] == "kivi@4b", placed
         got = server.generate(input_ids=alone, max_new_tokens=N_NEW)
         assert got["output_ids"] == ref[3]["output_ids"] and \
             got["meta_info"]["finish_reason"] == ref[3]["meta_info"]["finish_reason"]
@@ -99,6 +102,8 @@ def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and
         assert meta["path"] == "TIERING" and meta["drafted"] == DRAFTS and meta["accepted"] >= 1, meta
         assert rv2["tiering_requests"] == n + 1 and rv2["full_copies_installed"] == 2, rv2
         assert rv2["rounds_without_forward"] >= 1, rv2
+        ep2 = server.server_info()["sglang_vc"]["counters"]["evicpress"]
+        assert ep2["hits_host"] == 1 and ep2["storage_copies_read"] == 2, ep2  # the 4-bit copy from the host
         # the compressed path was taken: some drafts were rejected
         assert rv2["tiering_accepted"] < rv2["tiering_drafted"], rv2
 
