@@ -36,6 +36,11 @@ prefills its tokens after the context over the exact prefix and decodes by itsel
 request whose full copy cannot be read either ends with HTTP 503, never an unverified
 token.
 
+Lossless tiering (``--vc-remote-path tiering``, :mod:`.tiering`): no verifier elsewhere;
+a lossy request drafts at its prefill while the full copy loads here, is verified against
+it before its first token, and commits its accepted drafts in the following rounds
+without forwarding them.
+
 Not built: the staggered schedule (a round waits for its verify; drafting does not
 overlap it); CUDA graphs for the draft forwards.
 """
