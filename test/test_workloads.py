@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from sglang_vc.bench import workloads as W
+from sglang_vc.bench.workloads import code as W_code, common as W_common, json_calls as W_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,7 +84,7 @@ def test_items_well_formed(name, built):
     wl = built[name]
     assert len(wl) == N[name]
     assert len({it["id"] for it in wl}) == len(wl)
-    counter = W._get_counter(None)
+    counter = W_common._get_counter(None)
     for it in wl:
         for key in ("id", "prompt", "task", "answer", "question", "source", "n_tokens", "max_new_tokens", "context_id"):
             assert key in it, (it["id"], key)
@@ -94,7 +95,7 @@ def test_items_well_formed(name, built):
         assert it["n_tokens"] <= wl.provenance["max_tokens"]
         L = it["target_tokens"]
         if L is not None:
-            assert math.ceil(L * (1 - W.LENGTH_TOLERANCE)) <= it["n_tokens"] <= L, (it["id"], L, it["n_tokens"])
+            assert math.ceil(L * (1 - W_common.LENGTH_TOLERANCE)) <= it["n_tokens"] <= L, (it["id"], L, it["n_tokens"])
         # an exact answer scores 1 with the workload's own scorer
         assert W.score(it, it["answer"]) == 1.0, it["id"]
     if name in ("code", "reading", "needle"):
@@ -112,7 +113,7 @@ def test_max_tokens_clamps_and_bounds():
 
 
 def test_needles_at_stated_depth(built):
-    counter = W._get_counter(None)
+    counter = W_common._get_counter(None)
     depths = set()
     for it in built["needle"]:
         nd = it["needle"]
@@ -147,7 +148,7 @@ def test_code_answers_are_in_the_code(built):
         assert os.path.isfile(src["primary"])
         assert sum(f["primary"] for f in src["files"]) == 1
         if it["task"] == "complete_body":
-            assert W._BODY_MARKER in ctx and a not in ctx
+            assert W_code._BODY_MARKER in ctx and a not in ctx
             assert len(re.findall(rf"\bdef {re.escape(name)}\(", ctx)) == 1
             original = Path(src["primary"]).read_text().splitlines(keepends=True)
             s, e = src["removed_lines"]
@@ -162,12 +163,12 @@ def test_code_answers_are_in_the_code(built):
             assert a == name
             assert len(re.findall(rf"\bdef {re.escape(a)}\(", ctx)) == 1
             assert re.search(rf"\b{re.escape(src['callee'])}\(", ctx)
-    assert tasks == set(W._CODE_TASKS)
+    assert tasks == set(W_code._CODE_TASKS)
 
 
 def test_reading_answers_are_in_the_text(built):
     for it in built["reading"]:
-        ctx = W._norm_space(it["prompt"][: -len(it["question"])])
+        ctx = W_common._norm_space(it["prompt"][: -len(it["question"])])
         src = it["source"]
         if it["task"] == "quote_completion":
             assert ctx.count(" " + src["prefix"] + " ") == 1
@@ -176,12 +177,12 @@ def test_reading_answers_are_in_the_text(built):
             k = int(it["answer"])
             assert 1 <= k <= len(src["documents"])
             section = it["prompt"].split(f"### Document {k}: ", 1)[1].split("### Document ", 1)[0]
-            assert (" " + src["sentence"] + " ") in W._norm_space(section)
+            assert (" " + src["sentence"] + " ") in W_common._norm_space(section)
             assert ctx.count(" " + src["sentence"] + " ") == 1
 
 
 def test_json_calls_answers_parse(built):
-    names = {t["name"] for t, _ in W._TOOLS}
+    names = {t["name"] for t, _ in W_json._TOOLS}
     for it in built["json_calls"]:
         call = json.loads(it["answer"])
         assert set(call) == {"name", "arguments"} and call["name"] in names
@@ -203,7 +204,7 @@ def test_json_calls_answers_parse(built):
 
 
 def test_json_call_score_leniency():
-    it = next(x for x in W.load_workload("json_calls", n=len(W._TOOLS)) if x["call"]["name"] == "get_weather")
+    it = next(x for x in W.load_workload("json_calls", n=len(W_json._TOOLS)) if x["call"]["name"] == "get_weather")
     call = it["call"]
     args = dict(call["arguments"])
     args.setdefault("unit", "celsius")  # the schema's default: allowed even if not asked for

@@ -99,7 +99,7 @@ def provenance_md(results: list[tuple[W.Workload, dict]], args) -> str:
             lines.append("")
         else:
             lines += ["Synthetic (no source files): generated from the tool library in "
-                      "`python/sglang_vc/bench/workloads.py`.", ""]
+                      "`python/sglang_vc/bench/workloads/` (one module per workload).", ""]
     return "\n".join(lines)
 
 
