@@ -142,7 +142,7 @@ def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
     like a user hit: not prefilled again, and at ratio 1 the reference answer."""
     from conftest import real_text_passages
 
-    from sglang_vc.evicpress.manager import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.context import CFG_NAMESPACE, REF_NAMESPACE
 
     s = drop_server
     ids = epx.register(s, tokenizer, "p1", real_text_passages(4, words=220)[3])[0]

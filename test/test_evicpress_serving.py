@@ -22,7 +22,8 @@ from sglang_vc.evicpress.codec import FullKV
 from sglang_vc.evicpress.config import DROPPED, FULL, CompressionConfig, Placement, Tier
 from sglang_vc.evicpress.disk_tier import DiskTierStore
 from sglang_vc.evicpress.host_tier import HostSlotStore, RamHostStore
-from sglang_vc.evicpress.manager import EvicPressManager, KVDims, Settings
+from sglang_vc.evicpress.context import KVDims, Settings
+from sglang_vc.evicpress.manager import EvicPressManager
 
 KIVI4 = CompressionConfig("kivi", bits=4)
 KIVI2 = CompressionConfig("kivi", bits=2)
@@ -403,7 +404,7 @@ def test_profiler_job_scores_variants_against_reference():
     """The profiler answers each prompt with full KV (reference) and under each config,
     scores the agreement, skips a config whose compressed context was not loaded, and
     posts the profile."""
-    from sglang_vc.evicpress.manager import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.context import CFG_NAMESPACE, REF_NAMESPACE
     from sglang_vc.evicpress.service import ProfilerService
 
     posted = []
@@ -432,7 +433,7 @@ def test_profiler_job_scores_variants_against_reference():
 
 
 def test_profiler_writes_questions_for_contexts_without_queries():
-    from sglang_vc.evicpress.manager import REF_NAMESPACE
+    from sglang_vc.evicpress.context import REF_NAMESPACE
     from sglang_vc.evicpress.service import ProfilerService
 
     posted = []

@@ -516,7 +516,8 @@ def test_every_computed_context_leaves_full_and_compressed_copies_for_the_next_s
     from sglang_vc.evicpress.codec import FullKV
     from sglang_vc.evicpress.config import FULL, CompressionConfig, Tier
     from sglang_vc.evicpress.host_tier import RamHostStore
-    from sglang_vc.evicpress.manager import EvicPressManager, KVDims, Settings
+    from sglang_vc.evicpress.context import KVDims, Settings
+    from sglang_vc.evicpress.manager import EvicPressManager
 
     dims = KVDims(layers=2, heads=2, head_dim=32, v_heads=2, v_head_dim=32, itemsize=4)
     kivi4 = CompressionConfig("kivi", bits=4)

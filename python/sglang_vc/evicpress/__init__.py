@@ -15,7 +15,10 @@ Runtime (``--radix-cache-backend evicpress`` with SGLang's hierarchical-cache fl
   token dropping: the kept rows of each layer and head)
 * :mod:`.host_tier` -- host tier: blobs in the slots of SGLang's HiCache host pool
 * :mod:`.policy`    -- the utility knapsack and the LRU / fixed-compression baselines
-* :mod:`.manager`   -- contexts, placements, the real moves, profiling state, counters
+* :mod:`.context`   -- the data model: settings, a context, a fetched copy, namespaces
+* :mod:`.manager`   -- contexts, placements, the real moves, counters; with
+  :mod:`.storage_copies` (copies on the shared storage tier) and :mod:`.profile_state`
+  (what needs profiling, observations, drift)
 * :mod:`.radix`     -- the SGLang radix cache: loads stored contexts into device slots
   on a match, stores computed ones, routes the profiler's namespaces; a token-dropped
   context is served from its kept rows as a compressed prefix by the ``vc_torch``

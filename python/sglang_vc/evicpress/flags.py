@@ -1,5 +1,5 @@
 """``--evicpress-*`` server flags: parsing, validation (argparse-style errors, exit 2 in
-the launcher) and the :class:`~.manager.Settings` they build.
+the launcher) and the :class:`~.context.Settings` they build.
 
 The flags only take effect with ``--radix-cache-backend evicpress`` (and SGLang's
 hierarchical-cache flags, which give EvicPress its host tier); the launcher checks that
@@ -322,10 +322,10 @@ DEFAULT_DEVICE_FRACTION = 0.25  # of the device KV pool's bytes, without --evicp
 
 
 def settings_from_dict(d: dict[str, Any], device_pool_bytes: int = 0, **measured):
-    """Build :class:`~.manager.Settings` from the validated dict plus measured values
+    """Build :class:`~.context.Settings` from the validated dict plus measured values
     (``host_bandwidth``, ``disk_bandwidth``, ``decompress_bytes_per_s`` in B/s) and the
     device KV pool's size (for the default device-tier budget)."""
-    from .manager import Settings
+    from .context import Settings
 
     gb = d.get("device_size_gb")
     device_bytes = DEFAULT_DEVICE_FRACTION * device_pool_bytes if gb is None else gb * GB

@@ -13,7 +13,12 @@ is the other): it owns
 * the **policy** (:mod:`.policy`) and the execution of its moves on the real blobs:
   compress (re-encode), demote (host -> disk), promote, drop;
 * the **profiling state** -- which contexts need (re-)profiling, the online query log,
-  sampled observations of served answers and the drift tracker (:mod:`.profiler`).
+  sampled observations of served answers and the drift tracker (:mod:`.profiler`); its
+  methods are :class:`~.profile_state.ProfileState`'s;
+* the **storage copies** of every computed context on the shared storage tier
+  (:class:`~.storage_copies.StorageCopies`).
+
+The data model (settings, a context, a fetched copy) is in :mod:`.context`.
 
 The device tier is SGLang's radix tree itself; the backend asks the manager where a
 matched context is stored and loads it into device slots (see :mod:`.radix`).
@@ -34,7 +39,6 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -42,173 +46,20 @@ import numpy as np
 from . import codec
 from .codec import FullKV
 from .config import DROPPED, FULL, CompressionConfig, Placement, Tier, TierSpec
+from .context import MIN_CONTEXT_TOKENS, Context, Fetched, KVDims, Settings, as_token_array, common_prefix_len
 from .placement import Move
+from .profile_state import ProfileState
 from .policy import LRUPolicy, Policy, UtilityPolicy
 from .profiler import QualityTracker, QueryLog
+from .storage_copies import StorageCopies
 from .utility import ContextInfo, UtilityModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Settings", "Context", "EvicPressManager", "KVDims", "Fetched"]
-
-PROFILE_NAMESPACE = "evicpress:"  # extra_key prefix of the profiler's own requests
-REF_NAMESPACE = "evicpress:ref"
-CFG_NAMESPACE = "evicpress:cfg:"
-MIN_CONTEXT_TOKENS = 16
+__all__ = ["EvicPressManager"]
 
 
-@dataclass
-class Settings:
-    alpha: float = 1.0
-    policy: str = "evicpress"  # evicpress | lru | fixed
-    fixed_config: CompressionConfig = FULL
-    candidates: tuple[CompressionConfig, ...] = ()  # lossy configs the profiler tries
-    model_id: str = ""  # names the model's entries on the shared storage tier
-    device_capacity: int = 0  # bytes of pinned context copies on the device (0: no device tier)
-    host_capacity: Optional[int] = None  # bytes (None: the whole store)
-    disk_capacity: int = 10 << 30
-    host_bandwidth: float = 10e9  # bytes/s into the device
-    disk_bandwidth: float = 1e9
-    prefill_tokens_per_s: float = 1000.0
-    prefill_measured: bool = True  # update prefill_tokens_per_s from observed misses
-    decompress_bytes_per_s: dict = field(default_factory=dict)
-    reprofile_threshold: float = 0.3  # paper section 6.3
-    profile_queries: int = 4
-    generate_queries: int = 2
-    profile_max_new_tokens: int = 24
-    observe_rate: float = 0.25
-    idle_seconds: float = 1.0
-    auto_context_tokens: int = 256  # 0: only registered contexts
-    max_contexts: int = 4096
-    throttle: bool = False  # sleep to the modelled tier bandwidth on loads
-    # The attention backend serves token-dropped KV (vc_torch): without it, token-dropping
-    # configs are refused (a stored one would have to be recomputed on every hit).
-    serves_dropped: bool = False
-    # Copies of every newly computed context written to the shared storage tier whatever
-    # the policy places (the paper's remote store keeps every context): FULL for the next
-    # server's exact hit, a compressed one (KIVI 4-bit by default) for servers behind a
-    # slow link to draft from (VeriCache section 5.3). () writes none.
-    storage_copies: tuple[CompressionConfig, ...] = ()
-    # the copy a shared-storage hit loads first (None: the full KV first). A server
-    # behind a slow link loads the compressed copy and drafts from it (VeriCache 5.3)
-    load_copy: Optional[CompressionConfig] = None
-
-
-@dataclass(frozen=True)
-class KVDims:
-    """Shape of one token's KV in the device pool."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    v_heads: int
-    v_head_dim: int
-    itemsize: int
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.layers * (self.heads * self.head_dim + self.v_heads * self.v_head_dim) * self.itemsize
-
-
-@dataclass
-class Context:
-    ctx_id: str
-    token_ids: np.ndarray  # int64
-    namespace: Optional[str] = None
-    source: str = "api"  # api | auto
-    queries: list = field(default_factory=list)  # registered query suffixes (token id lists)
-    query_texts: list = field(default_factory=list)
-    frequency: float = 0.0
-    last_access: float = 0.0
-    quality: dict = field(default_factory=lambda: {FULL: 1.0})
-    profiled: bool = False
-    profile_reason: Optional[str] = None  # why a (re-)profile is pending
-    profile_in_flight: bool = False
-    profile_failures: int = 0
-    placement: Placement = DROPPED
-    stored_len: int = 0  # tokens covered by the stored blob
-    sizes: dict = field(default_factory=dict)  # config -> exact blob bytes
-    device_config: Optional[CompressionConfig] = None  # form of the copy we put on the device
-    hits: dict = field(default_factory=lambda: collections.Counter())
-    suffix_tokens: float = 32.0  # running mean of the question length
-    # configs of this context's copies on the shared storage tier (written by
-    # :meth:`EvicPressManager.write_storage_copies` or found there): never deleted by a move
-    shared: set = field(default_factory=set)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(len(self.token_ids))
-
-    @property
-    def stored(self) -> bool:
-        return not self.placement.dropped
-
-    def describe(self, with_tokens: bool = False) -> dict:
-        out = {
-            "id": self.ctx_id,
-            "num_tokens": self.num_tokens,
-            "namespace": self.namespace,
-            "source": self.source,
-            "num_queries": len(self.queries),
-            "frequency": self.frequency,
-            "placement": {
-                "tier": None if self.placement.dropped else self.placement.tier.name.lower(),
-                "config": None if self.placement.dropped else self.placement.config.label,
-                "stored_tokens": self.stored_len,
-                "stored_bytes": self.sizes.get(self.placement.config) if self.stored else 0,
-            },
-            "device_config": None if self.device_config is None else self.device_config.label,
-            "storage_copies": sorted(c.label for c in self.shared),
-            "quality": {c.label: q for c, q in sorted(self.quality.items(), key=lambda x: x[0].sort_key())},
-            "profiled": self.profiled,
-            "profile_pending": self.profile_reason,
-            "hits": dict(self.hits),
-        }
-        if with_tokens:
-            out["token_ids"] = self.token_ids.tolist()
-        return out
-
-
-class Fetched:
-    """A context's stored KV, read and decoded for loading onto the device (``blob``
-    is the stored bytes, reused when the context is then promoted). A token-dropped
-    config gives only the kept rows: ``kv`` is ``[L, n_keep, H, D]``, ``positions``
-    their original positions and ``num_tokens`` the context tokens they stand for."""
-
-    def __init__(self, kv: FullKV, config: CompressionConfig, tier: Tier, nbytes: int, seconds: float,
-                 blob: Optional[bytes] = None, positions=None, num_tokens: Optional[int] = None):
-        self.kv, self.config, self.tier, self.nbytes, self.seconds = kv, config, tier, nbytes, seconds
-        self.blob = blob
-        self.positions = positions
-        self.num_tokens = kv.num_tokens if num_tokens is None else int(num_tokens)
-
-    @property
-    def dropped(self) -> bool:
-        return self.positions is not None
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    eq = a[:n] == b[:n]
-    return n if bool(eq.all()) else int(np.argmin(eq))
-
-
-def _as_array(ids) -> np.ndarray:
-    if isinstance(ids, np.ndarray):
-        return ids.astype(np.int64, copy=False)
-    try:
-        import array
-
-        if isinstance(ids, array.array) and ids.itemsize == 8:
-            return np.frombuffer(ids, dtype=np.int64)
-    except Exception:  # pragma: no cover
-        pass
-    return np.asarray(list(ids), dtype=np.int64)
-
-
-class EvicPressManager:
+class EvicPressManager(StorageCopies, ProfileState):
     INDEX_TOKENS = 8
 
     def __init__(
@@ -335,7 +186,7 @@ class EvicPressManager:
         query_texts: Sequence[str] = (),
         source: str = "api",
     ) -> Context:
-        ids = _as_array(token_ids).copy()
+        ids = as_token_array(token_ids).copy()
         if len(ids) < MIN_CONTEXT_TOKENS:
             raise ValueError(f"a context needs at least {MIN_CONTEXT_TOKENS} tokens, got {len(ids)}")
         with self.lock:
@@ -396,14 +247,14 @@ class EvicPressManager:
     def match(self, token_ids, namespace=None) -> Optional[tuple[Context, int]]:
         """The registered context sharing the longest prefix with ``token_ids``, and
         that prefix length; None unless it covers at least half of the context."""
-        ids = _as_array(token_ids)
+        ids = as_token_array(token_ids)
         if len(ids) < MIN_CONTEXT_TOKENS:
             return None
         with self.lock:
             best = None
             for cid in self._index.get(self._key(ids, namespace), ()):
                 ctx = self.contexts[cid]
-                n = _lcp(ids, ctx.token_ids)
+                n = common_prefix_len(ids, ctx.token_ids)
                 if n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2) and (best is None or n > best[1]):
                     best = (ctx, n)
             return best
@@ -413,14 +264,14 @@ class EvicPressManager:
         ``token_ids`` (at most ``limit`` tokens), and that length; None when none does.
         A radix match can run into such rows whether or not the request matched the
         context (their first tokens are shared tree nodes)."""
-        ids = _as_array(token_ids)[:limit]
+        ids = as_token_array(token_ids)[:limit]
         with self.lock:
             best = None
             for ctx in self.contexts.values():
                 cfg = ctx.device_config
                 if cfg is None or cfg.is_full or ctx.namespace != namespace:
                     continue
-                n = _lcp(ids, ctx.token_ids)
+                n = common_prefix_len(ids, ctx.token_ids)
                 if n > 0 and (best is None or n > best[1]):
                     best = (ctx, n)
             return best
@@ -505,107 +356,6 @@ class EvicPressManager:
             if ctx.placement.dropped:
                 return None
             return self._store(ctx.placement.tier).get(self.blob_key(ctx, ctx.placement.tier))
-
-    def storage_files(self, ctx: Context) -> list[str]:
-        """Local files of ``ctx``'s entry on the storage tier (header, payload), where the
-        backend keeps them in files (diagnostics and tests); [] otherwise."""
-        with self.lock:
-            objects = (self.disk.object_keys(self.blob_key(ctx, Tier.DISK, ctx.placement.config))
-                       if hasattr(self.disk, "object_keys") else None)
-            path_of = getattr(getattr(self.disk, "backend", None), "entry_path", None)
-            if not objects or path_of is None:
-                return []
-            return [str(path_of(name)) for name in objects if name is not None]
-
-    def find_shared(self, ctx: Context) -> bool:
-        """Whether another server (or an earlier run) left a copy of ``ctx`` on the shared
-        storage tier; if so ``ctx`` is now placed there, on the best copy found: the full
-        KV first, then the configured storage copies, then the profiler's candidates."""
-        with self.lock:
-            if ctx.stored or not hasattr(self.disk, "probe"):
-                return False
-            first = [self.settings.load_copy] if self.settings.load_copy is not None else []
-            order = [*first, FULL, *self.settings.storage_copies, *self.settings.candidates]
-            for cfg in dict.fromkeys(order):
-                if cfg.drops_tokens and not self.settings.serves_dropped:
-                    continue
-                key = self.blob_key(ctx, Tier.DISK, cfg)
-                if not self.disk.probe(key):
-                    continue
-                t0 = time.perf_counter()
-                blob = self.disk.get(key)
-                if blob is None:
-                    continue
-                try:
-                    if codec.blob_config(blob) != cfg:
-                        raise ValueError("config differs from its key")
-                    ctx.stored_len = codec.blob_tokens(blob)
-                except Exception:
-                    logger.warning("EvicPress: shared entry %s of %s does not decode; ignored", cfg.label, ctx.ctx_id)
-                    continue
-                ctx.shared.add(cfg)
-                ctx.sizes[cfg] = len(blob)
-                ctx.quality.setdefault(cfg, 1.0 if cfg.is_full else 0.0)
-                self._set_placement(ctx, Placement(cfg, Tier.DISK))
-                self._found[ctx.ctx_id] = (cfg, blob, time.perf_counter() - t0)
-                self.count(shared_found=1)
-                return True
-            return False
-
-    def read_storage_copy(self, ctx: Context, config: CompressionConfig = FULL) -> Optional[FullKV]:
-        """``ctx``'s storage copy of ``config`` decoded, read from the shared store over
-        this server's link, or None (absent, corrupted). Changes no placement. Safe off
-        the scheduler thread: the manager lock is not held during the read (the store
-        has its own), so a long read does not stall the scheduler's lookups."""
-        with self.lock:
-            key = self.blob_key(ctx, Tier.DISK, config)
-        t0 = time.perf_counter()
-        blob = self.disk.get(key)
-        if blob is None:
-            self.count(storage_copy_misses=1)
-            return None
-        try:
-            cfg, kv, positions = codec.decode(blob)
-            if cfg != config or positions is not None:
-                raise ValueError(f"entry holds {cfg.label}")
-        except Exception:
-            logger.warning("EvicPress: storage copy %s of %s does not decode; not used", config.label, ctx.ctx_id)
-            self.count(storage_copy_misses=1)
-            return None
-        self.count(storage_copies_read=1, bytes_read_storage_copies=len(blob),
-                   storage_copy_read_seconds=time.perf_counter() - t0)
-        return kv
-
-    def write_storage_copies(self, ctx: Context, kv: FullKV) -> int:
-        """Write ``ctx``'s configured storage copies (``Settings.storage_copies``) that the
-        shared store does not hold yet, from its just computed full KV; returns how many
-        were written. On the scheduler thread, in the deferred step after the prefill
-        (off the TTFT path, not off the scheduler: a store write thread is not built).
-        A full or failing store skips the copy (counted); the context stays served."""
-        written = 0
-        for cfg in self.settings.storage_copies:
-            if cfg in ctx.shared or (cfg.drops_tokens and not self.settings.serves_dropped):
-                continue
-            key = self.blob_key(ctx, Tier.DISK, cfg)
-            if hasattr(self.copies, "probe") and self.copies.probe(key):
-                ctx.shared.add(cfg)  # another server wrote it already
-                continue
-            t0 = time.perf_counter()
-            try:
-                blob = codec.encode(kv, cfg)
-            except Exception:
-                logger.exception("EvicPress: could not encode the %s storage copy of %s", cfg.label, ctx.ctx_id)
-                self.count(storage_copy_errors=1)
-                continue
-            if not self.copies.put(key, blob):
-                self.count(storage_copy_skipped=1)
-                continue
-            ctx.shared.add(cfg)
-            ctx.sizes[cfg] = len(blob)
-            written += 1
-            self.count(storage_copies_written=1, bytes_written_storage_copies=len(blob),
-                       storage_copy_seconds=time.perf_counter() - t0)
-        return written
 
     def _read_blob(self, ctx: Context, placement: Placement) -> Optional[bytes]:
         """The stored bytes; None (and the context marked dropped) when absent or
@@ -899,164 +649,6 @@ class EvicPressManager:
             if len(suffix):
                 ctx.suffix_tokens = 0.8 * ctx.suffix_tokens + 0.2 * len(suffix)
                 self.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
-
-    def observe_served(self, ctx: Context, config: CompressionConfig, prompt_ids, output_ids,
-                       max_new_tokens: int) -> bool:
-        """Maybe keep a served answer of a lossy config for a shadow quality check."""
-        with self.lock:
-            if config.is_full or not len(output_ids) or self.settings.observe_rate <= 0:
-                return False
-            n = next(self._obs_counter)
-            every = max(1, round(1 / self.settings.observe_rate))
-            if n % every:
-                return False
-            self.observations.append({
-                "obs_id": f"{ctx.ctx_id}-{n}",
-                "ctx_id": ctx.ctx_id,
-                "config": config.label,
-                "prompt_ids": [int(t) for t in prompt_ids],
-                "output_ids": [int(t) for t in output_ids],
-                "max_new_tokens": int(max_new_tokens),
-            })
-            return True
-
-    def record_observation(self, ctx_id: str, config: str, quality: float) -> bool:
-        """An observed quality of a served answer (vs. the full-KV answer); True when
-        it flags the context for re-profiling (section 4.3)."""
-        with self.lock:
-            ctx = self.contexts.get(str(ctx_id))
-            if ctx is None:
-                return False
-            self.count(observations=1)
-            fired = self.tracker.observe(ctx.ctx_id, float(quality), CompressionConfig.parse(config))
-            if fired:
-                self.count(drift_flags=1)
-                ctx.profile_reason = "drift"
-            return fired
-
-    def note_activity(self, rid: str, active: bool) -> None:
-        with self.lock:
-            if active:
-                self.active_requests[rid] = self.clock()
-            else:
-                self.active_requests.pop(rid, None)
-            self.last_user_activity = self.clock()
-
-    def idle_for(self) -> float:
-        with self.lock:
-            now = self.clock()
-            # a request we never saw finish (aborted early) stops counting after 10 min
-            for rid, t in list(self.active_requests.items()):
-                if now - t > 600:
-                    self.active_requests.pop(rid, None)
-            if self.active_requests:
-                return 0.0
-            return now - self.last_user_activity
-
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        if not self.settings.prefill_measured or tokens < 64 or seconds <= 0:
-            return
-        with self.lock:
-            rate = tokens / seconds
-            s = self.settings
-            s.prefill_tokens_per_s = 0.8 * s.prefill_tokens_per_s + 0.2 * rate
-
-    # ------------------------------------------------------------------ profiling
-    def profile_work(self, limit: int = 4) -> list[dict]:
-        """Contexts that need (re-)profiling, with the queries to profile them on."""
-        with self.lock:
-            jobs = []
-            if self.settings.policy != "evicpress" or not self.settings.candidates:
-                return jobs
-            for ctx in self.contexts.values():
-                if ctx.profile_reason is None or ctx.profile_in_flight:
-                    continue
-                online = self.querylog.latest(ctx.ctx_id)
-                queries = []
-                if ctx.profile_reason == "drift":
-                    queries = [ctx.token_ids[:p].tolist() + s for p, s in online]
-                queries += [ctx.token_ids.tolist() + q for q in ctx.queries]
-                if ctx.profile_reason != "drift":
-                    queries += [ctx.token_ids[:p].tolist() + s for p, s in online]
-                queries = queries[: self.settings.profile_queries]
-                job = {
-                    "ctx_id": ctx.ctx_id,
-                    "reason": ctx.profile_reason,
-                    "token_ids": ctx.token_ids.tolist(),
-                    "prompts": queries,
-                    "candidates": [c.label for c in self.settings.candidates],
-                    "generate_queries": self.settings.generate_queries if not queries else 0,
-                    "max_new_tokens": self.settings.profile_max_new_tokens,
-                }
-                if not queries and not job["generate_queries"]:
-                    continue
-                ctx.profile_in_flight = True
-                jobs.append(job)
-                if len(jobs) >= limit:
-                    break
-            return jobs
-
-    def add_queries(self, ctx_id: str, suffixes: Sequence[Sequence[int]], texts: Sequence[str] = ()) -> None:
-        with self.lock:
-            ctx = self.contexts.get(str(ctx_id))
-            if ctx is not None:
-                self._add_queries(ctx, suffixes, texts)
-
-    def set_profile(self, ctx_id: str, quality: dict, reason: Optional[str] = None) -> bool:
-        """Profile results (label -> quality); the placement is re-balanced with them."""
-        with self.lock:
-            ctx = self.contexts.get(str(ctx_id))
-            if ctx is None:
-                return False
-            prof = {FULL: 1.0}
-            for label, q in quality.items():
-                cfg = CompressionConfig.parse(label)
-                if not cfg.is_full:
-                    prof[cfg] = min(1.0, max(0.0, float(q)))
-            cur = ctx.placement.config
-            if ctx.stored and cur not in prof:
-                prof[cur] = ctx.quality.get(cur, 0.0)
-            was_profiled = ctx.profiled
-            ctx.quality = prof
-            ctx.profiled = True
-            ctx.profile_in_flight = False
-            ctx.profile_reason = None
-            ctx.profile_failures = 0
-            self.count(profiles=1)
-            if was_profiled or reason == "drift":
-                self.count(reprofilings=1)
-            if ctx.stored and not cur.is_full:
-                self.tracker.set_profile(ctx.ctx_id, cur, prof[cur])
-            self.rebalance_pending = True
-            return True
-
-    MAX_PROFILE_FAILURES = 3
-
-    def release_profile(self, ctx_id: str) -> None:
-        """A profile attempt failed; retried, up to :attr:`MAX_PROFILE_FAILURES` times."""
-        with self.lock:
-            ctx = self.contexts.get(str(ctx_id))
-            if ctx is not None:
-                ctx.profile_in_flight = False
-                ctx.profile_failures += 1
-                if ctx.profile_failures >= self.MAX_PROFILE_FAILURES:
-                    logger.warning("EvicPress: giving up profiling context %s", ctx.ctx_id)
-                    ctx.profile_reason = None
-
-    def request_profile(self, ctx_id: str) -> bool:
-        with self.lock:
-            ctx = self.contexts.get(str(ctx_id))
-            if ctx is None:
-                return False
-            ctx.profile_reason = ctx.profile_reason or "api"
-            return True
-
-    def take_observations(self, limit: int = 16) -> list[dict]:
-        with self.lock:
-            out = []
-            while self.observations and len(out) < limit:
-                out.append(self.observations.popleft())
-            return out
 
     # ------------------------------------------------------------------ scheduler tasks
     def submit(self, fn: Callable[[], Any], timeout: float = 120.0) -> Any:

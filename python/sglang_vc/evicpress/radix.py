@@ -81,7 +81,8 @@ from .device_tier import DeviceTierStore
 from .disk_tier import measure_bandwidth
 from .host_tier import HostSlotStore, HostTierStore
 from .storage_tier import StorageTier
-from .manager import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, EvicPressManager, KVDims
+from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims
+from .manager import EvicPressManager
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ import requests
 from .config import CompressionConfig
 from .control import ControlClient, ControlError
 from .flags import settings_of
-from .manager import CFG_NAMESPACE, REF_NAMESPACE
+from .context import CFG_NAMESPACE, REF_NAMESPACE
 from .profiler import monotone_profile
 
 logger = logging.getLogger(__name__)
