@@ -153,3 +153,35 @@ def test_a_chain_verify_forward_is_a_causal_extend_after_each_prefix():
     assert fb.forward_mode == ForwardMode.TARGET_VERIFY and fb.seq_lens.tolist() == [400, 12, 7]  # a copy
     # a uniform chain (no ragged layout): every request forwards the draft width
     assert verify_lens(SimpleNamespace(draft_token_num=4), 2) == [4, 4]
+
+
+def test_held_tokens_are_committed_x_a_round_with_their_kv_moved_in():
+    """Tiering.drain: a request holding 5 verified tokens commits 4 (X) in the first round
+    and 1 in the next, each token's predecessor KV moved from its scratch slot into the
+    round's slot, and the scratch slots freed once drained; a holder not where it was left
+    commits nothing and its slots are freed; a request holding nothing is left alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_vc.vericache.tiering import Held, Tiering
+
+    moves, freed = [], []
+    pool = SimpleNamespace(move_kv_cache=lambda dst, src: moves.append((dst.tolist(), src.tolist())))
+    alloc = SimpleNamespace(get_kvcache=lambda: pool, free=lambda s: freed.append(s.tolist()))
+    t = Tiering(SimpleNamespace(token_to_kv_pool_allocator=alloc, device="cpu"), lambda: None, 8)
+    t.held["a"] = Held(100, [11, 12, 13, 14, 15], torch.tensor([50, 51, 52, 53, 54]))
+    t.held["stale"] = Held(100, [7, 8], torch.tensor([60, 61]))
+    batch = SimpleNamespace(reqs=[SimpleNamespace(rid="a"), SimpleNamespace(rid="b"), SimpleNamespace(rid="stale")])
+    x = 4
+    slots = torch.tensor([[200, 201, 202, 203], [300, 301, 302, 303], [400, 401, 402, 403]])
+    tokens, lens = torch.zeros(3, x + 1, dtype=torch.int64), torch.full((3,), x, dtype=torch.int64)
+    assert t.drain(batch, torch.tensor([100, 37, 90]), slots, tokens, lens, x) == 1
+    assert tokens[0, :4].tolist() == [11, 12, 13, 14] and lens.tolist() == [4, 4, 0]
+    assert moves == [([200, 201, 202, 203], [50, 51, 52, 53])] and freed == [[60, 61]]
+    assert t.holding("a") and not t.holding("stale")
+    slots2 = torch.tensor([[210, 211, 212, 213], [310, 311, 312, 313], [410, 411, 412, 413]])
+    tokens, lens = torch.zeros(3, x + 1, dtype=torch.int64), torch.full((3,), x, dtype=torch.int64)
+    assert t.drain(batch, torch.tensor([104, 41, 90]), slots2, tokens, lens, x) == 1
+    assert tokens[0, 0] == 15 and lens[0] == 1 and moves[-1] == ([210], [54])
+    assert freed[-1] == [50, 51, 52, 53, 54] and not t.holding("a")

@@ -243,8 +243,9 @@ class Tiering:
                 continue
             o = int(committed[i]) - h.pos
             m = min(x, len(h.tokens) - o)
-            if o < 0 or m <= 0:  # not where it was left (retracted meanwhile): drop
-                self.drop(req.rid)
+            if o < 0 or m <= 0:  # not where it was left: drop, commit nothing this round
+                self.drop(req.rid)  # (the round drafted nothing for it); it drafts from the next
+                accept_lens[i] = 0
                 continue
             accept_tokens[i, :m] = torch.tensor(h.tokens[o: o + m])
             accept_lens[i] = m
