@@ -30,8 +30,9 @@ PARAMS = {
     "needle": dict(lengths=[256, 512, 1024, 2048], depths=[0.0, 0.1, 0.5, 0.9, 1.0]),
     "json_calls": dict(tool_counts=[2, 8, 30]),
     "rag": dict(chunks=3, chunk_tokens=128),
+    "rag_multihop": dict(chunks=5, chunk_tokens=128),
 }
-N = {"code": 12, "reading": 12, "needle": 20, "json_calls": 30, "rag": 4}
+N = {"code": 12, "reading": 12, "needle": 20, "json_calls": 30, "rag": 4, "rag_multihop": 6}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,10 @@ def built():
 
 
 def test_list_and_unknown():
-    assert set(W.list_workloads()) == {"code", "reading", "needle", "json_calls", "rag"}
+    assert set(W.list_workloads()) == {"code", "reading", "needle", "json_calls", "rag", "rag_multihop"}
     with pytest.raises(ValueError, match="unknown workload"):
         W.load_workload("no_such_workload")
-    with pytest.raises(ValueError, match="code, reading, needle, json_calls, rag"):
+    with pytest.raises(ValueError, match="code, reading, needle, json_calls, rag, rag_multihop"):
         W.load_workload("Needle")
     with pytest.raises(TypeError):
         W.load_workload("needle", n=1, no_such_param=3)
@@ -53,7 +54,7 @@ def test_list_and_unknown():
         W.load_workload("needle", n=1, max_tokens=10)
 
 
-@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag"])
+@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag", "rag_multihop"])
 def test_deterministic(name, built):
     again = W.load_workload(name, n=N[name], seed=1, **PARAMS[name])
     assert [it["prompt"] for it in again] == [it["prompt"] for it in built[name]]
@@ -79,7 +80,7 @@ def test_deterministic_across_processes(built):
     assert got == {n: built[n].provenance["items_sha256"] for n in W.list_workloads()}
 
 
-@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag"])
+@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag", "rag_multihop"])
 def test_items_well_formed(name, built):
     wl = built[name]
     assert len(wl) == N[name]
@@ -217,7 +218,7 @@ def test_json_call_score_leniency():
     )
 
 
-@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag"])
+@pytest.mark.parametrize("name", ["code", "reading", "needle", "json_calls", "rag", "rag_multihop"])
 def test_provenance(name, built):
     wl = built[name]
     p = wl.provenance
@@ -322,3 +323,25 @@ def test_rag_facts_sit_in_their_chunks(built):
         assert [k for k, c in enumerate(it["chunks"]) if name in c] == [it["answer_chunks"][0]]
         assert len(it["answer_chunks"]) == (2 if it["task"] == "rag_two_hop" else 1)
     assert W.token_f1("B1234 is it", "B1234") == 0.5 and W.token_f1("", "B1234") == 0.0
+
+
+def test_rag_multihop_needs_the_bridge_and_the_answer_chunk_and_lures_the_rest(built):
+    """The code is only in the answer chunk; the asked project is named in the bridge and
+    the lure chunks (the lure with another team and that team's code); the bridge team is
+    named in the bridge, answer and distractor chunks; 24 items by default, 512-token chunks."""
+    for it in built["rag_multihop"]:
+        roles, chunks = it["chunk_roles"], it["chunks"]
+        assert it["prompt"] == it["chunk_prefix"] + "".join(chunks) + it["question"]
+        assert sorted(r for r in roles if r != "plain") == ["answer", "bridge", "distractor", "lure"] and len(roles) == 5
+        assert it["answer_chunks"] == [roles.index("bridge"), roles.index("answer")]
+        project = re.search(r"project (\S+?)\?", it["question"]).group(1)
+        assert [roles[k] for k, c in enumerate(chunks) if it["answer"] in c] == ["answer"]
+        assert [roles[k] for k, c in enumerate(chunks) if it["lure_answer"] in c] == ["lure"]
+        assert sorted(roles[k] for k, c in enumerate(chunks) if project in c) == ["bridge", "lure"]
+        assert sorted(roles[k] for k, c in enumerate(chunks) if f"the {it['bridge_entity']} team" in c) == \
+            ["answer", "bridge", "distractor"]
+        assert W.score(it, it["answer"]) == 1.0 and W.score(it, it["lure_answer"]) == 0.0
+    default = W.load_workload("rag_multihop")
+    assert len(default) == 24 and default.provenance["params"]["chunk_tokens"] == 512
+    with pytest.raises(ValueError, match="chunks >= 4"):
+        W.load_workload("rag_multihop", chunks=3)

@@ -51,6 +51,7 @@ from . import speccache_hf as sc
 from .lossy_hf import Session, load_model
 
 KL_TOKENS = 8
+WORKLOAD_CHOICES = ("rag", "rag_multihop")  # bench.workloads' RAG workloads
 GOOD_FRACTION = 0.8  # the paper's eq. 8 threshold: 80% of full recompute's mean score
 
 
@@ -268,6 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--selectors", default=",".join(SELECTORS), help="comma-separated selector names")
     ap.add_argument("--ratios", default="0.15,0.2")
     ap.add_argument("--n", type=int, default=None, help="RAG items (default 12, --quick 4)")
+    ap.add_argument("--workload", choices=WORKLOAD_CHOICES, default="rag",
+                    help="rag (one fact or two linked facts per item) or rag_multihop (a bridge entity, the "
+                    "answer in another chunk, a lure and a distractor on the same entities)")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--rates", default="0.05,0.1,0.2", help="Poisson arrival rates (req/s) for goodput")
@@ -307,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"speccache: cannot load model {name!r}: {exc}", file=sys.stderr)
                     return 2
         target, spec = models[target_name], models[spec_name]
-        items = load_workload("rag", tokenizer=target.tokenizer, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
+        items = load_workload(args.workload, tokenizer=target.tokenizer, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
                               max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))
         for i, item in enumerate(items):
             log(f"{target_name} <- {spec_name}: item {i + 1}/{len(items)} ({item['task']}, {item['n_tokens']} tokens)")
@@ -315,7 +319,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = summarize(rows, rates)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "speccache", "mode": "lab (HF transformers, this process)", "pairs": pairs,
+    report = {"benchmark": "speccache", "workload": args.workload, "mode": "lab (HF transformers, this process)", "pairs": pairs,
               "selectors": selectors, "ratios": ratios, "n": n, "chunks": args.chunks,
               "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
               "kl_tokens": KL_TOKENS, "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}

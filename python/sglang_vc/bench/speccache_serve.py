@@ -38,7 +38,7 @@ from sglang_vc.speccache import layout
 from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
 from sglang_vc.testing.server import ServerProcess
 
-from .speccache import GOOD_FRACTION, log, log_results, plot, summarize
+from .speccache import GOOD_FRACTION, WORKLOAD_CHOICES, log, log_results, plot, summarize
 from .workloads import load_workload, score, token_f1
 
 
@@ -113,6 +113,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="server selectors besides full recompute")
     ap.add_argument("--ratios", default="0.15,0.2")
     ap.add_argument("--n", type=int, default=None, help="RAG items per pair (default 12, --quick 4)")
+    ap.add_argument("--workload", choices=WORKLOAD_CHOICES, default="rag",
+                    help="rag (one fact or two linked facts per item) or rag_multihop (a bridge entity, the "
+                    "answer in another chunk, a lure and a distractor on the same entities)")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -140,11 +143,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for target, spec in pairs:
         tok = AutoTokenizer.from_pretrained(models.resolve(target))
-        items = load_workload("rag", tokenizer=tok, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
+        items = load_workload(args.workload, tokenizer=tok, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
                               max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))
         rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir)
     results = summarize(rows, rates)
-    report = {"benchmark": "speccache_serve", "mode": "served (sglang-vc server, streamed TTFT)", "pairs": pairs,
+    report = {"benchmark": "speccache_serve", "workload": args.workload, "mode": "served (sglang-vc server, streamed TTFT)", "pairs": pairs,
               "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "chunks": args.chunks,
               "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
               "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}

@@ -22,6 +22,9 @@ Debian ``copyright`` files) plus synthetic tasks. One module per workload (as kv
 ``rag``
     Real-text passages as retrieved chunks with one (or two linked) synthetic facts; the
     answer is a code.
+``rag_multihop``
+    Two-hop RAG over 512-token chunks: a bridge entity stated in one chunk, the answer in
+    another, a lure and a distractor chunk mentioning the same entities.
 
 Every item is a JSON-serialisable dict with at least ``id``, ``prompt``, ``task``,
 ``answer`` (``None`` where no answer is known), ``question`` (the prompt ends with it, so

@@ -18,6 +18,7 @@ from .common import DEFAULT_MAX_TOKENS, LENGTH_TOLERANCE, MIN_TARGET, WORKLOADS_
 from .json_calls import _build_json_calls
 from .needle import _build_needle
 from .rag import _build_rag
+from .rag_multihop import _build_rag_multihop
 from .reading import _build_reading
 
 
@@ -39,6 +40,8 @@ _BUILDERS: dict[str, tuple[Callable, str]] = {
     "needle": (_build_needle, "passkey needle in a real-text haystack at several lengths and depths"),
     "json_calls": (_build_json_calls, "JSON tool schemas + a user request; answer is one JSON call"),
     "rag": (_build_rag, "RAG QA: real-text passages as retrieved chunks, one (or two linked) synthetic facts; answer is a code"),
+    "rag_multihop": (_build_rag_multihop, "two-hop RAG over 512-token real-text chunks: a bridge entity in one chunk, "
+                     "the answer in another, a lure and a distractor chunk on the same entities; answer is a code"),
 }
 
 

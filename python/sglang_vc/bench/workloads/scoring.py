@@ -8,6 +8,7 @@ import re
 from .json_calls import json_call_score
 from .needle import needle_found
 from .rag import _RAG_TASKS
+from .rag_multihop import MULTIHOP_TASK
 
 
 # ============================================================================ scoring
@@ -44,7 +45,7 @@ def score(item: dict, output: str) -> float:
         return float(needle_found(output, item))
     if task == "json_call":
         return json_call_score(output, item)["score"]
-    if task in _RAG_TASKS:  # exact match: the code is the first word of the answer
+    if task in _RAG_TASKS or task == MULTIHOP_TASK:  # exact match: the code is the first word of the answer
         words = re.findall(r"[A-Z]\d{4}", output or "")
         return float(bool(words) and words[0] == item["answer"])
     if item.get("answer") is None:
