@@ -158,11 +158,17 @@ class Tiering:
             self._free(scratch)
             return fixed
         draft_ids = torch.stack(drafts, 1).to("cpu", torch.int64) if k else torch.zeros(n, 0, dtype=torch.int64)
+        # the prompts' own slots after each start, read on the host in one copy
+        spans = [(lossy[i].start, int(seq_lens[i])) for i in ok]
+        own_rows = torch.cat([rows[i].repeat(b - a) for i, (a, b) in zip(ok, spans)])
+        own_pos = torch.cat([torch.arange(a, b) for a, b in spans])
+        own = req_to_token[own_rows.to(req_to_token.device), own_pos.to(req_to_token.device)].to("cpu", torch.int64)
+        own = own.split([b - a for a, b in spans])
         chains = []
-        for i in ok:
-            r, s, length = reqs[i], lossy[i].start, int(seq_lens[i])
+        for j, i in enumerate(ok):
+            r, (s, length) = reqs[i], spans[j]
             kb = min(k, budget[i])
-            slots = torch.cat([req_to_token[int(rows[i]), s:length].to("cpu", torch.int64), scratch[i, :kb]])
+            slots = torch.cat([own[j], scratch[i, :kb]])
             chains.append(_Chain(i, (list(r.origin_input_ids) + list(r.output_ids))[s:length] + draft_ids[i, :kb].tolist(),
                                  s, slots, kb + 1))
         exact = self._verify(sub, chains, dev)
