@@ -34,11 +34,10 @@ prefill then only waits); overlapping the wait with other requests' decoding.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -48,8 +47,6 @@ from sglang_vc import stats
 
 from .remote_verify import STATS
 from .sampling import greedy_verify_ids
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
