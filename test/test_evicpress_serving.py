@@ -384,6 +384,12 @@ def test_reconfigure_empties_tiers_keeps_profiles(tmp_path):
     assert mgr.policy.name == "fixed:kivi@4b"
     mgr.store_computed(ctxs[0], _kv(200, 0))
     assert ctxs[0].placement == Placement(KIVI4, Tier.HOST)
+    out = mgr.reconfigure(observe_rate=0.5, reprofile_threshold=0.05)  # the drift check's knobs
+    assert (out["observe_rate"], out["reprofile_threshold"]) == (0.5, 0.05)
+    assert mgr.tracker.threshold == 0.05
+    with pytest.raises(ValueError):
+        mgr.reconfigure(observe_rate=2)
+    assert mgr.settings.observe_rate == 0.5
 
 
 def test_auto_contexts_are_recycled_at_the_limit(tmp_path):
@@ -458,7 +464,7 @@ def test_profiler_writes_questions_for_contexts_without_queries():
 
     prof = Prof(Client(), "http://unused", tok=Tok(), idle_seconds=0, scorer=lambda a, b: 1.0)
     job = {"ctx_id": "c", "reason": "new", "token_ids": ctx, "prompts": [], "candidates": ["kivi@4b"],
-           "generate_queries": 3, "max_new_tokens": 4}
+           "generate_queries": 3, "profile_source": "model", "max_new_tokens": 4}
     assert prof.profile(job) == {"kivi@4b": 1.0}
     queries = [b for m, p, b in posted if p == "/contexts/c/queries"][0]
     assert queries["texts"] == ["What is X?", "Who wrote it?"]  # first line, deduplicated

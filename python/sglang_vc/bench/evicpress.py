@@ -48,6 +48,10 @@ from typing import Optional
 
 import requests
 
+# How the profiler gets its questions (--profile-methods): the two generic questions
+# given at registration, or none given and the server builds --profile-queries questions
+# from each context's own text (``--evicpress-profile-source context``).
+PROFILE_METHODS = ("generic", "context")
 GENERIC_QUESTIONS = (
     "Question: Summarize the text above in one sentence.",
     "Question: What is the main topic of the text above?",
@@ -55,9 +59,42 @@ GENERIC_QUESTIONS = (
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M, float32: 2 * 30 layers * 3 heads * 64 * 4
 
 
-def _fingerprint(context: dict) -> str:
+def _fingerprint(context: dict, method: str, queries: int) -> str:
     """What a saved profile was measured on: the context's tokens and profile queries."""
-    return hashlib.sha256(json.dumps([context["token_ids"], context["profile"]]).encode()).hexdigest()[:16]
+    asked = context["profile"] if method == "generic" else [method, queries]
+    return hashlib.sha256(json.dumps([context["token_ids"], asked]).encode()).hexdigest()[:16]
+
+
+def served_quality(records: dict, fixed: list[str]) -> dict[str, dict[str, float]]:
+    """config -> context -> mean quality of the requests ``fixed:config`` served from a
+    stored copy (a miss recomputes the full KV: left out)."""
+    out: dict[str, dict[str, float]] = {}
+    for cfg in fixed:
+        per: dict[str, list[float]] = {}
+        for r in records.get(f"fixed:{cfg}", []):
+            if r["tier"] in ("device", "host", "disk"):
+                per.setdefault(r["ctx"], []).append(r["quality"])
+        out[cfg] = {cid: sum(v) / len(v) for cid, v in per.items()}
+    return out
+
+
+def profile_mae(profiles: dict[str, dict], served: dict[str, dict[str, float]]) -> dict:
+    """Per profiling method and config: mean |profiled - served| quality over the
+    contexts served from that config (and the signed mean, ``bias``); ``mean`` pools
+    every (context, config) pair."""
+    out: dict = {}
+    for method, per_ctx in profiles.items():
+        row: dict = {}
+        errs_all = []
+        for cfg, by_ctx in served.items():
+            errs = [per_ctx[cid][cfg] - q for cid, q in by_ctx.items() if cfg in per_ctx.get(cid, {})]
+            if errs:
+                row[cfg] = {"mae": sum(abs(e) for e in errs) / len(errs), "bias": sum(errs) / len(errs),
+                            "contexts": len(errs)}
+                errs_all += errs
+        row["mean"] = sum(abs(e) for e in errs_all) / len(errs_all) if errs_all else None
+        out[method] = row
+    return out
 
 
 def build_contexts(tokenizer_dir: str, n: int, lengths: tuple[int, ...], seed: int) -> list[dict]:
@@ -116,8 +153,10 @@ class Client:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def api(self, method: str, path: str, body=None, timeout: float = 1800) -> dict:
+    def api(self, method: str, path: str, body=None, timeout: float = 1800, allow: tuple = ()) -> dict:
         r = requests.request(method, self.url + path, json=body, timeout=timeout)
+        if r.status_code in allow:
+            return {}
         if r.status_code != 200:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:500]}")
         return r.json()
@@ -209,6 +248,41 @@ def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict
     return row, recs
 
 
+def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, threshold: float, method: str,
+                before: dict, served: dict, log) -> dict:
+    """Re-profiling on drift (paper section 4.3), measured: the stream is served again by
+    EvicPress with every compressed answer checked against the full-KV answer in idle
+    time; a context whose checked quality falls ``threshold`` below its profile is
+    re-profiled on the queries it was asked. Returns the counters and the profile error
+    against the served quality before and after (TTFTs here are not a system's: the
+    checks run between the requests)."""
+    c0 = cl.counters()
+    cl.api("POST", "/evicpress/reconfigure", {"policy": "evicpress", "alpha": alpha, "observe_rate": 1.0,
+                                              "reprofile_threshold": threshold})
+    for i, (ci, qi) in enumerate(stream):
+        c = contexts[ci]
+        cl.stream(c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1]), max_new)
+    while True:  # the checks and the re-profiles they trigger, in idle time
+        st = cl.api("GET", "/evicpress/status")
+        c1 = cl.counters()
+        checks = (c1.get("observations_queued", 0) - c0.get("observations_queued", 0)
+                  - c1.get("observations", 0) + c0.get("observations", 0))
+        if not st["pending_profiles"] and checks <= 0:
+            break
+        log(f"drift: {checks} checks and {st['pending_profiles']} re-profiles left")
+        time.sleep(5)
+    after = {c["id"]: {k: v for k, v in c["quality"].items() if k != "full"}
+             for c in cl.api("GET", "/evicpress/contexts")["contexts"] if c["profiled"]}
+    c1 = cl.counters()
+    delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("observations_queued", "observations", "drift_flags", "reprofilings")}
+    changed = sorted(cid for cid in after if after[cid] != before.get(cid))
+    maes = profile_mae({"before": before, "after": {**before, **after}}, served)
+    log(f"drift: {delta}, {len(changed)} contexts re-profiled; profile MAE {maes['before']['mean']:.3f} -> "
+        f"{maes['after']['mean']:.3f}")
+    return {"alpha": alpha, "threshold": threshold, "method": method, "counters": delta,
+            "reprofiled": changed, "profile_mae": maes, "profiles_after": after}
+
+
 # a failed lookup serves the request without EvicPress (a plain miss): counted as a failure
 FAILURE_COUNTERS = ("deferred_failures", "put_errors", "lookup_failures")
 
@@ -250,7 +324,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--no-warm", action="store_true", help="skip the unmeasured placement pass")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drift-threshold", type=float, default=None,
+                    help="after the systems, serve the stream once more under EvicPress (the smallest "
+                    "alpha) checking every compressed answer against the full-KV one; contexts whose "
+                    "served quality falls this far below their profile are re-profiled on the queries "
+                    "they were asked; the JSON's drift has the profile error before and after")
     ap.add_argument("--url", default=None, help="use a running server (started with matching flags)")
+    ap.add_argument("--profile-methods", type=str, default="context",
+                    help="how contexts are profiled, comma-separated, each in turn: generic (two generic "
+                    "questions given at registration, the earlier default) or context (questions the server "
+                    "builds from each context's text); the last one's profiles serve, every one's error "
+                    "against the served quality is the JSON's profile_mae")
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="start from the profiles an earlier run saved in OUT.profiles.json")
     args = ap.parse_args(argv)
@@ -286,7 +370,13 @@ def main(argv=None) -> int:
         drops_tokens |= get_compressor(m).scenario == "token_dropping"
     max_new = args.max_new_tokens or (12 if q else 24)
     profile_new = args.profile_tokens or (8 if q else max_new)
-    profile_queries = args.profile_queries or (1 if q else 2)
+    profile_queries = args.profile_queries or (4 if q else 8)
+    profile_methods = [m.strip() for m in args.profile_methods.split(",") if m.strip()]
+    for m in profile_methods:
+        if m not in PROFILE_METHODS:
+            ap.error(f"--profile-methods: unknown method {m!r} (choose from {', '.join(PROFILE_METHODS)})")
+    if not profile_methods or len(set(profile_methods)) != len(profile_methods):
+        ap.error("--profile-methods: give each method once")
     out_json = Path(args.json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
 
@@ -314,7 +404,8 @@ def main(argv=None) -> int:
         "--evicpress-methods", ",".join(methods), "--evicpress-bits", "2,4",
         "--evicpress-profile-queries", str(profile_queries),
         "--evicpress-profile-max-new-tokens", str(profile_new),
-        "--evicpress-generate-queries", "0", "--evicpress-observe-rate", "0",
+        "--evicpress-generate-queries", str(profile_queries), "--evicpress-profile-source", "context",
+        "--evicpress-observe-rate", "0",
         "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
         "--chunked-prefill-size", str(max(1024, 2 * length)),
     ]
@@ -331,58 +422,70 @@ def main(argv=None) -> int:
     systems += [("lru", {"policy": "lru"})]
     systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
     state: dict = {"server": None}
-    profiles: dict = {}
+    profiles: dict = {m: {} for m in profile_methods}  # method -> context -> config -> quality
     prof_path = out_json.with_suffix(".profiles.json")
-    fingerprints = {c["id"]: _fingerprint(c) for c in contexts}
+    fingerprints = {m: {c["id"]: _fingerprint(c, m, profile_queries) for c in contexts} for m in profile_methods}
     if args.reuse_profiles and prof_path.exists():
         # The contexts are rebuilt from text on this machine, which can change (packages
         # installed...): a profile is reused only for the very same tokens and queries.
         saved = json.loads(prof_path.read_text())
-        for cid, entry in saved.items():
-            if isinstance(entry, dict) and entry.get("fingerprint") == fingerprints.get(cid):
-                profiles[cid] = entry["quality"]
-        log(f"reusing {len(profiles)} saved profiles ({len(contexts) - len(profiles)} contexts "
-            "differ from the saved ones or have none: profiled again)")
+        for m in profile_methods:
+            for cid, entry in (saved.get(m) or {}).items():
+                if isinstance(entry, dict) and entry.get("fingerprint") == fingerprints[m].get(cid):
+                    profiles[m][cid] = entry["quality"]
+            log(f"{m}: reusing {len(profiles[m])} saved profiles ({len(contexts) - len(profiles[m])} contexts "
+                "differ from the saved ones or have none: profiled again)")
     refs: dict = {}
     rows, records = [], {}
     t_profile = 0.0
 
-    def start() -> Client:
-        """Start the server (unless --url) and register the contexts; saved profiles
-        are given with the registration, so only the rest is profiled."""
-        if args.url:
-            cl = Client(args.url)
-        else:
-            log("starting the server: " + " ".join(server_args))
-            state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
-            cl = Client(state["server"].url)
+    def register(cl: Client, method: str) -> None:
+        """(Re-)register the contexts for ``method``: its saved profiles are given with the
+        registration, so only the rest is profiled."""
         for c in contexts:
-            body = {"id": c["id"], "token_ids": c["token_ids"], "query_suffix_ids": c["profile"]}
-            if c["id"] in profiles:
-                body["quality"] = profiles[c["id"]]
+            cl.api("DELETE", f"/evicpress/contexts/{c['id']}", allow=(404,))
+            body = {"id": c["id"], "token_ids": c["token_ids"]}
+            if method == "generic":
+                body["query_suffix_ids"] = c["profile"]
+            if c["id"] in profiles[method]:
+                body["quality"] = profiles[method][c["id"]]
             cl.api("POST", "/evicpress/contexts", body)
-        return cl
 
-    def profile_phase(cl: Client) -> None:
+    def start() -> Client:
+        """Start the server (unless --url)."""
+        if args.url:
+            return Client(args.url)
+        log("starting the server: " + " ".join(server_args))
+        state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
+        return Client(state["server"].url)
+
+    def save_profiles() -> None:
+        prof_path.write_text(json.dumps({m: {cid: {"fingerprint": fingerprints[m][cid], "quality": q}
+                                             for cid, q in per.items()} for m, per in profiles.items()}, indent=1))
+
+    def profile_phase(cl: Client, method: str) -> None:
         while True:
             for c in cl.api("GET", "/evicpress/contexts")["contexts"]:
                 if c["profiled"]:
-                    profiles[c["id"]] = {k: v for k, v in c["quality"].items() if k != "full"}
-            prof_path.write_text(json.dumps(
-                {cid: {"fingerprint": fingerprints[cid], "quality": q} for cid, q in profiles.items()}, indent=1))
+                    profiles[method][c["id"]] = {k: v for k, v in c["quality"].items() if k != "full"}
+            save_profiles()
             st = cl.api("GET", "/evicpress/status")
             if st["pending_profiles"] == 0:
                 return
-            log(f"profiling: {st['pending_profiles']} contexts left")
+            log(f"profiling ({method}): {st['pending_profiles']} contexts left")
             time.sleep(5)
 
     ids = {c["id"]: i for i, c in enumerate(contexts)}
     try:
         cl = start()
-        t0 = time.time()
-        profile_phase(cl)
-        t_profile = time.time() - t0
-        log(f"profiled {len(profiles)} contexts in {t_profile:.0f}s")
+        profile_seconds = {}
+        for method in profile_methods:  # the last one's profiles stay registered and serve
+            t0 = time.time()
+            register(cl, method)
+            profile_phase(cl, method)
+            profile_seconds[method] = time.time() - t0
+            log(f"profiled {len(profiles[method])} contexts ({method}) in {profile_seconds[method]:.0f}s")
+        t_profile = sum(profile_seconds.values())
         for name, reconfig in systems:
             log(f"system {name}")
             t1 = time.time()
@@ -397,7 +500,16 @@ def main(argv=None) -> int:
             records[name] = recs
             log(f"  -> ttft_mean={row['ttft_mean_s']:.3f}s quality={row['quality']:.3f} "
                 f"tiers={row['hit_rate_by_tier']} compressed={row['compressed_contexts']}")
+        served = served_quality(records, fixed)
+        maes = profile_mae(profiles, served)
+        drift = None
+        if args.drift_threshold is not None:
+            drift = drift_phase(cl, contexts, stream, max_new, min(alphas), args.drift_threshold,
+                                profile_methods[-1], profiles[profile_methods[-1]], served, log)
         status = cl.api("GET", "/evicpress/status")
+        for m, row in maes.items():
+            log(f"profile MAE ({m}): " + ", ".join(f"{k} {v['mae']:.3f} (bias {v['bias']:+.3f}, {v['contexts']} contexts)"
+                                                    for k, v in row.items() if isinstance(v, dict)))
     except BaseException:
         # a benchmark never hides a failure: no restart, the server's log tail instead
         if state["server"] is not None:
@@ -426,7 +538,13 @@ def main(argv=None) -> int:
                   "decompress_bytes_per_s": status["decompress_bytes_per_s"]},
         "profiling_seconds": t_profile,
         "profiles_reused": bool(args.reuse_profiles),
+        "profile_methods": profile_methods,
+        "profile_queries": profile_queries,
+        "profile_seconds": profile_seconds,
         "profiles": profiles,
+        "served_quality": served,
+        "profile_mae": maes,
+        "drift": drift,
         "results": rows,
         "server_args": server_args,
         "seconds": time.time() - t_start,

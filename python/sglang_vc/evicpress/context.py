@@ -12,6 +12,7 @@ import numpy as np
 
 from .codec import FullKV
 from .config import DROPPED, FULL, CompressionConfig, Placement, Tier
+from .probes import ProbeSource
 
 __all__ = ["Settings", "KVDims", "Context", "Fetched", "common_prefix_len", "as_token_array",
            "PROFILE_NAMESPACE", "REF_NAMESPACE", "CFG_NAMESPACE", "MIN_CONTEXT_TOKENS"]
@@ -38,8 +39,9 @@ class Settings:
     prefill_measured: bool = True  # update prefill_tokens_per_s from observed misses
     decompress_bytes_per_s: dict = field(default_factory=dict)
     reprofile_threshold: float = 0.3  # paper section 6.3
-    profile_queries: int = 4
-    generate_queries: int = 2
+    profile_queries: int = 8
+    generate_queries: int = 8
+    profile_source: ProbeSource = ProbeSource.CONTEXT
     profile_max_new_tokens: int = 24
     observe_rate: float = 0.25
     idle_seconds: float = 1.0

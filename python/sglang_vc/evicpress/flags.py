@@ -16,6 +16,7 @@ from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 from sglang_vc.kvruntime.names import ATTENTION_BACKEND
 
 from .config import FULL, QUANT_METHODS, CompressionConfig
+from .probes import ProbeSource
 
 GROUP = "evicpress"
 POLICIES = ("evicpress", "lru", "fixed")
@@ -71,11 +72,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--evicpress-reprofile-threshold", type=float, default=0.3,
       help="Re-profile a context when its observed quality falls this far below its "
       "profiled quality (quality units; 0.3 as in the paper, section 6.3).")
-    a("--evicpress-profile-queries", type=int, default=4,
-      help="Queries per context used to profile it (default 4).")
-    a("--evicpress-generate-queries", type=int, default=2,
-      help="Questions the served model writes for a context without a query set "
-      "(0: never profile such contexts).")
+    a("--evicpress-profile-queries", type=int, default=8,
+      help="Queries per context used to profile it (default 8).")
+    a("--evicpress-generate-queries", type=int, default=8,
+      help="Profiling questions made for a context registered without a query set "
+      "(0: never profile such contexts; default 8).")
+    a("--evicpress-profile-source", type=str, default=ProbeSource.CONTEXT.value,
+      choices=[s.value for s in ProbeSource],
+      help="Where those questions come from: context (recall and entity questions built "
+      "from the context's own text, no generation; default) or model (the served model "
+      "writes them).")
     a("--evicpress-profile-max-new-tokens", type=int, default=24,
       help="Answer length when profiling (default 24).")
     a("--evicpress-observe-rate", type=float, default=0.25,
@@ -341,6 +347,7 @@ def settings_from_dict(d: dict[str, Any], device_pool_bytes: int = 0, **measured
         reprofile_threshold=float(d["reprofile_threshold"]),
         profile_queries=int(d["profile_queries"]),
         generate_queries=int(d["generate_queries"]),
+        profile_source=ProbeSource(d.get("profile_source") or ProbeSource.CONTEXT.value),
         profile_max_new_tokens=int(d["profile_max_new_tokens"]),
         observe_rate=float(d["observe_rate"]),
         idle_seconds=float(d["idle_seconds"]),

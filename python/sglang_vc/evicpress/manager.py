@@ -130,13 +130,18 @@ class EvicPressManager(StorageCopies, ProfileState):
         raise ValueError(f"unknown EvicPress policy {s.policy!r}")
 
     def reconfigure(self, policy: Optional[str] = None, alpha: Optional[float] = None,
-                    fixed_config: Optional[str] = None) -> dict:
+                    fixed_config: Optional[str] = None, observe_rate: Optional[float] = None,
+                    reprofile_threshold: Optional[float] = None) -> dict:
         """Empty the host and disk tiers, forget access statistics (profiles are kept)
-        and switch policy / alpha -- runs several systems in one runtime (benchmarks).
-        Scheduler thread."""
+        and switch policy / alpha / the drift check's sampling and threshold -- runs
+        several systems in one runtime (benchmarks). Scheduler thread."""
         with self.lock:
             s = self.settings
             old = (s.policy, s.alpha, s.fixed_config)
+            if observe_rate is not None and not 0 <= observe_rate <= 1:
+                raise ValueError("observe_rate must be in [0, 1]")
+            if reprofile_threshold is not None and not reprofile_threshold >= 0:
+                raise ValueError("reprofile_threshold must be >= 0")
             try:
                 if policy is not None:
                     s.policy = policy
@@ -158,10 +163,15 @@ class EvicPressManager(StorageCopies, ProfileState):
                 ctx.device_config = None
                 ctx.sizes.clear()
                 ctx.profile_in_flight = False
+            if observe_rate is not None:
+                s.observe_rate = float(observe_rate)
+            if reprofile_threshold is not None:
+                s.reprofile_threshold = float(reprofile_threshold)
             self.tracker = QualityTracker(s.reprofile_threshold)
             self.observations.clear()
             self._publish_usage()
-            return {"policy": self.policy.name, "alpha": s.alpha}
+            return {"policy": self.policy.name, "alpha": s.alpha, "observe_rate": s.observe_rate,
+                    "reprofile_threshold": s.reprofile_threshold}
 
     # ------------------------------------------------------------------ counters
     def count(self, **incs: float) -> None:

@@ -38,6 +38,7 @@ class ProfileState:
                 "output_ids": [int(t) for t in output_ids],
                 "max_new_tokens": int(max_new_tokens),
             })
+            self.count(observations_queued=1)
             return True
 
     def record_observation(self, ctx_id: str, config: str, quality: float) -> bool:
@@ -106,6 +107,7 @@ class ProfileState:
                     "prompts": queries,
                     "candidates": [c.label for c in self.settings.candidates],
                     "generate_queries": self.settings.generate_queries if not queries else 0,
+                    "profile_source": self.settings.profile_source.value,
                     "max_new_tokens": self.settings.profile_max_new_tokens,
                 }
                 if not queries and not job["generate_queries"]:

@@ -21,8 +21,10 @@ Routes (JSON; added to SGLang's FastAPI app by ``python -m sglang_vc.launch_serv
 * ``GET /evicpress/contexts/{id}/digest`` -- xxh3 of its device and stored KV (tests).
 * ``GET /evicpress/status`` -- tiers, delay-model inputs, counters;
   ``POST /evicpress/evict_device`` -- evict every unlocked node from the device tree;
-  ``POST /evicpress/reconfigure`` ``{"policy"?, "alpha"?, "fixed_config"?}`` -- empty
-  the tiers and switch policy (profiles are kept): several systems in one runtime.
+  ``POST /evicpress/reconfigure`` ``{"policy"?, "alpha"?, "fixed_config"?,
+  "observe_rate"?, "reprofile_threshold"?}`` -- empty the tiers and switch policy (and
+  the drift check's sampling and threshold; profiles are kept): several systems in one
+  runtime.
 
 Counters also appear in the ``sglang_vc`` section of ``/server_info`` and, with
 ``--enable-metrics``, on ``/metrics`` (``sglang_vc:evicpress_*``).
@@ -36,8 +38,9 @@ idle for ``--evicpress-idle-seconds``, then (paper section 4.3):
   a compressed prefix exactly as a user hit is served), concurrently so SGLang batches
   them; quality = mean MiniLM-L6-v2
   cosine of each answer with its reference, made monotone per method
-  (``profiler.monotone_profile``). Contexts without queries get questions
-  written by the served model (``--evicpress-generate-queries``);
+  (``profiler.monotone_profile``). Contexts without queries get
+  ``--evicpress-generate-queries`` questions built from their own text (:mod:`.probes`)
+  or, with ``--evicpress-profile-source model``, written by the served model;
 * checks sampled answers served from compressed KV against the full-KV answer and
   reports the quality; a drop below the profile by ``--evicpress-reprofile-threshold``
   makes the scheduler queue a re-profile on the newest online queries.
@@ -57,6 +60,7 @@ from .config import CompressionConfig
 from .control import ControlClient, ControlError
 from .flags import settings_of
 from .context import CFG_NAMESPACE, REF_NAMESPACE
+from .probes import ProbeSource, context_probes
 from .profiler import monotone_profile
 
 logger = logging.getLogger(__name__)
@@ -372,19 +376,29 @@ class ProfilerService:
         return _generate(self.base_url, ids, max_new_tokens=max_new_tokens, extra_key=ns, **kw)
 
     def _questions(self, job: dict) -> list[list[int]]:
+        """Questions for a context registered without any, kept on the context (its
+        query set from now on): built from its text, or written by the served model."""
+        n = job["generate_queries"]
+        if ProbeSource(job.get("profile_source", ProbeSource.CONTEXT)) is ProbeSource.CONTEXT:
+            texts = context_probes(self.tok.decode(job["token_ids"]), n, seed_tokens=job["token_ids"])
+        else:
+            texts = self._written_questions(job, n)
+        suffixes = [self.tok.encode(DEFAULT_TEMPLATE.format(query=q), special=False) for q in texts]
+        self.client.call("POST", f"/contexts/{job['ctx_id']}/queries", {"suffixes": suffixes, "texts": texts})
+        return [job["token_ids"] + s for s in suffixes]
+
+    def _written_questions(self, job: dict, n: int) -> list[str]:
         ids = job["token_ids"] + self.tok.encode(QUESTION_PROMPT, special=False)
         outs = _parallel([
             (lambda i=i: self._gen(ids, REF_NAMESPACE, 24, temperature=0.7 + 0.1 * i, stop=["\n"]))
-            for i in range(job["generate_queries"])
+            for i in range(n)
         ])
         texts = []
         for o in outs:
             q = o["text"].strip().split("\n")[0].strip()
             if q and q not in texts:
                 texts.append(q)
-        suffixes = [self.tok.encode(DEFAULT_TEMPLATE.format(query=q), special=False) for q in texts]
-        self.client.call("POST", f"/contexts/{job['ctx_id']}/queries", {"suffixes": suffixes, "texts": texts})
-        return [job["token_ids"] + s for s in suffixes]
+        return texts
 
     def profile(self, job: dict) -> dict:
         prompts = job["prompts"] or self._questions(job)

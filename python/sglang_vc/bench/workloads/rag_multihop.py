@@ -109,7 +109,10 @@ def _item(i: int, seed: int, n_chunks: int, chunk_tokens: int, docs, counter: To
             text = _rag_insert(rng, text, fact)
         passages.append(text)
         sources.append(src)
-    question = f"\nQuestion: what is the archive code of the team that maintains project {project}?\nAnswer:"
+    # the code only, repeated next to the question: 2k tokens after the intro, the 1.5B
+    # model otherwise runs on into the next passage's words
+    question = (f"\nQuestion: what is the archive code of the team that maintains project {project}? "
+                "Reply with the code only.\nAnswer:")
     chunk_texts = [f"\nPassage {k + 1}: {p}\n" for k, p in enumerate(passages)]
     prompt = _RAG_INTRO + "".join(chunk_texts) + question
     return _finish_item(MULTIHOP_TASK, i, MULTIHOP_TASK, prompt, question, code, counter.count(prompt), None, 8,
