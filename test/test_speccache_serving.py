@@ -140,7 +140,7 @@ def test_cacheblend_selects_in_the_prefill_as_the_lab_does(rag, tokenizer, model
 def test_speccache_selector_scores_with_the_small_model(rag, tokenizer):
     prefix, chunks, query = _pieces("speccache")
     got = _generate(rag, {"text": _prompt(prefix, chunks, query)}, speccache_selector="speccache",
-                    speccache_ratio=0.15)
+                    speccache_ratio=0.15, speccache_return_selection=True)
     assert got.status_code == 200, got.text
     meta = got.json()["meta_info"]["sglang_vc_speccache"][0]
     assert meta["selector"] == "speccache" and meta["ratio"] == 0.15
@@ -148,6 +148,10 @@ def test_speccache_selector_scores_with_the_small_model(rag, tokenizer):
     prompt = layout.tokenize(tokenizer, prefix, chunks, query)
     budget = prompt.chunks.budget(0.15)
     assert meta["tokens_reused"] == prompt.chunks.num_chunk_tokens - budget
+    # the positions it chose, asked for: the budget's worth, all inside chunks
+    chosen = meta["selected_positions"]
+    assert len(chosen) == budget and len(set(chosen)) == budget
+    assert all(any(a <= p < b for a, b in zip(prompt.chunks.starts, prompt.chunks.ends)) for p in chosen)
 
 
 def test_registered_chunks_are_hits(rag):

@@ -124,3 +124,14 @@ def test_cacheblend_picks_the_most_deviating_found_chunk_tokens_of_the_range():
     # found chunk tokens: 2..5 (1, 2, 7, 3) and 6, 7 (4, 6); lost 8, 9 (8, 8) are not candidates
     assert plan.selected.nonzero().flatten().tolist() == [4, 7]
     assert plan.counts.probe_s == 0.5
+
+
+def test_a_plan_reports_its_selected_positions_only_when_asked():
+    from sglang_vc.speccache.names import PLAN_KEY
+    from sglang_vc.speccache.store import parse_plan
+
+    raw = {"starts": [2], "ends": [6], "recompute": [3, 5], "selector": "epic", "ratio": 0.5, "sources": []}
+    quiet = parse_plan("r", {PLAN_KEY: raw}, 10)
+    assert "selected_positions" not in quiet.report()
+    asked = parse_plan("r", {PLAN_KEY: {**raw, "return_selection": True}}, 10)
+    assert asked.report()["selected_positions"] == [3, 5]

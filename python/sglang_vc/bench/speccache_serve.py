@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,67 @@ def _ttft(url: str, payload: dict) -> tuple[float, dict]:
     return first, last
 
 
+def _fact_spans(item: dict, prompt) -> dict[str, tuple[int, int]]:
+    """Character spans (in ``prompt.text``) of a ``rag_multihop`` item's facts: the
+    bridge ("Project P is maintained by the T team."), the answer ("The archive code of
+    the T team is C.") and the lure's code sentence."""
+    roles = item.get("chunk_roles")
+    if not roles:
+        return {}
+    team, code, lure_code = re.escape(item["bridge_entity"]), re.escape(item["answer"]), re.escape(item["lure_answer"])
+    patterns = {"bridge": rf"Project [^.]*? is maintained by the {team} team\.",
+                "answer": rf"The archive code of the {team} team is {code}\.",
+                "lure": rf"The archive code of the [^.]*? team is {lure_code}\."}
+    spans = {}
+    for fact, pattern in patterns.items():
+        k = roles.index(fact)
+        a = prompt.offsets[prompt.chunks.starts[k]][0]
+        b = prompt.offsets[prompt.chunks.ends[k] - 1][1]
+        m = re.search(pattern, prompt.text[a:b])
+        if m:
+            spans[fact] = (a + m.start(), a + m.end())
+    return spans
+
+
+def selection_report(item: dict, prompt, positions: list[int]) -> dict:
+    """What a selector recomputed on a ``rag_multihop`` item: the fraction of each fact's
+    tokens, and the share of the selection in each chunk by role."""
+    chosen = set(positions)
+    facts = {}
+    for fact, (a, b) in _fact_spans(item, prompt).items():
+        toks = [i for i, (x, y) in enumerate(prompt.offsets) if x < b and y > a]
+        facts[fact] = sum(i in chosen for i in toks) / max(1, len(toks))
+    share = {}
+    for k, role in enumerate(item.get("chunk_roles") or ()):
+        lo, hi = prompt.chunks.starts[k], prompt.chunks.ends[k]
+        share[role] = share.get(role, 0.0) + sum(lo <= i < hi for i in chosen) / max(1, len(chosen))
+    return {"fact_recomputed": facts, "selection_share": share}
+
+
+def front_end_s(breakdown: dict) -> float:
+    """The front end's share of a TTFT: tokenization, then the selection (the small
+    model's scoring, the alignment, the choice) and the chunks' fetch side by side."""
+    select = sum(breakdown.get(k, 0.0) for k in ("score_s", "align_s", "select_s"))
+    return breakdown.get("tokenize_s", 0.0) + max(select, breakdown.get("fetch_s", 0.0))
+
+
+def add_costs(results: list[dict], rows: list[dict]) -> None:
+    """Per result: the scoring's cost beside the rest of the TTFT (the target's prefill,
+    the fill, the transport), and for ``rag_multihop`` the mean fraction of each fact's
+    tokens the selector recomputed."""
+    for res in results:
+        rs = [r for r in rows if (r["target"], r["spec_model"], r["selector"], r["ratio"])
+              == (res["target"], res["spec_model"], res["selector"], res["ratio"])]
+        fe = [front_end_s(r["breakdown_s"]) for r in rs]
+        res["front_end_mean_s"] = sum(fe) / len(fe)
+        res["after_front_end_mean_s"] = sum(r["ttft_s"] for r in rs) / len(rs) - res["front_end_mean_s"]
+        sel = [r["selection"] for r in rs if "selection" in r]
+        if sel:
+            facts = sorted({f for x in sel for f in x["fact_recomputed"]})
+            res["fact_recomputed_mean"] = {f: sum(x["fact_recomputed"].get(f, 0.0) for x in sel) / len(sel)
+                                           for f in facts}
+
+
 def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log_dir: Path,
              stop: Optional[list[str]] = None) -> list[dict]:
     from transformers import AutoTokenizer
@@ -81,7 +143,8 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
             text = item["chunk_prefix"] + SEP + SEP.join(item["chunks"]) + SEP + item["question"]
             for name in selectors:
                 for ratio in ([0.0] if name == "full-reuse" else ratios):
-                    custom = {"speccache_selector": name, "speccache_ratio": ratio}
+                    custom = {"speccache_selector": name, "speccache_ratio": ratio,
+                              "speccache_return_selection": True}
                     runs.append((name, ratio, {"text": text, "sampling_params": {**sampling, "custom_params": custom}}))
             for k, (name, ratio, payload) in enumerate(runs):
                 if k == 1:  # after the plain prompt: nothing of it cached, the chunks' KV precomputed
@@ -102,6 +165,8 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                              "prompt_tokens": len(prompt.ids), "chunk_tokens": prompt.chunks.num_chunk_tokens,
                              "tokens_reused": meta.get("tokens_reused", 0),
                              "tokens_recomputed": meta.get("tokens_recomputed", len(prompt.ids))})
+                if "selected_positions" in meta and item.get("chunk_roles"):
+                    rows[-1]["selection"] = selection_report(item, prompt, meta["selected_positions"])
     return rows
 
 
@@ -150,6 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         stop = ["\n"] if args.workload == "rag_multihop" else None
         rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop)
     results = summarize(rows, rates)
+    add_costs(results, rows)
     report = {"benchmark": "speccache_serve", "workload": args.workload, "mode": "served (sglang-vc server, streamed TTFT)", "pairs": pairs,
               "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "chunks": args.chunks,
               "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,

@@ -150,6 +150,7 @@ class Frontend:
         params["custom_params"] = {**custom, PLAN_KEY: {
             "starts": list(prompt.chunks.starts), "ends": list(prompt.chunks.ends),
             "recompute": recompute, "selector": selector, "ratio": ratio,
+            "return_selection": bool(custom.get("speccache_return_selection", False)),
             "times": {k: round(v, 6) for k, v in times.items()},
             "sources": [s.value for s in sources],
         }}

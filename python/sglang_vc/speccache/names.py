@@ -12,7 +12,9 @@ DEFAULT_RATIO = 0.15
 DEFAULT_SPEC_MODEL = "smollm2-135m"
 
 # sampling_params.custom_params keys a request may send
-REQUEST_KEYS = ("speccache_selector", "speccache_ratio")
+# (speccache_return_selection: true puts the recomputed chunk positions in meta_info,
+# for analysis: which tokens a selector chose)
+REQUEST_KEYS = ("speccache_selector", "speccache_ratio", "speccache_return_selection")
 # the plan the server's front end attaches for the scheduler; a client's is refused
 PLAN_KEY = "_speccache_plan"
 META_INFO_KEY = "sglang_vc_speccache"  # meta_info of each SpecCache response

@@ -92,13 +92,17 @@ class ServerPlan:
     filled_to: int = 0  # prompt rows prepared so far
     lost: list[int] = field(default_factory=list)  # chunks not (wholly) on the device at lookup
     counts: PrefillCounts = field(default_factory=PrefillCounts)
+    return_selection: bool = False  # the request asked for the selected positions
 
     def report(self) -> dict:
-        return {"selector": self.selector, "ratio": self.ratio,
-                **{f"chunk_hits_{t.value}": self.sources.count(t) for t in (ChunkSource.HOST, ChunkSource.STORAGE)},
-                "chunk_misses": self.sources.count(ChunkSource.COMPUTED), "lost_chunks": list(self.lost),
-                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self.counts).items()},
-                "front_end": self.times}
+        out = {"selector": self.selector, "ratio": self.ratio,
+               **{f"chunk_hits_{t.value}": self.sources.count(t) for t in (ChunkSource.HOST, ChunkSource.STORAGE)},
+               "chunk_misses": self.sources.count(ChunkSource.COMPUTED), "lost_chunks": list(self.lost),
+               **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self.counts).items()},
+               "front_end": self.times}
+        if self.return_selection:  # asked for: one copy at the end of the request's prefill
+            out["selected_positions"] = self.selected.nonzero().flatten().tolist()
+        return out
 
     @property
     def selects_in_prefill(self) -> bool:
@@ -126,7 +130,8 @@ def parse_plan(rid: str, custom_params: Any, num_tokens: int) -> Optional[Server
         raise ValueError(f"SpecCache plan of {rid} does not fit its {num_tokens} prompt tokens")
     selected[recompute] = True
     return ServerPlan(rid, num_tokens, starts, ends, selected, str(raw.get("selector")), float(raw.get("ratio", 0.0)),
-                      dict(raw.get("times") or {}), [ChunkSource(x) for x in raw.get("sources") or ()])
+                      dict(raw.get("times") or {}), [ChunkSource(x) for x in raw.get("sources") or ()],
+                      return_selection=bool(raw.get("return_selection", False)))
 
 
 @dataclass
