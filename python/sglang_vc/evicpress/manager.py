@@ -16,7 +16,9 @@ is the other): it owns
   sampled observations of served answers and the drift tracker (:mod:`.profiler`); its
   methods are :class:`~.profile_state.ProfileState`'s;
 * the **storage copies** of every computed context on the shared storage tier
-  (:class:`~.storage_copies.StorageCopies`).
+  (:class:`~.storage_copies.StorageCopies`);
+* the **request plan** the radix cache asks for once per request: which context, where
+  to load it from, the bookkeeping once served (:class:`~.request_plan.RequestPlan`).
 
 The data model (settings, a context, a fetched copy) is in :mod:`.context`.
 
@@ -51,6 +53,7 @@ from .placement import Move
 from .profile_state import ProfileState
 from .policy import LRUPolicy, Policy, UtilityPolicy
 from .profiler import QualityTracker, QueryLog
+from .request_plan import RequestPlan
 from .storage_copies import StorageCopies
 from .utility import ContextInfo, UtilityModel
 
@@ -59,7 +62,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["EvicPressManager"]
 
 
-class EvicPressManager(StorageCopies, ProfileState):
+class EvicPressManager(StorageCopies, ProfileState, RequestPlan):
     INDEX_TOKENS = 8
 
     def __init__(

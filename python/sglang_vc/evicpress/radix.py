@@ -83,6 +83,7 @@ from .host_tier import HostSlotStore, HostTierStore
 from .storage_tier import StorageTier
 from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims
 from .manager import EvicPressManager
+from .request_plan import Load
 
 logger = logging.getLogger(__name__)
 
@@ -615,18 +616,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         ids = key.raw_token_ids()
         first = st is None
         if first:
-            prompt = req.origin_input_ids
-            m = mgr.match(ids, ns)
-            if m is None:
-                n_auto = mgr.settings.auto_context_tokens
-                if n_auto and len(prompt) - 1 >= n_auto:
-                    n = self._floor(len(prompt) - 1)
-                    try:
-                        ctx = mgr.register(list(prompt[:n]), namespace=ns, source="auto")
-                        m = (ctx, min(n, len(ids)))
-                    except ValueError:
-                        m = None
-            mgr.note_activity(req.rid, True)
+            m = mgr.begin_request(req.rid, ids, ns, req.origin_input_ids, self._floor)
             if m is None:
                 self._reqs[req.rid] = _Req(None, 0, 0, "none", None, 0, FULL, time.perf_counter())
                 return
@@ -652,45 +642,52 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
                     kv = self._gather(idx)
                     self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
-        elif ctx.placement.tier == Tier.HOST and mgr.host_backed(ctx) and self._cached_len(ctx_key) >= st.usable:
-            # SGLang's own host hit on the HiCache backup: the scheduler loads it back
-            # layer-wise (init_load_back); nothing for EvicPress to fetch
-            if first:
-                st.tier, st.served, st.backed_hit = "host", FULL, True
-                ctx.device_config = FULL
-        elif ctx.stored or (first and mgr.find_shared(ctx)):  # ours, or another server's
-            fetched = mgr.fetch(ctx)
-            if fetched is not None:
-                st.fetched = fetched
-                if fetched.dropped:  # the kept rows stand for exactly num_tokens tokens
-                    n = st.usable
-                    loaded = n == fetched.num_tokens and self._load_dropped(
-                        req, ids, _drop_namespace(ctx, fetched.config, n), n, fetched.config, fetched.kv)
-                else:
-                    n = self._floor(min(st.usable, fetched.kv.num_tokens))
-                    got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
-                    loaded = got >= n and n > have
-                if loaded:
-                    ctx.device_config = fetched.config
-                    if first:
-                        st.tier, st.served = fetched.tier.name.lower(), fetched.config
-            if first and st.served is None:  # corrupted or lost: recompute, then store again
+        else:
+            load = mgr.plan_load(ctx, first=first, backup_in_tree=lambda: self._cached_len(ctx_key) >= st.usable)
+            if load is Load.HOST_BACKUP:
+                # SGLang's own host hit on the HiCache backup: the scheduler loads it back
+                # layer-wise (init_load_back); nothing for EvicPress to fetch
+                if first:
+                    st.tier, st.served, st.backed_hit = "host", FULL, True
+                    ctx.device_config = FULL
+            elif load is Load.STORED:  # ours, or another server's
+                self._load_stored(req, key, ids, st, have, first)
+            if first and st.served is None:  # nowhere, corrupted or lost: recompute, then store again
                 st.tier, st.capture_len = "miss", st.usable
                 st.base_config = (ctx.device_config or FULL) if have else FULL
-        elif first:
-            st.tier, st.capture_len = "miss", st.usable
-            st.base_config = (ctx.device_config or FULL) if have else FULL
         if first and self.lossy_out_of_tree and st.served is not None and not st.served.is_full:
             # every chunk of it (SGLang checkpoints middle chunks into the tree): its KV
             # was computed over a copy that install_full may later make exact
             req.skip_radix_cache_insert = True
         if first:
             tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
-            mgr.on_request(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp)
-            if tier is not None and not st.backed_hit:  # a load-back promotes once done (on_release)
-                blob = st.fetched.blob if st.fetched is not None else None
-                self._deferred.append(lambda: mgr.after_hit(ctx, tier, blob))
+            promote = mgr.served(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp,
+                                 promote=not st.backed_hit,  # a load-back promotes once done (on_release)
+                                 blob=st.fetched.blob if st.fetched is not None else None)
+            if promote is not None:
+                self._deferred.append(promote)
             st.fetched = None
+
+    def _load_stored(self, req, key: RadixKey, ids, st: _Req, have: int, first: bool) -> None:
+        """Fetch the context's stored copy and put it in device slots (a token-dropped one
+        as kept rows); on a request's first match, record where it came from."""
+        ctx = st.ctx
+        fetched = self.evicpress.fetch(ctx)
+        if fetched is None:
+            return
+        st.fetched = fetched
+        if fetched.dropped:  # the kept rows stand for exactly num_tokens tokens
+            n = st.usable
+            loaded = n == fetched.num_tokens and self._load_dropped(
+                req, ids, _drop_namespace(ctx, fetched.config, n), n, fetched.config, fetched.kv)
+        else:
+            n = self._floor(min(st.usable, fetched.kv.num_tokens))
+            got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
+            loaded = got >= n and n > have
+        if loaded:
+            ctx.device_config = fetched.config
+            if first:
+                st.tier, st.served = fetched.tier.name.lower(), fetched.config
 
     def _inject_variant(self, req, key: RadixKey, ns: str) -> None:
         """Profiler request: answer on config ``ns[len(CFG_NAMESPACE):]`` of the context.
