@@ -117,3 +117,56 @@ def test_profile_error_against_served_quality():
     assert abs(maes["good"]["kivi@4b"]["mae"] - 0.05) < 1e-9 and maes["good"]["kivi@4b"]["contexts"] == 2
     assert abs(maes["bad"]["kivi@4b"]["mae"] - 0.45) < 1e-9 and abs(maes["bad"]["kivi@4b"]["bias"] - 0.05) < 1e-9
     assert "kivi@2b" not in maes["good"] and abs(maes["good"]["mean"] - 0.05) < 1e-9
+
+
+def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
+    import math
+
+    from sglang_vc.evicpress.context import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.profiler import likelihood_quality
+    from sglang_vc.evicpress.service import ProfilerService
+
+    class Client:
+        def call(self, method, path, body=None, params=None):
+            return {}
+
+    ctx = list(range(100, 300))
+    ref_lp = [-0.1, -0.2, -0.3]
+    drop = {"kivi@4b": 0.05, "kivi@2b": 1.0}  # nats per token the config's KV costs the answer
+    calls = []
+
+    class Prof(ProfilerService):
+        def _gen(self, ids, ns, max_new_tokens, **kw):
+            calls.append((ns, max_new_tokens, kw))
+            meta = {"cached_tokens": len(ctx)}
+            if ns == REF_NAMESPACE:
+                meta["output_token_logprobs"] = [[lp, 7 + i, None] for i, lp in enumerate(ref_lp)]
+                return {"text": "abc", "output_ids": [7, 8, 9], "meta_info": meta}
+            assert ids[-3:] == [7, 8, 9] and kw["logprob_start_len"] == len(ids) - 3  # the full answer, teacher-forced
+            d = drop[ns[len(CFG_NAMESPACE):]]
+            meta["input_token_logprobs"] = [[lp - d, t, None] for lp, t in zip(ref_lp, [7, 8, 9])]
+            return {"text": "x", "output_ids": [1], "meta_info": meta}
+
+    prof = Prof(Client(), "http://unused", tok=None, idle_seconds=0, scorer=lambda a, b: 0.0)
+    job = {"ctx_id": "c", "reason": "new", "token_ids": ctx, "prompts": [ctx + [1, 2]],
+           "candidates": ["kivi@2b", "kivi@4b"], "generate_queries": 0, "max_new_tokens": 3,
+           "profile_metric": "likelihood", "likelihood_scale": 0.5}
+    q = prof.profile(job)
+    assert abs(q["kivi@4b"] - math.exp(-0.05 / 0.5)) < 1e-9 and abs(q["kivi@2b"] - math.exp(-1.0 / 0.5)) < 1e-9
+    assert all(n == 1 for ns, n, kw in calls if ns != REF_NAMESPACE)  # no decoding per config
+    # a config that reads the answer as likely as the full KV scores 1; a gain is not above 1
+    assert likelihood_quality([-1.0, -2.0], [-1.0, -2.0], 1.0) == 1.0
+    assert likelihood_quality([-1.0], [-0.5], 1.0) == 1.0 and likelihood_quality([], [], 1.0) == 1.0
+
+
+def test_likelihood_scale_is_fitted_to_served_quality():
+    import math
+
+    from sglang_vc.bench.evicpress import calibrate_likelihood
+
+    gaps = {f"c{i}": {"kivi@4b": 0.02 * (i + 1), "kivi@2b": 0.3 + 0.1 * i} for i in range(8)}
+    profile = {cid: {cfg: math.exp(-g) for cfg, g in per.items()} for cid, per in gaps.items()}  # scale 1
+    served = {cfg: {cid: math.exp(-gaps[cid][cfg] / 0.5) for cid in gaps} for cfg in ("kivi@4b", "kivi@2b")}
+    out = calibrate_likelihood(profile, served, grid=[0.25, 0.5, 1.0, 2.0])
+    assert out["scale"] == 0.5 and out["cross_fitted_mae"] < 1e-9
+    assert out["profile_mae"]["mean"] < 1e-9

@@ -48,10 +48,12 @@ from typing import Optional
 
 import requests
 
-# How the profiler gets its questions (--profile-methods): the two generic questions
-# given at registration, or none given and the server builds --profile-queries questions
-# from each context's own text (``--evicpress-profile-source context``).
-PROFILE_METHODS = ("generic", "context")
+# How the profiler gets its questions and scores them (--profile-methods): the two generic
+# questions given at registration, or none given and the server builds --profile-queries
+# questions from each context's own text (``--evicpress-profile-source context``); each
+# config scored by its answer against the full-KV answer, or (``-likelihood``) by the
+# cheaper proxy, the full-KV answer's likelihood over the config's KV.
+PROFILE_METHODS = ("generic", "context", "context-likelihood")
 GENERIC_QUESTIONS = (
     "Question: Summarize the text above in one sentence.",
     "Question: What is the main topic of the text above?",
@@ -76,6 +78,32 @@ def served_quality(records: dict, fixed: list[str]) -> dict[str, dict[str, float
                 per.setdefault(r["ctx"], []).append(r["quality"])
         out[cfg] = {cid: sum(v) / len(v) for cid, v in per.items()}
     return out
+
+
+def calibrate_likelihood(profile: dict, served: dict, grid: Optional[list[float]] = None) -> dict:
+    """The likelihood proxy's scale fitted to served quality. The server profiled with
+    scale 1 (``q = exp(-gap)``); at scale ``s`` the profile is ``q ** (1 / s)``. The
+    scale minimising the profile error is fitted on half the contexts and scored on the
+    other half, both ways (``cross_fitted_mae``), and fitted on all (``scale``)."""
+    grid = grid or [round(0.05 * 1.15 ** i, 4) for i in range(40)]
+
+    def scaled(s: float, ids) -> dict:
+        return {cid: {cfg: (q ** (1 / s) if q > 0 else 0.0) for cfg, q in profile[cid].items()} for cid in ids}
+
+    def fit(ids) -> float:
+        return min(grid, key=lambda s: profile_mae({"m": scaled(s, ids)}, served)["m"]["mean"] or 0.0)
+
+    ids = sorted(profile)
+    halves = (ids[0::2], ids[1::2])
+    errs = []
+    for train, test in (halves, halves[::-1]):
+        if train and test:
+            row = profile_mae({"m": scaled(fit(train), test)}, served)["m"]
+            if row["mean"] is not None:
+                errs.append(row["mean"])
+    scale = fit(ids)
+    return {"scale": scale, "cross_fitted_mae": sum(errs) / len(errs) if errs else None,
+            "profile_mae": profile_mae({"m": scaled(scale, ids)}, served)["m"], "profiles": scaled(scale, ids)}
 
 
 def profile_mae(profiles: dict[str, dict], served: dict[str, dict[str, float]]) -> dict:
@@ -442,6 +470,8 @@ def main(argv=None) -> int:
     def register(cl: Client, method: str) -> None:
         """(Re-)register the contexts for ``method``: its saved profiles are given with the
         registration, so only the rest is profiled."""
+        metric = "likelihood" if method.endswith("-likelihood") else "answer"
+        cl.api("POST", "/evicpress/reconfigure", {"profile_metric": metric})
         for c in contexts:
             cl.api("DELETE", f"/evicpress/contexts/{c['id']}", allow=(404,))
             body = {"id": c["id"], "token_ids": c["token_ids"]}
@@ -502,6 +532,12 @@ def main(argv=None) -> int:
                 f"tiers={row['hit_rate_by_tier']} compressed={row['compressed_contexts']}")
         served = served_quality(records, fixed)
         maes = profile_mae(profiles, served)
+        calibration = None
+        if "context-likelihood" in profiles and profiles["context-likelihood"]:
+            calibration = calibrate_likelihood(profiles["context-likelihood"], served)
+            maes["context-likelihood (calibrated)"] = calibration["profile_mae"]
+            log(f"likelihood proxy: scale {calibration['scale']:g} fitted to served quality, "
+                f"cross-fitted MAE {calibration['cross_fitted_mae']}")
         drift = None
         if args.drift_threshold is not None:
             drift = drift_phase(cl, contexts, stream, max_new, min(alphas), args.drift_threshold,
@@ -544,6 +580,7 @@ def main(argv=None) -> int:
         "profiles": profiles,
         "served_quality": served,
         "profile_mae": maes,
+        "likelihood_calibration": calibration,
         "drift": drift,
         "results": rows,
         "server_args": server_args,

@@ -13,6 +13,7 @@ import numpy as np
 from .codec import FullKV
 from .config import DROPPED, FULL, CompressionConfig, Placement, Tier
 from .probes import ProbeSource
+from .profiler import ProfileMetric
 
 __all__ = ["Settings", "KVDims", "Context", "Fetched", "common_prefix_len", "as_token_array",
            "PROFILE_NAMESPACE", "REF_NAMESPACE", "CFG_NAMESPACE", "MIN_CONTEXT_TOKENS"]
@@ -42,6 +43,8 @@ class Settings:
     profile_queries: int = 8
     generate_queries: int = 8
     profile_source: ProbeSource = ProbeSource.CONTEXT
+    profile_metric: ProfileMetric = ProfileMetric.ANSWER
+    likelihood_scale: float = 1.0
     profile_max_new_tokens: int = 24
     observe_rate: float = 0.25
     idle_seconds: float = 1.0

@@ -134,7 +134,8 @@ class ControlServer:
             def run():
                 try:
                     out = mgr.reconfigure(b.get("policy"), b.get("alpha"), b.get("fixed_config"),
-                                          b.get("observe_rate"), b.get("reprofile_threshold"))
+                                          b.get("observe_rate"), b.get("reprofile_threshold"),
+                                          b.get("profile_metric"))
                 except ValueError as exc:
                     raise ControlError(400, str(exc)) from None
                 out["evicted_tokens"] = self.cache.evict_device_all()

@@ -17,6 +17,7 @@ from sglang_vc.kvruntime.names import ATTENTION_BACKEND
 
 from .config import FULL, QUANT_METHODS, CompressionConfig
 from .probes import ProbeSource
+from .profiler import ProfileMetric
 
 GROUP = "evicpress"
 POLICIES = ("evicpress", "lru", "fixed")
@@ -82,6 +83,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
       help="Where those questions come from: context (recall and entity questions built "
       "from the context's own text, no generation; default) or model (the served model "
       "writes them).")
+    a("--evicpress-profile-metric", type=str, default=ProfileMetric.ANSWER.value,
+      choices=[m.value for m in ProfileMetric],
+      help="How a config is scored on a profiling question: answer (its answer against "
+      "the full-KV answer, MiniLM cosine; default) or likelihood (the cheaper proxy: how "
+      "much less likely the full-KV answer's tokens are over the compressed KV, "
+      "exp(-gap / --evicpress-likelihood-scale); no decoding per config).")
+    a("--evicpress-likelihood-scale", type=float, default=1.0,
+      help="Scale of the likelihood metric (nats per token for a quality of 1/e).")
     a("--evicpress-profile-max-new-tokens", type=int, default=24,
       help="Answer length when profiling (default 24).")
     a("--evicpress-observe-rate", type=float, default=0.25,
@@ -190,7 +199,7 @@ def _validate(raw: dict[str, Any]) -> dict[str, Any]:
     if v is not None and (not math.isfinite(v) or v < 0):
         raise ValueError(f"--evicpress-device-size-gb must be a finite number >= 0, got {v}")
     for key in ("host_size_gb", "host_bandwidth", "disk_bandwidth", "decompress_bandwidth",
-                "prefill_tokens_per_s"):
+                "prefill_tokens_per_s", "likelihood_scale"):
         v = out[key]
         if v is not None and (not math.isfinite(v) or v <= 0):
             raise ValueError(f"--evicpress-{key.replace('_', '-')} must be > 0, got {v}")
@@ -348,6 +357,8 @@ def settings_from_dict(d: dict[str, Any], device_pool_bytes: int = 0, **measured
         profile_queries=int(d["profile_queries"]),
         generate_queries=int(d["generate_queries"]),
         profile_source=ProbeSource(d.get("profile_source") or ProbeSource.CONTEXT.value),
+        profile_metric=ProfileMetric(d.get("profile_metric") or ProfileMetric.ANSWER.value),
+        likelihood_scale=float(d.get("likelihood_scale") or 1.0),
         profile_max_new_tokens=int(d["profile_max_new_tokens"]),
         observe_rate=float(d["observe_rate"]),
         idle_seconds=float(d["idle_seconds"]),

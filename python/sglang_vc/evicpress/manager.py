@@ -52,7 +52,7 @@ from .context import MIN_CONTEXT_TOKENS, Context, Fetched, KVDims, Settings, as_
 from .placement import Move
 from .profile_state import ProfileState
 from .policy import LRUPolicy, Policy, UtilityPolicy
-from .profiler import QualityTracker, QueryLog
+from .profiler import ProfileMetric, QualityTracker, QueryLog
 from .request_plan import RequestPlan
 from .storage_copies import StorageCopies
 from .utility import ContextInfo, UtilityModel
@@ -134,7 +134,7 @@ class EvicPressManager(StorageCopies, ProfileState, RequestPlan):
 
     def reconfigure(self, policy: Optional[str] = None, alpha: Optional[float] = None,
                     fixed_config: Optional[str] = None, observe_rate: Optional[float] = None,
-                    reprofile_threshold: Optional[float] = None) -> dict:
+                    reprofile_threshold: Optional[float] = None, profile_metric: Optional[str] = None) -> dict:
         """Empty the host and disk tiers, forget access statistics (profiles are kept)
         and switch policy / alpha / the drift check's sampling and threshold -- runs
         several systems in one runtime (benchmarks). Scheduler thread."""
@@ -145,6 +145,7 @@ class EvicPressManager(StorageCopies, ProfileState, RequestPlan):
                 raise ValueError("observe_rate must be in [0, 1]")
             if reprofile_threshold is not None and not reprofile_threshold >= 0:
                 raise ValueError("reprofile_threshold must be >= 0")
+            metric = ProfileMetric(profile_metric) if profile_metric is not None else s.profile_metric
             try:
                 if policy is not None:
                     s.policy = policy
@@ -170,11 +171,12 @@ class EvicPressManager(StorageCopies, ProfileState, RequestPlan):
                 s.observe_rate = float(observe_rate)
             if reprofile_threshold is not None:
                 s.reprofile_threshold = float(reprofile_threshold)
+            s.profile_metric = metric
             self.tracker = QualityTracker(s.reprofile_threshold)
             self.observations.clear()
             self._publish_usage()
             return {"policy": self.policy.name, "alpha": s.alpha, "observe_rate": s.observe_rate,
-                    "reprofile_threshold": s.reprofile_threshold}
+                    "reprofile_threshold": s.reprofile_threshold, "profile_metric": s.profile_metric.value}
 
     # ------------------------------------------------------------------ counters
     def count(self, **incs: float) -> None:

@@ -108,6 +108,8 @@ class ProfileState:
                     "candidates": [c.label for c in self.settings.candidates],
                     "generate_queries": self.settings.generate_queries if not queries else 0,
                     "profile_source": self.settings.profile_source.value,
+                    "profile_metric": self.settings.profile_metric.value,
+                    "likelihood_scale": self.settings.likelihood_scale,
                     "max_new_tokens": self.settings.profile_max_new_tokens,
                 }
                 if not queries and not job["generate_queries"]:

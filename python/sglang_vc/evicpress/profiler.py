@@ -27,12 +27,37 @@ flagged contexts when it has spare cycles, using the newest queries kept by
 from __future__ import annotations
 
 import collections
+import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, Iterable, Optional, Sequence
 
 from .config import FULL, CompressionConfig
 
-__all__ = ["profile_quality", "monotone_profile", "reprofile", "QualityTracker", "QueryLog"]
+__all__ = ["ProfileMetric", "likelihood_quality", "profile_quality", "monotone_profile", "reprofile",
+           "QualityTracker", "QueryLog"]
+
+
+class ProfileMetric(str, enum.Enum):
+    """How the profiler scores a config on a question."""
+
+    ANSWER = "answer"  # the config's own answer against the full-KV answer (MiniLM cosine)
+    LIKELIHOOD = "likelihood"  # how much less likely the full-KV answer is under the config's KV
+
+
+def likelihood_quality(ref_logprobs: Sequence[float], cfg_logprobs: Sequence[float], scale: float) -> float:
+    """The cheaper proxy: ``exp(-gap / scale)`` where ``gap`` is the mean per-token drop
+    in log-probability of the full-KV answer's first tokens when read over the
+    compressed KV instead (a one-sample estimate of the KL between the two next-token
+    distributions along the full-KV answer). It needs one forward of the answer per
+    config, no decoding of the config's own answer and no embedding model; ``scale``
+    maps it onto the answer metric's range (calibrated against served quality by
+    ``bench.evicpress --profile-methods ...,context-likelihood``)."""
+    k = min(len(ref_logprobs), len(cfg_logprobs))
+    if k == 0:
+        return 1.0
+    gap = sum(r - c for r, c in zip(ref_logprobs[:k], cfg_logprobs[:k])) / k
+    return math.exp(-max(0.0, gap) / scale)
 
 AnswerFn = Callable[[Any, Any, CompressionConfig], str]
 ScoreFn = Callable[[str, str], float]

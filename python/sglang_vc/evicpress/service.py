@@ -61,7 +61,7 @@ from .control import ControlClient, ControlError
 from .flags import settings_of
 from .context import CFG_NAMESPACE, REF_NAMESPACE
 from .probes import ProbeSource, context_probes
-from .profiler import monotone_profile
+from .profiler import ProfileMetric, likelihood_quality, monotone_profile
 
 logger = logging.getLogger(__name__)
 
@@ -243,11 +243,16 @@ class _Tokenizer:
 
 
 def _generate(base_url: str, input_ids, *, max_new_tokens: int, extra_key: Optional[str] = None,
-              temperature: float = 0.0, timeout: float = 600.0, stop=None) -> dict:
+              temperature: float = 0.0, timeout: float = 600.0, stop=None,
+              logprob_start_len: Optional[int] = None) -> dict:
+    """One ``/generate`` call; with ``logprob_start_len`` the log-probabilities of the
+    input tokens from there on and of the output tokens come back in ``meta_info``."""
     payload = {
         "input_ids": [int(t) for t in input_ids],
         "sampling_params": {"temperature": temperature, "max_new_tokens": int(max_new_tokens)},
     }
+    if logprob_start_len is not None:
+        payload.update(return_logprob=True, logprob_start_len=int(logprob_start_len))
     if stop:
         payload["sampling_params"]["stop"] = stop
     if extra_key:
@@ -255,6 +260,12 @@ def _generate(base_url: str, input_ids, *, max_new_tokens: int, extra_key: Optio
     r = requests.post(base_url + "/generate", json=payload, timeout=timeout)
     r.raise_for_status()
     return r.json()
+
+
+def _logprobs(meta: dict, key: str) -> list[float]:
+    """The log-probabilities of ``meta_info[key]`` (SGLang's ``[logprob, token id, text]``
+    entries; the first input token's is None)."""
+    return [float(e[0]) for e in meta.get(key) or () if e and e[0] is not None]
 
 
 def _parallel(fns: list) -> list:
@@ -405,11 +416,22 @@ class ProfilerService:
         if not prompts:
             raise RuntimeError(f"no queries to profile context {job['ctx_id']}")
         m = job["max_new_tokens"]
-        refs = _parallel([(lambda p=p: self._gen(p, REF_NAMESPACE, m)) for p in prompts])
-        labels = list(job["candidates"])
-        answers = _parallel([
-            (lambda p=p, ns=CFG_NAMESPACE + label: self._gen(p, ns, m)) for label in labels for p in prompts
+        likelihood = ProfileMetric(job.get("profile_metric", ProfileMetric.ANSWER)) is ProfileMetric.LIKELIHOOD
+        refs = _parallel([
+            (lambda p=p: self._gen(p, REF_NAMESPACE, m, **({"logprob_start_len": len(p) - 1} if likelihood else {})))
+            for p in prompts
         ])
+        labels = list(job["candidates"])
+        if likelihood:  # the full-KV answer read over each config's KV: one forward, no decoding
+            answers = _parallel([
+                (lambda p=p, r=r, ns=CFG_NAMESPACE + label:
+                 self._gen(p + list(r["output_ids"]), ns, 1, logprob_start_len=len(p)))
+                for label in labels for p, r in zip(prompts, refs)
+            ])
+        else:
+            answers = _parallel([
+                (lambda p=p, ns=CFG_NAMESPACE + label: self._gen(p, ns, m)) for label in labels for p in prompts
+            ])
         quality = {}
         for i, label in enumerate(labels):
             outs = answers[i * len(prompts): (i + 1) * len(prompts)]
@@ -421,7 +443,13 @@ class ProfilerService:
             if not loaded:
                 logger.warning("EvicPress: could not load %s of context %s for profiling", label, job["ctx_id"])
                 continue
-            scores = [self._score(o["text"], r["text"]) for o, r in zip(outs, refs)]
+            if likelihood:
+                scale = float(job.get("likelihood_scale", 1.0))
+                scores = [likelihood_quality(_logprobs(r["meta_info"], "output_token_logprobs"),
+                                             _logprobs(o["meta_info"], "input_token_logprobs"), scale)
+                          for o, r in zip(outs, refs)]
+            else:
+                scores = [self._score(o["text"], r["text"]) for o, r in zip(outs, refs)]
             quality[label] = sum(scores) / len(scores)
         if not quality:
             raise RuntimeError(f"no candidate of context {job['ctx_id']} could be profiled")
