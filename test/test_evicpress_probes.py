@@ -104,14 +104,9 @@ def test_profiler_builds_questions_from_the_context_without_generating():
 
 
 def test_profile_error_against_served_quality():
-    from sglang_vc.bench.evicpress import profile_mae, served_quality
+    from sglang_vc.bench.evicpress import profile_mae
 
-    records = {"fixed:kivi@4b": [
-        {"ctx": "a", "tier": "host", "quality": 0.8}, {"ctx": "a", "tier": "disk", "quality": 1.0},
-        {"ctx": "b", "tier": "miss", "quality": 1.0},  # recomputed: not a served compressed answer
-        {"ctx": "b", "tier": "device", "quality": 0.5}]}
-    served = served_quality(records, ["kivi@4b", "kivi@2b"])
-    assert served == {"kivi@4b": {"a": 0.9, "b": 0.5}, "kivi@2b": {}}
+    served = {"kivi@4b": {"a": 0.9, "b": 0.5}, "kivi@2b": {}}
     maes = profile_mae({"good": {"a": {"kivi@4b": 0.9}, "b": {"kivi@4b": 0.6}},
                         "bad": {"a": {"kivi@4b": 0.5}, "b": {"kivi@4b": 1.0}}}, served)
     assert abs(maes["good"]["kivi@4b"]["mae"] - 0.05) < 1e-9 and maes["good"]["kivi@4b"]["contexts"] == 2

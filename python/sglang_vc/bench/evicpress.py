@@ -15,21 +15,29 @@ tiers (``POST /evicpress/reconfigure`` empties the tiers and switches the policy
   context is prefilled from scratch. Its answers are the full-KV references.
 
 Workload: >= 30 contexts from real text on the machine (:mod:`.workloads` ``reading``
-and ``code`` items: documents / source files; the item's question is the test query,
-two generic questions are the profiling set), a Zipf-skewed stream of queries over
-them, and tiers sized so the contexts do not all fit in the fast ones (device pool a
-few contexts, host tier ``--host-contexts`` full contexts, disk ``--disk-contexts``).
+and ``code`` items: documents / source files; the item's question and two generic
+questions make the stream), a Zipf-skewed stream of queries over them, and tiers sized
+so the contexts do not all fit in the fast ones (device pool a few contexts, host tier
+``--host-contexts`` full contexts, disk ``--disk-contexts``).
 
-Phases: (1) register the contexts with their profiling queries and let the server's
-profiler measure each config's quality (the paper's offline phase, section 4.1);
-(2) for each system: reconfigure, one unmeasured pass over all contexts (initial
-placement), then the measured stream, one request at a time (TTFT = time to the first
-streamed token, client side). Quality = MiniLM-L6-v2 cosine of each answer with the
-full-prefill answer to the same prompt (section 6.1); the hit tier of each request is
-read from the server's EvicPress counters.
+Phases: (1) for each ``--profile-methods`` in turn, register the contexts and let the
+server's profiler measure each config's quality (the paper's offline phase, section
+4.1): ``generic`` gives the two generic questions, ``context`` lets the server build
+``--profile-queries`` questions from each context's text, ``context-likelihood`` scores
+those by the likelihood proxy; the last method's profiles serve; (2) for each system:
+reconfigure, one unmeasured pass over all contexts (initial placement), then the
+measured stream, one request at a time (TTFT = time to the first streamed token, client
+side). Quality = MiniLM-L6-v2 cosine of each answer with the full-prefill answer to the
+same prompt (section 6.1); the hit tier of each request is read from the server's
+EvicPress counters; (3) the served quality of each profiled fixed config on every
+context and its three questions, answered from the stored copy
+(:func:`served_quality`), against which each method's profile error is measured
+(``profile_mae``; the likelihood proxy's scale is fitted to it,
+``likelihood_calibration``); (4) with ``--drift-threshold``, re-profiling on drift
+measured (:func:`drift_phase`).
 
-Writes ``OUT.json`` (``{"results": [{"system", "ttft_mean_s", "quality", ...}]}``) and
-``OUT.png`` (TTFT vs quality).
+Writes ``OUT.json`` (``{"results": [{"system", "ttft_mean_s", "quality", ...}],
+"profile_mae": {...}, ...}``) and ``OUT.png`` (TTFT vs quality).
 """
 
 from __future__ import annotations
@@ -67,17 +75,45 @@ def _fingerprint(context: dict, method: str, queries: int) -> str:
     return hashlib.sha256(json.dumps([context["token_ids"], asked]).encode()).hexdigest()[:16]
 
 
-def served_quality(records: dict, fixed: list[str]) -> dict[str, dict[str, float]]:
-    """config -> context -> mean quality of the requests ``fixed:config`` served from a
-    stored copy (a miss recomputes the full KV: left out)."""
+def served_quality(cl: Client, contexts, configs: list[str], max_new: int, scorer, log) -> tuple[dict, list]:
+    """config -> context -> mean quality of the answers served from that config's stored
+    copy, over every context and its three stream questions (the test question and the
+    two generic ones): what a profile should predict. Under ``fixed:config`` each context
+    is computed once (its copy stored), then each question is asked with the device tree
+    emptied first, so the answer comes from the stored copy (checked: a host or disk
+    hit); references are full prefills in their own cache namespace."""
+    questions = [(ci, qi) for ci in range(len(contexts)) for qi in range(3)]
+
+    def prompt(ci: int, qi: int) -> list[int]:
+        c = contexts[ci]
+        return c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1])
+
+    refs = {(ci, qi): cl.stream(prompt(ci, qi), max_new, extra_key=f"bench-ref-{ci}-{qi}")[1] for ci, qi in questions}
     out: dict[str, dict[str, float]] = {}
-    for cfg in fixed:
+    recs = []
+    for cfg in configs:
+        cl.api("POST", "/evicpress/reconfigure", {"policy": "fixed", "fixed_config": cfg})
         per: dict[str, list[float]] = {}
-        for r in records.get(f"fixed:{cfg}", []):
-            if r["tier"] in ("device", "host", "disk"):
-                per.setdefault(r["ctx"], []).append(r["quality"])
+        for ci, c in enumerate(contexts):
+            cl.stream(prompt(ci, 0), 1)  # computed once: its copy is stored
+            for qi in range(3):
+                cl.api("POST", "/evicpress/evict_device")
+                before = cl.counters()
+                _, text, _ = cl.stream(prompt(ci, qi), max_new)
+                tier = _tier_of(before, cl.counters())
+                recs.append({"config": cfg, "ctx": c["id"], "query": qi, "tier": tier, "text": text,
+                             "ref": refs[(ci, qi)]})
+        scores = scorer.score_many([r["text"] for r in recs[-3 * len(contexts):]],
+                                   [r["ref"] for r in recs[-3 * len(contexts):]])
+        for r, sc in zip(recs[-3 * len(contexts):], scores):
+            r["quality"] = sc
+            if r["tier"] in ("host", "disk"):  # from the stored copy; a miss recomputed the full KV
+                per.setdefault(r["ctx"], []).append(sc)
         out[cfg] = {cid: sum(v) / len(v) for cid, v in per.items()}
-    return out
+        n = sum(len(v) for v in per.values())
+        log(f"served quality of {cfg}: {n} of {3 * len(contexts)} answers from its stored copy, "
+            f"mean {sum(sum(v) for v in per.values()) / max(1, n):.3f}")
+    return out, recs
 
 
 def calibrate_likelihood(profile: dict, served: dict, grid: Optional[list[float]] = None) -> dict:
@@ -530,7 +566,10 @@ def main(argv=None) -> int:
             records[name] = recs
             log(f"  -> ttft_mean={row['ttft_mean_s']:.3f}s quality={row['quality']:.3f} "
                 f"tiers={row['hit_rate_by_tier']} compressed={row['compressed_contexts']}")
-        served = served_quality(records, fixed)
+        # the fixed configs that were profiled too: their served quality is what a profile predicts
+        candidate_labels = {k for per in profiles.values() for q in per.values() for k in q}
+        served, served_records = served_quality(cl, contexts, [f for f in fixed if f in candidate_labels],
+                                                max_new, scorer, log)
         maes = profile_mae(profiles, served)
         calibration = None
         if "context-likelihood" in profiles and profiles["context-likelihood"]:
@@ -579,6 +618,7 @@ def main(argv=None) -> int:
         "profile_seconds": profile_seconds,
         "profiles": profiles,
         "served_quality": served,
+        "served_quality_records": served_records,
         "profile_mae": maes,
         "likelihood_calibration": calibration,
         "drift": drift,
