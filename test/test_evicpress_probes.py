@@ -137,9 +137,11 @@ def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
             if ns == REF_NAMESPACE:
                 meta["output_token_logprobs"] = [[lp, 7 + i, None] for i, lp in enumerate(ref_lp)]
                 return {"text": "abc", "output_ids": [7, 8, 9], "meta_info": meta}
-            assert ids[-3:] == [7, 8, 9] and kw["logprob_start_len"] == len(ids) - 3  # the full answer, teacher-forced
+            assert ids[-3:] == [7, 8, 9] and kw["logprob_start_len"] == len(ids) - 4  # the full answer, teacher-forced
             d = drop[ns[len(CFG_NAMESPACE):]]
-            meta["input_token_logprobs"] = [[lp - d, t, None] for lp, t in zip(ref_lp, [7, 8, 9])]
+            # as SGLang answers: the first position from logprob_start_len has no logprob
+            meta["input_token_logprobs"] = [[None, ids[-4], None]] + [
+                [lp - d, t, None] for lp, t in zip(ref_lp, [7, 8, 9])]
             return {"text": "x", "output_ids": [1], "meta_info": meta}
 
     prof = Prof(Client(), "http://unused", tok=None, idle_seconds=0, scorer=lambda a, b: 0.0)

@@ -123,7 +123,11 @@ def add_costs(results: list[dict], rows: list[dict]) -> None:
 
 
 def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log_dir: Path,
-             stop: Optional[list[str]] = None) -> list[dict]:
+             stop: Optional[list[str]] = None, full_rows: Optional[dict] = None) -> list[dict]:
+    """Every run of every item on one server. ``full_rows`` (item id -> row) holds the
+    full-recompute runs of an earlier pair with the same target: the plain prompt's
+    prefill does not involve the small model, so it is measured once per target and
+    item in a run, and filled in here (its row's ``measured_with`` says where)."""
     from transformers import AutoTokenizer
 
     from sglang_vc import models
@@ -140,13 +144,20 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
             log(f"{target} <- {spec}: item {i + 1}/{len(items)} ({len(prompt.ids)} tokens)")
             requests.post(url + "/flush_cache", timeout=60).raise_for_status()
             runs = [("full-recompute", 1.0, {"input_ids": prompt.ids, "sampling_params": sampling})]
+            earlier = (full_rows or {}).get(item["id"])
+            if earlier is not None:
+                rows.append({**earlier, "spec_model": spec, "measured_with": earlier["measured_with"]})
+                runs[0] = None
             text = item["chunk_prefix"] + SEP + SEP.join(item["chunks"]) + SEP + item["question"]
             for name in selectors:
                 for ratio in ([0.0] if name == "full-reuse" else ratios):
                     custom = {"speccache_selector": name, "speccache_ratio": ratio,
                               "speccache_return_selection": True}
                     runs.append((name, ratio, {"text": text, "sampling_params": {**sampling, "custom_params": custom}}))
-            for k, (name, ratio, payload) in enumerate(runs):
+            for k, run in enumerate(runs):
+                if run is None:
+                    continue
+                name, ratio, payload = run
                 if k == 1:  # after the plain prompt: nothing of it cached, the chunks' KV precomputed
                     requests.post(url + "/flush_cache", timeout=60).raise_for_status()
                     r = requests.post(url + "/speccache/chunks", json={"chunks": item["chunks"]}, timeout=600)
@@ -165,6 +176,10 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                              "prompt_tokens": len(prompt.ids), "chunk_tokens": prompt.chunks.num_chunk_tokens,
                              "tokens_reused": meta.get("tokens_reused", 0),
                              "tokens_recomputed": meta.get("tokens_recomputed", len(prompt.ids))})
+                if name == "full-recompute":
+                    rows[-1]["measured_with"] = spec
+                    if full_rows is not None:
+                        full_rows[item["id"]] = rows[-1]
                 if "selected_positions" in meta and item.get("chunk_roles"):
                     rows[-1]["selection"] = selection_report(item, prompt, meta["selected_positions"])
     return rows
@@ -203,6 +218,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     log_dir.mkdir(exist_ok=True)
     started = time.perf_counter()
     rows: list[dict] = []
+    full_rows: dict = {}
+
+    def write(rows: list[dict], partial: bool) -> None:
+        report = _report(args, pairs, selectors, ratios, n, rates, rows, started, partial)
+        out.write_text(json.dumps(report, indent=2))
+        plot(report["results"], out.with_suffix(".png"), title="SpecCache served: TTFT vs quality")
+
     from transformers import AutoTokenizer
 
     from sglang_vc import models
@@ -213,19 +235,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                               max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))
         # rag_multihop's answer is one code on one line: what follows is not the answer
         stop = ["\n"] if args.workload == "rag_multihop" else None
-        rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop)
-    results = summarize(rows, rates)
-    add_costs(results, rows)
-    report = {"benchmark": "speccache_serve", "workload": args.workload, "mode": "served (sglang-vc server, streamed TTFT)", "pairs": pairs,
-              "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "chunks": args.chunks,
-              "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
-              "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
-    out.write_text(json.dumps(report, indent=2))
-    png = plot(results, out.with_suffix(".png"), title="SpecCache served: TTFT vs quality")
-    log_results(results)
-    log(f"wrote {out} and {png}")
+        rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop,
+                         full_rows.setdefault(target, {}))
+        write(rows, partial=True)  # a pair's results are kept if a later pair fails
+    write(rows, partial=False)
+    log_results(summarize(rows, rates))
+    log(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
+
+def _report(args, pairs, selectors, ratios, n, rates, rows, started, partial: bool) -> dict:
+    results = summarize(rows, rates)
+    add_costs(results, rows)
+    return {"benchmark": "speccache_serve", "workload": args.workload,
+            "mode": "served (sglang-vc server, streamed TTFT)", "partial": partial, "pairs": pairs,
+            "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "chunks": args.chunks,
+            "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
+            "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
 
 if __name__ == "__main__":
     sys.exit(main())

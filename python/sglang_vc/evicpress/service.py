@@ -425,7 +425,8 @@ class ProfilerService:
         if likelihood:  # the full-KV answer read over each config's KV: one forward, no decoding
             answers = _parallel([
                 (lambda p=p, r=r, ns=CFG_NAMESPACE + label:
-                 self._gen(p + list(r["output_ids"]), ns, 1, logprob_start_len=len(p)))
+                 # from the prompt's last token: SGLang gives the first input position None
+                 self._gen(p + list(r["output_ids"]), ns, 1, logprob_start_len=len(p) - 1))
                 for label in labels for p, r in zip(prompts, refs)
             ])
         else:
