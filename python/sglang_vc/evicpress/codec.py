@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .config import FULL, QUANT_GROUP_SIZE, CompressionConfig
+from .config import QUANT_GROUP_SIZE, CompressionConfig
 
 __all__ = ["FullKV", "encode", "decode", "transcode", "estimate_bytes", "full_bytes", "blob_config"]
 

@@ -62,7 +62,6 @@ import array
 import collections
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -51,7 +51,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 from typing import Any, Optional
 
 import requests
