@@ -325,12 +325,19 @@ def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, thresh
     for i, (ci, qi) in enumerate(stream):
         c = contexts[ci]
         cl.stream(c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1]), max_new)
+    last, since = None, time.time()
     while True:  # the checks and the re-profiles they trigger, in idle time
         st = cl.api("GET", "/evicpress/status")
         c1 = cl.counters()
         checks = (c1.get("observations_queued", 0) - c0.get("observations_queued", 0)
                   - c1.get("observations", 0) + c0.get("observations", 0))
         if not st["pending_profiles"] and checks <= 0:
+            break
+        if (checks, st["pending_profiles"]) != last:
+            last, since = (checks, st["pending_profiles"]), time.time()
+        elif time.time() - since > 300:  # a check that failed is never counted: not waited for forever
+            log(f"WARNING: drift: {checks} checks and {st['pending_profiles']} re-profiles made no progress "
+                "in 300 s (the server log has the errors); measured as they are")
             break
         log(f"drift: {checks} checks and {st['pending_profiles']} re-profiles left")
         time.sleep(5)
@@ -343,6 +350,7 @@ def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, thresh
     log(f"drift: {delta}, {len(changed)} contexts re-profiled; profile MAE {maes['before']['mean']:.3f} -> "
         f"{maes['after']['mean']:.3f}")
     return {"alpha": alpha, "threshold": threshold, "method": method, "counters": delta,
+            "unfinished": {"checks": checks, "profiles": st["pending_profiles"]},
             "reprofiled": changed, "profile_mae": maes, "profiles_after": after}
 
 
