@@ -167,3 +167,18 @@ def test_likelihood_scale_is_fitted_to_served_quality():
     out = calibrate_likelihood(profile, served, grid=[0.25, 0.5, 1.0, 2.0])
     assert out["scale"] == 0.5 and out["cross_fitted_mae"] < 1e-9
     assert out["profile_mae"]["mean"] < 1e-9
+
+
+def test_frontier_interpolates_evicpress_at_each_baselines_quality():
+    from sglang_vc.bench.evicpress import frontier
+
+    rows = [{"system": "evicpress:alpha=0.1", "quality": 0.8, "ttft_mean_s": 0.4},
+            {"system": "evicpress:alpha=1", "quality": 1.0, "ttft_mean_s": 0.8},
+            {"system": "fixed:kivi@4b", "quality": 0.9, "ttft_mean_s": 0.5},
+            {"system": "lru", "quality": 1.0, "ttft_mean_s": 0.7},
+            {"system": "full-prefill", "quality": 1.0, "ttft_mean_s": 2.0}]
+    f = frontier(rows)
+    assert abs(f["baselines"]["fixed:kivi@4b"]["evicpress_ttft_at_quality_s"] - 0.6) < 1e-9
+    assert abs(f["baselines"]["fixed:kivi@4b"]["ratio"] - 1.2) < 1e-9
+    assert "full-prefill" not in f["baselines"]
+    assert f["dominated"] == [{"evicpress": "evicpress:alpha=1", "by": "lru"}]
