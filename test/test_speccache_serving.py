@@ -197,6 +197,9 @@ def test_logprobs_and_bad_registrations_are_400(rag):
     for body in ({}, {"chunks": []}, {"chunks": ["ok", ""]}, {"chunks": "text"}):
         r = requests.post(rag.url + "/speccache/chunks", json=body)
         assert r.status_code == 400, (body, r.text)
+    # a chunk holding the separator could never be marked in a prompt (it was a 500)
+    r = requests.post(rag.url + "/speccache/chunks", json={"chunks": [f"source quoting {SEP} in its text"]})
+    assert r.status_code == 400 and "separator" in r.text, r.text
 
 
 @pytest.mark.parametrize("argv, message", [

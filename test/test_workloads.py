@@ -343,5 +343,9 @@ def test_rag_multihop_needs_the_bridge_and_the_answer_chunk_and_lures_the_rest(b
         assert W.score(it, it["answer"]) == 1.0 and W.score(it, it["lure_answer"]) == 0.0
     default = W.load_workload("rag_multihop")
     assert len(default) == 24 and default.provenance["params"]["chunk_tokens"] == 512
+    # no special-token markup in a passage: "<|vc_chunk|>" (SpecCache's separator, found in
+    # this project's own source) cannot be carried as one chunk; chat tokens would tokenize as specials
+    assert all("<|" not in c for it in default for c in it["chunks"])
     with pytest.raises(ValueError, match="chunks >= 4"):
         W.load_workload("rag_multihop", chunks=3)
+

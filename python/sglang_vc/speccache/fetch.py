@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from .names import FETCH_RID_PREFIX
 
 
 class ChunkSource(str, enum.Enum):
@@ -79,7 +82,9 @@ async def fetch_chunks(tokenizer_manager, chunk_ids: Sequence[Sequence[int]],
     unique = list(dict.fromkeys(keys))
 
     async def one(key) -> ChunkSource:
-        req = GenerateReqInput(input_ids=list(key), sampling_params={"max_new_tokens": 0},
+        # a fetch is never itself a SpecCache prompt, whatever its tokens decode to
+        req = GenerateReqInput(rid=f"{FETCH_RID_PREFIX}{uuid.uuid4().hex}",
+                               input_ids=list(key), sampling_params={"max_new_tokens": 0},
                                lora_path=namespace.lora_path, extra_key=namespace.extra_key,
                                cache_salt=namespace.cache_salt)
         meta: dict = {}

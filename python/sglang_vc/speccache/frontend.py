@@ -43,7 +43,7 @@ from . import layout
 from .align import align
 from .fetch import ChunkSource, Namespace, fetch_chunks
 from .flags import SpecCacheSettings, check_ratio, check_selector
-from .names import GROUP, PLAN_KEY, REQUEST_KEYS
+from .names import FETCH_RID_PREFIX, GROUP, PLAN_KEY, REQUEST_KEYS
 from .selectors import Need, SelectionInput, get_selector
 from .spec_model import SpecModel
 
@@ -113,6 +113,8 @@ class Frontend:
     async def prepare(self, obj) -> None:
         """Turn ``obj`` (one ``GenerateReqInput``) into a SpecCache request when its prompt
         carries chunks; leave it alone otherwise."""
+        if isinstance(obj.rid, str) and obj.rid.startswith(FETCH_RID_PREFIX):
+            return  # the front end's own chunk fetch
         params = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
         custom = params.get("custom_params") or {}
         if not isinstance(custom, dict):
@@ -214,6 +216,9 @@ class Frontend:
     def chunk_ids_of(self, texts: Sequence[Any]) -> list[list[int]]:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise ValueError("'chunks' must be a non-empty list of non-empty strings")
+        marked = [i for i, t in enumerate(texts) if self.settings.separator in t]
+        if marked:  # a prompt could not carry it: the separator would split it
+            raise ValueError(f"chunk {marked[0]} contains the chunk separator {self.settings.separator!r}")
         return [list(self.tm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
 

@@ -18,3 +18,4 @@ REQUEST_KEYS = ("speccache_selector", "speccache_ratio", "speccache_return_selec
 # the plan the server's front end attaches for the scheduler; a client's is refused
 PLAN_KEY = "_speccache_plan"
 META_INFO_KEY = "sglang_vc_speccache"  # meta_info of each SpecCache response
+FETCH_RID_PREFIX = "speccache-fetch-"  # request ids of the front end's own chunk fetches

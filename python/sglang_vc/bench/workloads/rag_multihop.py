@@ -75,6 +75,8 @@ def _passage(rng, docs, counter: TokenCounter, budget: int) -> tuple[str, dict]:
         if total < 0.9 * budget:
             continue
         text = _norm_space(" ".join(doc.lines[start:end])).strip()
+        if "<|" in text:  # special-token markup (chat tokens, SpecCache's chunk separator): not passage text
+            continue
         return text, _source_record(doc.path, kind=doc.kind, title=doc.title, lines=[start + 1, end])
     raise RuntimeError(f"rag_multihop workload: no document holds a passage of {budget} tokens")
 
