@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", type=str, default="kivi",
                     help="EvicPress candidate methods (--evicpress-methods), e.g. kivi,knorm,streamingllm")
     ap.add_argument("--profile-queries", type=int, default=None,
-                    help="queries per context the profiler answers (default 1 with --quick, else 2)")
+                    help="queries per context the profiler answers (default 4; generic has 2)")
     ap.add_argument("--profile-tokens", type=int, default=None,
                     help="answer length when profiling (default 8 with --quick, else --max-new-tokens)")
     ap.add_argument("--device-contexts", type=float, default=None,
@@ -469,7 +469,7 @@ def main(argv=None) -> int:
         drops_tokens |= get_compressor(m).scenario == "token_dropping"
     max_new = args.max_new_tokens or (12 if q else 24)
     profile_new = args.profile_tokens or (8 if q else max_new)
-    profile_queries = args.profile_queries or (4 if q else 8)
+    profile_queries = args.profile_queries or 4
     profile_methods = [m.strip() for m in args.profile_methods.split(",") if m.strip()]
     for m in profile_methods:
         if m not in PROFILE_METHODS:

@@ -40,8 +40,8 @@ class Settings:
     prefill_measured: bool = True  # update prefill_tokens_per_s from observed misses
     decompress_bytes_per_s: dict = field(default_factory=dict)
     reprofile_threshold: float = 0.3  # paper section 6.3
-    profile_queries: int = 8
-    generate_queries: int = 8
+    profile_queries: int = 4
+    generate_queries: int = 4
     profile_source: ProbeSource = ProbeSource.CONTEXT
     profile_metric: ProfileMetric = ProfileMetric.ANSWER
     likelihood_scale: float = 1.0

@@ -73,11 +73,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--evicpress-reprofile-threshold", type=float, default=0.3,
       help="Re-profile a context when its observed quality falls this far below its "
       "profiled quality (quality units; 0.3 as in the paper, section 6.3).")
-    a("--evicpress-profile-queries", type=int, default=8,
-      help="Queries per context used to profile it (default 8).")
-    a("--evicpress-generate-queries", type=int, default=8,
+    a("--evicpress-profile-queries", type=int, default=4,
+      help="Queries per context used to profile it (default 4).")
+    a("--evicpress-generate-queries", type=int, default=4,
       help="Profiling questions made for a context registered without a query set "
-      "(0: never profile such contexts; default 8).")
+      "(0: never profile such contexts; default 4).")
     a("--evicpress-profile-source", type=str, default=ProbeSource.CONTEXT.value,
       choices=[s.value for s in ProbeSource],
       help="Where those questions come from: context (recall and entity questions built "
