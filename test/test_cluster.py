@@ -177,3 +177,47 @@ def test_remote_prefix_preset_serves_a_stored_prefix_exactly_from_the_remote_ser
     finally:
         _stop(proc)
     assert proc.returncode == 0, (tmp_path / "cluster.log").read_text()[-3000:]
+
+
+def test_the_cluster_serves_only_once_the_router_lists_every_server_healthy():
+    """The router answers /health before its asynchronous worker registration (then a
+    request gets 503 "no available workers"): the launcher waits for /workers instead."""
+    import http.server
+    import json
+    import threading
+
+    from sglang_vc.cluster import Member, wait_registered
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    answers = [[], [{"url": urls[0], "is_healthy": True}],
+               [{"url": urls[0], "is_healthy": True}, {"url": urls[1], "is_healthy": False}]]
+    final = [{"url": u, "is_healthy": True} for u in urls]
+    seen = []
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"workers": answers[len(seen)] if len(seen) < len(answers) else final}).encode()
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    router = Member("router", [sys.executable, "-c", "import time; time.sleep(60)"],
+                    f"http://127.0.0.1:{httpd.server_port}")
+    router.start()
+    try:
+        wait_registered(router, urls, 30.0, threading.Event())
+        assert seen == ["/workers"] * 4  # not before both are listed and healthy
+        seen.clear()
+        answers[:] = [[]] * 1000
+        with pytest.raises(TimeoutError, match="has not registered"):
+            wait_registered(router, urls, 1.0, threading.Event())
+    finally:
+        router.signal(signal.SIGKILL)
+        httpd.shutdown()

@@ -102,6 +102,35 @@ def wait_ready(members: list[Member], path: str, timeout: float, stop: threading
             time.sleep(1.0)
 
 
+def router_workers(router_url: str, healthy_only: bool = False) -> list[str]:
+    """The server URLs the router lists (``GET /workers``), or only those it marks healthy."""
+    workers = requests.get(router_url.rstrip("/") + "/workers", timeout=30).json()
+    return [w["url"] if isinstance(w, dict) else w for w in workers.get("workers", workers)
+            if not (healthy_only and isinstance(w, dict) and not w.get("is_healthy", True))]
+
+
+def wait_registered(router: Member, urls: list[str], timeout: float, stop: threading.Event) -> None:
+    """The router answers ``/health`` before it has registered its workers (an asynchronous
+    step after start-up: it answers 503 "no available workers" meanwhile), so the cluster
+    serves once ``/workers`` lists every server as healthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if stop.is_set():
+            raise Stopped
+        if not router.alive():
+            raise RuntimeError(f"router exited with {router.proc.returncode} before serving")
+        try:
+            missing = set(urls) - set(router_workers(router.url, healthy_only=True))
+        except (requests.RequestException, ValueError):
+            missing = set(urls)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router has not registered {', '.join(sorted(missing))} "
+                               f"after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def stop_all(members: list[Member]) -> None:
     """SIGTERM every group (the router first), wait, SIGKILL what is left."""
     for m in reversed(members):
@@ -119,9 +148,8 @@ def stop_all(members: list[Member]) -> None:
 
 def counters(router_url: str) -> dict:
     """Every server's ``sglang_vc`` section, by URL, through the router's worker list."""
-    workers = requests.get(router_url.rstrip("/") + "/workers", timeout=30).json()
-    urls = [w["url"] if isinstance(w, dict) else w for w in workers.get("workers", workers)]
-    return {url: requests.get(url + "/server_info", timeout=30).json().get("sglang_vc") for url in urls}
+    return {url: requests.get(url + "/server_info", timeout=30).json().get("sglang_vc")
+            for url in router_workers(router_url)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         wait_ready(servers, "/health_generate", READY_TIMEOUT_S, stop)
         router.start()
         wait_ready([router], "/health", READY_TIMEOUT_S, stop)
+        wait_registered(router, [s.url for s in servers], READY_TIMEOUT_S, stop)
         log(f"{args.nodes} server(s) behind the router on {router.url} ({args.policy})")
 
     return supervise(members, ready)
