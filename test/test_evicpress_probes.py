@@ -104,7 +104,7 @@ def test_profiler_builds_questions_from_the_context_without_generating():
 
 
 def test_profile_error_against_served_quality():
-    from sglang_vc.bench.evicpress import profile_mae
+    from sglang_vc.bench.evicpress_quality import profile_mae
 
     served = {"kivi@4b": {"a": 0.9, "b": 0.5}, "kivi@2b": {}}
     maes = profile_mae({"good": {"a": {"kivi@4b": 0.9}, "b": {"kivi@4b": 0.6}},
@@ -159,7 +159,7 @@ def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
 def test_likelihood_scale_is_fitted_to_served_quality():
     import math
 
-    from sglang_vc.bench.evicpress import calibrate_likelihood
+    from sglang_vc.bench.evicpress_quality import calibrate_likelihood
 
     gaps = {f"c{i}": {"kivi@4b": 0.02 * (i + 1), "kivi@2b": 0.3 + 0.1 * i} for i in range(8)}
     profile = {cid: {cfg: math.exp(-g) for cfg, g in per.items()} for cid, per in gaps.items()}  # scale 1
@@ -170,7 +170,7 @@ def test_likelihood_scale_is_fitted_to_served_quality():
 
 
 def test_frontier_interpolates_evicpress_at_each_baselines_quality():
-    from sglang_vc.bench.evicpress import frontier
+    from sglang_vc.bench.evicpress_quality import frontier
 
     rows = [{"system": "evicpress:alpha=0.1", "quality": 0.8, "ttft_mean_s": 0.4},
             {"system": "evicpress:alpha=1", "quality": 1.0, "ttft_mean_s": 0.8},

@@ -36,8 +36,11 @@ context and its three questions, answered from the stored copy
 ``likelihood_calibration``); (4) with ``--drift-threshold``, re-profiling on drift
 measured (:func:`drift_phase`).
 
+``--profiles-only`` runs phases (1) and (3) alone (the profiles' error, no systems).
+
 Writes ``OUT.json`` (``{"results": [{"system", "ttft_mean_s", "quality", ...}],
-"profile_mae": {...}, ...}``) and ``OUT.png`` (TTFT vs quality).
+"profile_mae": {...}, "served_floor": {...}, ...}``), ``OUT.png`` (TTFT vs quality) and
+``OUT.profiles.png`` (profiled vs served quality per method).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import requests
+from .evicpress_client import TIERS, Client, tier_of
+from .evicpress_quality import (calibrate_likelihood, drift_phase, frontier, profile_mae, served_floor,
+                                served_quality)
 
 # How the profiler gets its questions and scores them (--profile-methods): the two generic
 # questions given at registration, or none given and the server builds --profile-queries
@@ -72,92 +77,6 @@ def _fingerprint(context: dict, method: str, queries: int) -> str:
     """What a saved profile was measured on: the context's tokens and profile queries."""
     asked = context["profile"] if method == "generic" else [method, queries]
     return hashlib.sha256(json.dumps([context["token_ids"], asked]).encode()).hexdigest()[:16]
-
-
-def served_quality(cl: Client, contexts, configs: list[str], max_new: int, scorer, log) -> tuple[dict, list]:
-    """config -> context -> mean quality of the answers served from that config's stored
-    copy, over every context and its three stream questions (the test question and the
-    two generic ones): what a profile should predict. Under ``fixed:config`` each context
-    is computed once (its copy stored), then each question is asked with the device tree
-    emptied first, so the answer comes from the stored copy (checked: a host or disk
-    hit); references are full prefills in their own cache namespace."""
-    questions = [(ci, qi) for ci in range(len(contexts)) for qi in range(3)]
-
-    def prompt(ci: int, qi: int) -> list[int]:
-        c = contexts[ci]
-        return c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1])
-
-    refs = {(ci, qi): cl.stream(prompt(ci, qi), max_new, extra_key=f"bench-ref-{ci}-{qi}")[1] for ci, qi in questions}
-    out: dict[str, dict[str, float]] = {}
-    recs = []
-    for cfg in configs:
-        cl.api("POST", "/evicpress/reconfigure", {"policy": "fixed", "fixed_config": cfg})
-        per: dict[str, list[float]] = {}
-        for ci, c in enumerate(contexts):
-            cl.stream(prompt(ci, 0), 1)  # computed once: its copy is stored
-            for qi in range(3):
-                cl.api("POST", "/evicpress/evict_device")
-                before = cl.counters()
-                _, text, _ = cl.stream(prompt(ci, qi), max_new)
-                tier = _tier_of(before, cl.counters())
-                recs.append({"config": cfg, "ctx": c["id"], "query": qi, "tier": tier, "text": text,
-                             "ref": refs[(ci, qi)]})
-        scores = scorer.score_many([r["text"] for r in recs[-3 * len(contexts):]],
-                                   [r["ref"] for r in recs[-3 * len(contexts):]])
-        for r, sc in zip(recs[-3 * len(contexts):], scores):
-            r["quality"] = sc
-            if r["tier"] in ("host", "disk"):  # from the stored copy; a miss recomputed the full KV
-                per.setdefault(r["ctx"], []).append(sc)
-        out[cfg] = {cid: sum(v) / len(v) for cid, v in per.items()}
-        n = sum(len(v) for v in per.values())
-        log(f"served quality of {cfg}: {n} of {3 * len(contexts)} answers from its stored copy, "
-            f"mean {sum(sum(v) for v in per.values()) / max(1, n):.3f}")
-    return out, recs
-
-
-def calibrate_likelihood(profile: dict, served: dict, grid: Optional[list[float]] = None) -> dict:
-    """The likelihood proxy's scale fitted to served quality. The server profiled with
-    scale 1 (``q = exp(-gap)``); at scale ``s`` the profile is ``q ** (1 / s)``. The
-    scale minimising the profile error is fitted on half the contexts and scored on the
-    other half, both ways (``cross_fitted_mae``), and fitted on all (``scale``)."""
-    grid = grid or [round(0.05 * 1.15 ** i, 4) for i in range(40)]
-
-    def scaled(s: float, ids) -> dict:
-        return {cid: {cfg: (q ** (1 / s) if q > 0 else 0.0) for cfg, q in profile[cid].items()} for cid in ids}
-
-    def fit(ids) -> float:
-        return min(grid, key=lambda s: profile_mae({"m": scaled(s, ids)}, served)["m"]["mean"] or 0.0)
-
-    ids = sorted(profile)
-    halves = (ids[0::2], ids[1::2])
-    errs = []
-    for train, test in (halves, halves[::-1]):
-        if train and test:
-            row = profile_mae({"m": scaled(fit(train), test)}, served)["m"]
-            if row["mean"] is not None:
-                errs.append(row["mean"])
-    scale = fit(ids)
-    return {"scale": scale, "cross_fitted_mae": sum(errs) / len(errs) if errs else None,
-            "profile_mae": profile_mae({"m": scaled(scale, ids)}, served)["m"], "profiles": scaled(scale, ids)}
-
-
-def profile_mae(profiles: dict[str, dict], served: dict[str, dict[str, float]]) -> dict:
-    """Per profiling method and config: mean |profiled - served| quality over the
-    contexts served from that config (and the signed mean, ``bias``); ``mean`` pools
-    every (context, config) pair."""
-    out: dict = {}
-    for method, per_ctx in profiles.items():
-        row: dict = {}
-        errs_all = []
-        for cfg, by_ctx in served.items():
-            errs = [per_ctx[cid][cfg] - q for cid, q in by_ctx.items() if cfg in per_ctx.get(cid, {})]
-            if errs:
-                row[cfg] = {"mae": sum(abs(e) for e in errs) / len(errs), "bias": sum(errs) / len(errs),
-                            "contexts": len(errs)}
-                errs_all += errs
-        row["mean"] = sum(abs(e) for e in errs_all) / len(errs_all) if errs_all else None
-        out[method] = row
-    return out
 
 
 def build_contexts(tokenizer_dir: str, n: int, lengths: tuple[int, ...], seed: int) -> list[dict]:
@@ -207,60 +126,6 @@ def zipf_stream(n_ctx: int, n_req: int, s: float, seed: int) -> list[tuple[int, 
     return [(c, rng.choice((0, 0, 1, 2))) for c in ctxs]
 
 
-class Client:
-    """HTTP calls to the server, one connection each: a pooled keep-alive connection
-    left idle for the server's keep-alive timeout (uvicorn's 5 s, exactly the profiling
-    poll interval) is closed by the server as the next request reuses it, which the
-    client sees as "connection reset by peer"."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def api(self, method: str, path: str, body=None, timeout: float = 1800, allow: tuple = ()) -> dict:
-        r = requests.request(method, self.url + path, json=body, timeout=timeout)
-        if r.status_code in allow:
-            return {}
-        if r.status_code != 200:
-            raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:500]}")
-        return r.json()
-
-    def counters(self) -> dict:
-        info = self.api("GET", "/server_info")
-        return dict(info["sglang_vc"]["counters"].get("evicpress", {}))
-
-    def stream(self, input_ids, max_new_tokens: int, extra_key: Optional[str] = None) -> tuple[float, str, dict]:
-        """(TTFT seconds, text, meta_info) of a streamed greedy request."""
-        body = {"input_ids": input_ids, "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
-        if extra_key:
-            body["extra_key"] = extra_key
-        t0 = time.perf_counter()
-        ttft = None
-        last = {}
-        with requests.post(self.url + "/generate", json=body, stream=True, timeout=1800) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line or not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                last = json.loads(data)
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-        return (ttft if ttft is not None else time.perf_counter() - t0), last.get("text", ""), last.get("meta_info", {})
-
-
-TIERS = ("device", "host", "disk", "miss")
-
-
-def _tier_of(before: dict, after: dict) -> str:
-    for t, key in (("device", "hits_device"), ("host", "hits_host"), ("disk", "hits_disk"), ("miss", "misses")):
-        if after.get(key, 0) > before.get(key, 0):
-            return t
-    return "none"
-
-
 def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict, warm: bool,
                reconfig: Optional[dict], log) -> tuple[dict, list]:
     """Run the stream under one system; returns its row and per-request records."""
@@ -284,7 +149,7 @@ def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict
         if full_prefill:
             refs.setdefault(key, text)
         recs.append({"ctx": c["id"], "query": qi, "ttft_s": ttft, "text": text,
-                     "tier": "miss" if full_prefill else _tier_of(before, after),
+                     "tier": "miss" if full_prefill else tier_of(before, after),
                      "cached_tokens": meta.get("cached_tokens", 0)})
         log(f"  {name} {i + 1}/{len(stream)} ttft={ttft:.3f}s tier={recs[-1]['tier']} cached={recs[-1]['cached_tokens']}")
     c1 = cl.counters()
@@ -309,77 +174,6 @@ def run_system(cl: Client, name: str, contexts, stream, max_new: int, refs: dict
     if not full_prefill:
         row["placements"] = _placements(cl)
     return row, recs
-
-
-def frontier(rows: list[dict]) -> dict:
-    """The claim checked on the measured points: for each baseline, EvicPress's TTFT at the
-    baseline's quality (linear between the EvicPress points around it; None outside
-    their range) and its ratio to the baseline's TTFT (<= 1.05: as fast within 5%); and
-    the EvicPress points some baseline dominates (as good or better in both, better in
-    one)."""
-    evic = sorted((r["quality"], r["ttft_mean_s"], r["system"]) for r in rows if r["system"].startswith("evicpress"))
-    base = [r for r in rows if not r["system"].startswith("evicpress") and r["system"] != "full-prefill"]
-    out: dict = {"baselines": {}, "dominated": []}
-    for b in base:
-        q, t = b["quality"], b["ttft_mean_s"]
-        at = None
-        for (q0, t0, _), (q1, t1, _) in zip(evic, evic[1:]):
-            if q0 <= q <= q1:
-                at = t0 if q1 == q0 else t0 + (t1 - t0) * (q - q0) / (q1 - q0)
-                break
-        if at is None and evic and any(abs(e[0] - q) < 1e-9 for e in evic):
-            at = min(e[1] for e in evic if abs(e[0] - q) < 1e-9)
-        out["baselines"][b["system"]] = {"quality": q, "ttft_mean_s": t, "evicpress_ttft_at_quality_s": at,
-                                         "ratio": at / t if at is not None and t > 0 else None}
-    for q, t, name in evic:
-        for b in base:
-            bq, bt = b["quality"], b["ttft_mean_s"]
-            if bq >= q and bt <= t and (bq > q or bt < t):
-                out["dominated"].append({"evicpress": name, "by": b["system"]})
-    return out
-
-
-def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, threshold: float, method: str,
-                before: dict, served: dict, log) -> dict:
-    """Re-profiling on drift (paper section 4.3), measured: the stream is served again by
-    EvicPress with every compressed answer checked against the full-KV answer in idle
-    time; a context whose checked quality falls ``threshold`` below its profile is
-    re-profiled on the queries it was asked. Returns the counters and the profile error
-    against the served quality before and after (TTFTs here are not a system's: the
-    checks run between the requests)."""
-    c0 = cl.counters()
-    cl.api("POST", "/evicpress/reconfigure", {"policy": "evicpress", "alpha": alpha, "observe_rate": 1.0,
-                                              "reprofile_threshold": threshold})
-    for i, (ci, qi) in enumerate(stream):
-        c = contexts[ci]
-        cl.stream(c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1]), max_new)
-    last, since = None, time.time()
-    while True:  # the checks and the re-profiles they trigger, in idle time
-        st = cl.api("GET", "/evicpress/status")
-        c1 = cl.counters()
-        checks = (c1.get("observations_queued", 0) - c0.get("observations_queued", 0)
-                  - c1.get("observations", 0) + c0.get("observations", 0))
-        if not st["pending_profiles"] and checks <= 0:
-            break
-        if (checks, st["pending_profiles"]) != last:
-            last, since = (checks, st["pending_profiles"]), time.time()
-        elif time.time() - since > 300:  # a check that failed is never counted: not waited for forever
-            log(f"WARNING: drift: {checks} checks and {st['pending_profiles']} re-profiles made no progress "
-                "in 300 s (the server log has the errors); measured as they are")
-            break
-        log(f"drift: {checks} checks and {st['pending_profiles']} re-profiles left")
-        time.sleep(5)
-    after = {c["id"]: {k: v for k, v in c["quality"].items() if k != "full"}
-             for c in cl.api("GET", "/evicpress/contexts")["contexts"] if c["profiled"]}
-    c1 = cl.counters()
-    delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("observations_queued", "observations", "drift_flags", "reprofilings")}
-    changed = sorted(cid for cid in after if after[cid] != before.get(cid))
-    maes = profile_mae({"before": before, "after": {**before, **after}}, served)
-    log(f"drift: {delta}, {len(changed)} contexts re-profiled; profile MAE {maes['before']['mean']:.3f} -> "
-        f"{maes['after']['mean']:.3f}")
-    return {"alpha": alpha, "threshold": threshold, "method": method, "counters": delta,
-            "unfinished": {"checks": checks, "profiles": st["pending_profiles"]},
-            "reprofiled": changed, "profile_mae": maes, "profiles_after": after}
 
 
 # a failed lookup serves the request without EvicPress (a plain miss): counted as a failure
@@ -409,7 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-queries", type=int, default=None,
                     help="queries per context the profiler answers (default 4; generic has 2)")
     ap.add_argument("--profile-tokens", type=int, default=None,
-                    help="answer length when profiling (default 8 with --quick, else --max-new-tokens)")
+                    help="answer length when profiling (default --max-new-tokens: the answers a profile "
+                    "predicts; shorter ones diverge less and over-rate a lossy config)")
     ap.add_argument("--device-contexts", type=float, default=None,
                     help="EvicPress device tier, in full contexts (default: the server's, a quarter of the pool)")
     ap.add_argument("--requests", type=int, default=None, help="measured requests per system")
@@ -434,6 +229,9 @@ def main(argv=None) -> int:
                     "questions given at registration, the earlier default) or context (questions the server "
                     "builds from each context's text); the last one's profiles serve, every one's error "
                     "against the served quality is the JSON's profile_mae")
+    ap.add_argument("--profiles-only", action="store_true",
+                    help="measure the profiles' error only: profile, then the served quality of each "
+                    "profiled fixed config (no systems, no frontier)")
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="start from the profiles an earlier run saved in OUT.profiles.json")
     args = ap.parse_args(argv)
@@ -468,7 +266,7 @@ def main(argv=None) -> int:
             ap.error(f"--methods: unknown method {m!r}")
         drops_tokens |= get_compressor(m).scenario == "token_dropping"
     max_new = args.max_new_tokens or (12 if q else 24)
-    profile_new = args.profile_tokens or (8 if q else max_new)
+    profile_new = args.profile_tokens or max_new
     profile_queries = args.profile_queries or 4
     profile_methods = [m.strip() for m in args.profile_methods.split(",") if m.strip()]
     for m in profile_methods:
@@ -587,7 +385,7 @@ def main(argv=None) -> int:
             profile_seconds[method] = time.time() - t0
             log(f"profiled {len(profiles[method])} contexts ({method}) in {profile_seconds[method]:.0f}s")
         t_profile = sum(profile_seconds.values())
-        for name, reconfig in systems:
+        for name, reconfig in ([] if args.profiles_only else systems):
             log(f"system {name}")
             t1 = time.time()
             row, recs = run_system(cl, name, contexts, stream, max_new, refs, not args.no_warm, reconfig, log)
@@ -606,6 +404,11 @@ def main(argv=None) -> int:
         served, served_records = served_quality(cl, contexts, [f for f in fixed if f in candidate_labels],
                                                 max_new, scorer, log)
         maes = profile_mae(profiles, served)
+        floor = served_floor(served_records)
+        for cfg, f in floor.items():
+            log(f"served quality of {cfg}: answers within a context spread {f['within_context_sd']:.3f} (sd); "
+                f"a profile of the two generic questions measured exactly as served is off by "
+                f"{f['generic_exact_mae']:.3f} (the floor without the test question)")
         calibration = None
         if "context-likelihood" in profiles and profiles["context-likelihood"]:
             calibration = calibrate_likelihood(profiles["context-likelihood"], served)
@@ -656,6 +459,7 @@ def main(argv=None) -> int:
         "served_quality_records": served_records,
         "frontier": frontier(rows),
         "profile_mae": maes,
+        "served_floor": floor,
         "likelihood_calibration": calibration,
         "drift": drift,
         "results": rows,
@@ -664,12 +468,14 @@ def main(argv=None) -> int:
         "records": records,
     }
     out_json.write_text(json.dumps(result, indent=1))
-    png = out_json.with_suffix(".png")
+    pngs = ([out_json.with_suffix(".png")] if rows else []) + [out_json.with_suffix(".profiles.png")]
     try:
-        plot(rows, png)
+        if rows:
+            plot(rows, pngs[0])
+        plot_profiles(profiles, served, pngs[-1])
     except Exception as exc:  # pragma: no cover - plotting is optional
         log(f"no plot: {exc}")
-    log(f"wrote {out_json} and {png}")
+    log(f"wrote {out_json} and {', '.join(map(str, pngs))}")
     for name, f in result["frontier"]["baselines"].items():
         if f["ratio"] is not None:
             log(f"frontier: EvicPress at {name}'s quality {f['quality']:.3f}: {f['evicpress_ttft_at_quality_s']:.3f}s "
@@ -706,3 +512,26 @@ def plot(rows: list[dict], path: Path) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def plot_profiles(profiles: dict, served: dict, path: Path) -> None:
+    """Profiled against served quality, one point per (context, config), per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(profiles), figsize=(4.2 * len(profiles), 4.2), squeeze=False)
+    for ax, (method, per_ctx) in zip(axes[0], profiles.items()):
+        for cfg, by_ctx in served.items():
+            pts = [(q, per_ctx[cid][cfg]) for cid, q in by_ctx.items() if cfg in per_ctx.get(cid, {})]
+            if pts:
+                ax.scatter(*zip(*pts), s=25, label=cfg)
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+        ax.set_title(method)
+        ax.set_xlabel("served quality")
+        ax.set_ylabel("profiled quality")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
