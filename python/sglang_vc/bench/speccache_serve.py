@@ -194,6 +194,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="server selectors besides full recompute")
     ap.add_argument("--ratios", default="0.15,0.2")
     ap.add_argument("--n", type=int, default=None, help="RAG items per pair (default 12, --quick 4)")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="leave out the workload's first K items (to extend an earlier run with --merge)")
+    ap.add_argument("--merge", default=None, metavar="EARLIER.json",
+                    help="add the rows of an earlier run on other items of the same workload and pairs "
+                    "(each item's runs, full recompute included, come from one run)")
     ap.add_argument("--workload", choices=WORKLOAD_CHOICES, default="rag",
                     help="rag (one fact or two linked facts per item) or rag_multihop (a bridge entity, the "
                     "answer in another chunk, a lure and a distractor on the same entities)")
@@ -212,6 +217,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     pairs = parse_pairs(ap, args.pairs, args.quick)
     n = args.n if args.n is not None else (4 if args.quick else 12)
+    if args.skip < 0:
+        ap.error("--skip must be >= 0")
+    earlier: list[dict] = []
+    if args.merge:
+        try:
+            prev = json.loads(Path(args.merge).read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--merge: cannot read {args.merge}: {exc}")
+        if prev.get("workload") != args.workload or prev.get("partial"):
+            ap.error(f"--merge: {args.merge} is a {'partial ' if prev.get('partial') else ''}run of "
+                     f"workload {prev.get('workload')!r}, not a complete run of {args.workload!r}")
+        earlier = prev["rows"]
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = out.parent / (out.stem + "-logs")
@@ -221,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     full_rows: dict = {}
 
     def write(rows: list[dict], partial: bool) -> None:
-        report = _report(args, pairs, selectors, ratios, n, rates, rows, started, partial)
+        report = _report(args, pairs, selectors, ratios, n, rates, earlier + rows, started, partial)
         out.write_text(json.dumps(report, indent=2))
         plot(report["results"], out.with_suffix(".png"), title="SpecCache served: TTFT vs quality")
 
@@ -231,15 +248,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for target, spec in pairs:
         tok = AutoTokenizer.from_pretrained(models.resolve(target))
-        items = load_workload(args.workload, tokenizer=tok, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
-                              max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))
+        items = load_workload(args.workload, tokenizer=tok, n=args.skip + n, chunks=args.chunks,
+                              chunk_tokens=args.chunk_tokens,
+                              max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))[args.skip:]
+        clash = {r["item"] for r in earlier if r["target"] == target and r["spec_model"] == spec} & \
+            {it["id"] for it in items}
+        if clash:
+            log(f"--merge: {args.merge} already has items {sorted(clash)} of {target} <- {spec}")
+            return 2
         # rag_multihop's answer is one code on one line: what follows is not the answer
         stop = ["\n"] if args.workload == "rag_multihop" else None
         rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop,
                          full_rows.setdefault(target, {}))
         write(rows, partial=True)  # a pair's results are kept if a later pair fails
     write(rows, partial=False)
-    log_results(summarize(rows, rates))
+    log_results(summarize(earlier + rows, rates))
     log(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
@@ -249,7 +272,8 @@ def _report(args, pairs, selectors, ratios, n, rates, rows, started, partial: bo
     add_costs(results, rows)
     return {"benchmark": "speccache_serve", "workload": args.workload,
             "mode": "served (sglang-vc server, streamed TTFT)", "partial": partial, "pairs": pairs,
-            "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "chunks": args.chunks,
+            "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "skip": args.skip,
+            "merged_from": args.merge, "chunks": args.chunks,
             "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
             "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
 

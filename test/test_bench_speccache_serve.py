@@ -1,0 +1,63 @@
+"""``bench.speccache_serve``'s own logic, without a server: what a selection recomputed
+of a ``rag_multihop`` item's facts, the front end's share of a TTFT, and extending an
+earlier run (``--skip``, ``--merge``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_vc.bench import speccache_serve as bench
+from sglang_vc.bench.workloads import load_workload
+from sglang_vc.speccache import layout
+
+
+@pytest.fixture(scope="module")
+def item_and_prompt(tokenizer):
+    item = load_workload("rag_multihop", tokenizer=tokenizer, n=1, chunks=4, chunk_tokens=128)[0]
+    return item, layout.tokenize(tokenizer, item["chunk_prefix"], item["chunks"], item["question"])
+
+
+def test_selection_report_counts_the_facts_tokens_and_the_chunks_shares(item_and_prompt):
+    item, prompt = item_and_prompt
+    spans = bench._fact_spans(item, prompt)
+    assert set(spans) == {"bridge", "answer", "lure"}
+    a, b = spans["answer"]
+    assert item["answer"] in prompt.text[a:b]
+    answer_tokens = [i for i, (x, y) in enumerate(prompt.offsets) if x < b and y > a]
+    half = answer_tokens[: len(answer_tokens) // 2]
+    report = bench.selection_report(item, prompt, half)
+    assert report["fact_recomputed"]["answer"] == pytest.approx(len(half) / len(answer_tokens))
+    assert report["fact_recomputed"]["bridge"] == 0.0 and report["fact_recomputed"]["lure"] == 0.0
+    assert report["selection_share"]["answer"] == pytest.approx(1.0)
+    assert report["selection_share"]["bridge"] == 0.0
+
+
+def test_front_end_time_is_tokenization_then_the_longer_of_selection_and_fetch():
+    assert bench.front_end_s({"tokenize_s": 0.1, "score_s": 2.0, "align_s": 0.1, "select_s": 0.1,
+                              "fetch_s": 1.0}) == pytest.approx(2.3)
+    assert bench.front_end_s({"tokenize_s": 0.1, "score_s": 0.5, "fetch_s": 3.0}) == pytest.approx(3.1)
+
+
+def test_merge_refuses_another_workload_or_a_partial_run(tmp_path, capsys):
+    for bad in ({"workload": "rag", "partial": False, "rows": []},
+                {"workload": "rag_multihop", "partial": True, "rows": []}):
+        prev = tmp_path / "prev.json"
+        prev.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--json", str(tmp_path / "x.json"), "--workload", "rag_multihop", "--merge", str(prev)])
+        assert exc.value.code == 2
+        assert "--merge" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--json", str(tmp_path / "x.json"), "--skip", "-1"])
+    assert exc.value.code == 2
+
+
+def test_skipped_items_are_the_workloads_later_ones(tokenizer):
+    """A run of N items and a --skip N run complete a run of 2N: an item does not depend
+    on how many are built (each is built from its own index)."""
+    all4 = load_workload("rag_multihop", tokenizer=tokenizer, n=4, chunks=4, chunk_tokens=128)
+    first2 = load_workload("rag_multihop", tokenizer=tokenizer, n=2, chunks=4, chunk_tokens=128)
+    assert [it["prompt"] for it in first2] == [it["prompt"] for it in all4[:2]]
+    assert len({it["id"] for it in all4}) == 4
