@@ -22,7 +22,8 @@ so the contexts do not all fit in the fast ones (device pool a few contexts, hos
 
 Phases: (1) for each ``--profile-methods`` in turn, register the contexts and let the
 server's profiler measure each config's quality (the paper's offline phase, section
-4.1): ``generic`` gives the two generic questions, ``context`` lets the server build
+4.1): ``generic`` gives the two generic questions, ``asked`` the stream's three (what
+re-profiling on the asked queries reaches), ``context`` lets the server build
 ``--profile-queries`` questions from each context's text, ``context-likelihood`` scores
 those by the likelihood proxy; the last method's profiles serve; (2) for each system:
 reconfigure, one unmeasured pass over all contexts (initial placement), then the
@@ -64,8 +65,10 @@ from .evicpress_quality import (calibrate_likelihood, drift_phase, frontier, pro
 # questions given at registration, or none given and the server builds --profile-queries
 # questions from each context's own text (``--evicpress-profile-source context``); each
 # config scored by its answer against the full-KV answer, or (``-likelihood``) by the
-# cheaper proxy, the full-KV answer's likelihood over the config's KV.
-PROFILE_METHODS = ("generic", "context", "context-likelihood")
+# cheaper proxy, the full-KV answer's likelihood over the config's KV; ``asked``: the three
+# questions the stream asks of the context, what re-profiling on the queries a context
+# was asked (paper section 4.3) converges to.
+PROFILE_METHODS = ("generic", "context", "context-likelihood", "asked")
 GENERIC_QUESTIONS = (
     "Question: Summarize the text above in one sentence.",
     "Question: What is the main topic of the text above?",
@@ -73,10 +76,12 @@ GENERIC_QUESTIONS = (
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M, float32: 2 * 30 layers * 3 heads * 64 * 4
 
 
-def _fingerprint(context: dict, method: str, queries: int) -> str:
-    """What a saved profile was measured on: the context's tokens and profile queries."""
-    asked = context["profile"] if method == "generic" else [method, queries]
-    return hashlib.sha256(json.dumps([context["token_ids"], asked]).encode()).hexdigest()[:16]
+def _fingerprint(context: dict, method: str, queries: int, answer_tokens: int) -> str:
+    """What a saved profile was measured on: the context's tokens, its profile queries and
+    the answer length (longer answers diverge more)."""
+    asked = {"generic": context["profile"], "asked": [context["test"], *context["profile"]]}.get(
+        method, [method, queries])
+    return hashlib.sha256(json.dumps([context["token_ids"], asked, answer_tokens]).encode()).hexdigest()[:16]
 
 
 def build_contexts(tokenizer_dir: str, n: int, lengths: tuple[int, ...], seed: int) -> list[dict]:
@@ -226,9 +231,11 @@ def main(argv=None) -> int:
     ap.add_argument("--url", default=None, help="use a running server (started with matching flags)")
     ap.add_argument("--profile-methods", type=str, default="context",
                     help="how contexts are profiled, comma-separated, each in turn: generic (two generic "
-                    "questions given at registration, the earlier default) or context (questions the server "
-                    "builds from each context's text); the last one's profiles serve, every one's error "
-                    "against the served quality is the JSON's profile_mae")
+                    "questions given at registration, the earlier default), context (questions the server "
+                    "builds from each context's text), context-likelihood (those, by the likelihood proxy) "
+                    "or asked (the three questions the stream asks: what re-profiling on asked queries "
+                    "reaches); the last one's profiles serve, every one's error against the served "
+                    "quality is the JSON's profile_mae")
     ap.add_argument("--profiles-only", action="store_true",
                     help="measure the profiles' error only: profile, then the served quality of each "
                     "profiled fixed config (no systems, no frontier)")
@@ -321,7 +328,7 @@ def main(argv=None) -> int:
     state: dict = {"server": None}
     profiles: dict = {m: {} for m in profile_methods}  # method -> context -> config -> quality
     prof_path = out_json.with_suffix(".profiles.json")
-    fingerprints = {m: {c["id"]: _fingerprint(c, m, profile_queries) for c in contexts} for m in profile_methods}
+    fingerprints = {m: {c["id"]: _fingerprint(c, m, profile_queries, profile_new) for c in contexts} for m in profile_methods}
     if args.reuse_profiles and prof_path.exists():
         # The contexts are rebuilt from text on this machine, which can change (packages
         # installed...): a profile is reused only for the very same tokens and queries.
@@ -346,6 +353,8 @@ def main(argv=None) -> int:
             body = {"id": c["id"], "token_ids": c["token_ids"]}
             if method == "generic":
                 body["query_suffix_ids"] = c["profile"]
+            elif method == "asked":
+                body["query_suffix_ids"] = [c["test"], *c["profile"]]
             if c["id"] in profiles[method]:
                 body["quality"] = profiles[method][c["id"]]
             cl.api("POST", "/evicpress/contexts", body)
