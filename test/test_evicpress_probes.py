@@ -114,6 +114,25 @@ def test_profile_error_against_served_quality():
     assert "kivi@2b" not in maes["good"] and abs(maes["good"]["mean"] - 0.05) < 1e-9
 
 
+def test_served_floor_is_what_the_two_generic_questions_leave_and_the_spread(tmp_path):
+    """The served reference's own floor: the two generic questions' served qualities
+    against the mean of all three; misses and device hits do not count. And the
+    profiled-vs-served plot is written."""
+    from sglang_vc.bench.evicpress import plot_profiles
+    from sglang_vc.bench.evicpress_quality import served_floor
+
+    recs = [{"config": "kivi@2b", "ctx": "a", "query": q, "tier": "host", "quality": v}
+            for q, v in ((0, 0.0), (1, 0.6), (2, 0.6))]
+    recs += [{"config": "kivi@2b", "ctx": "b", "query": 0, "tier": "miss", "quality": 1.0}]
+    floor = served_floor(recs)["kivi@2b"]
+    assert floor["contexts"] == 1
+    assert abs(floor["generic_exact_mae"] - (0.6 - 0.4)) < 1e-9
+    assert abs(floor["within_context_sd"] - (0.08 ** 0.5)) < 1e-9
+    png = tmp_path / "p.png"
+    plot_profiles({"generic": {"a": {"kivi@2b": 0.5}}}, {"kivi@2b": {"a": 0.4}}, png)
+    assert png.stat().st_size > 0
+
+
 def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
     import math
 

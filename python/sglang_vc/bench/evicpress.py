@@ -484,7 +484,7 @@ def main(argv=None) -> int:
         plot_profiles(profiles, served, pngs[-1])
     except Exception as exc:  # pragma: no cover - plotting is optional
         log(f"no plot: {exc}")
-    log(f"wrote {out_json} and {', '.join(map(str, pngs))}")
+    log(f"wrote {', '.join(str(p) for p in [out_json, *pngs] if p.exists())}")
     for name, f in result["frontier"]["baselines"].items():
         if f["ratio"] is not None:
             log(f"frontier: EvicPress at {name}'s quality {f['quality']:.3f}: {f['evicpress_ttft_at_quality_s']:.3f}s "
@@ -519,10 +519,6 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def plot_profiles(profiles: dict, served: dict, path: Path) -> None:
     """Profiled against served quality, one point per (context, config), per method."""
     import matplotlib
@@ -544,3 +540,7 @@ def plot_profiles(profiles: dict, served: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
