@@ -136,7 +136,7 @@ def test_served_floor_is_what_the_two_generic_questions_leave_and_the_spread(tmp
 def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
     import math
 
-    from sglang_vc.evicpress.context import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.context import REF_NAMESPACE, variant_label
     from sglang_vc.evicpress.profiler import likelihood_quality
     from sglang_vc.evicpress.service import ProfilerService
 
@@ -157,7 +157,7 @@ def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
                 meta["output_token_logprobs"] = [[lp, 7 + i, None] for i, lp in enumerate(ref_lp)]
                 return {"text": "abc", "output_ids": [7, 8, 9], "meta_info": meta}
             assert ids[-3:] == [7, 8, 9] and kw["logprob_start_len"] == len(ids) - 4  # the full answer, teacher-forced
-            d = drop[ns[len(CFG_NAMESPACE):]]
+            d = drop[variant_label(ns)]
             # as SGLang answers: the first position from logprob_start_len has no logprob
             meta["input_token_logprobs"] = [[None, ids[-4], None]] + [
                 [lp - d, t, None] for lp, t in zip(ref_lp, [7, 8, 9])]

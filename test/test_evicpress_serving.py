@@ -410,7 +410,7 @@ def test_profiler_job_scores_variants_against_reference():
     """The profiler answers each prompt with full KV (reference) and under each config,
     scores the agreement, skips a config whose compressed context was not loaded, and
     posts the profile."""
-    from sglang_vc.evicpress.context import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.context import REF_NAMESPACE, variant_label
     from sglang_vc.evicpress.service import ProfilerService
 
     posted = []
@@ -421,13 +421,14 @@ def test_profiler_job_scores_variants_against_reference():
             return {}
 
     ctx = list(range(100, 300))
-    answers = {REF_NAMESPACE: "the cat sat", CFG_NAMESPACE + "kivi@4b": "the cat sat",
-               CFG_NAMESPACE + "kivi@2b": "a dog ran"}
+    answers = {REF_NAMESPACE: "the cat sat", "kivi@4b": "the cat sat", "kivi@2b": "a dog ran"}
 
     class Prof(ProfilerService):
         def _gen(self, ids, ns, max_new_tokens, **kw):
-            cached = len(ctx) if ns != CFG_NAMESPACE + "kivi1@1b" else 3  # 1-bit failed to load
-            return {"text": answers.get(ns, "x"), "meta_info": {"cached_tokens": cached}}
+            assert ns == REF_NAMESPACE or ns.endswith("/c")  # each context's variants in their own namespace
+            label = ns if ns == REF_NAMESPACE else variant_label(ns)
+            cached = len(ctx) if label != "kivi1@1b" else 3  # 1-bit failed to load
+            return {"text": answers.get(label, "x"), "meta_info": {"cached_tokens": cached}}
 
     prof = Prof(Client(), "http://unused", tok=None, idle_seconds=0,
                 scorer=lambda a, b: 1.0 if a == b else 0.25)

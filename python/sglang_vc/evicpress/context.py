@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -16,12 +16,26 @@ from .probes import ProbeSource
 from .profiler import ProfileMetric
 
 __all__ = ["Settings", "KVDims", "Context", "Fetched", "common_prefix_len", "as_token_array",
-           "PROFILE_NAMESPACE", "REF_NAMESPACE", "CFG_NAMESPACE", "MIN_CONTEXT_TOKENS"]
+           "PROFILE_NAMESPACE", "REF_NAMESPACE", "CFG_NAMESPACE", "MIN_CONTEXT_TOKENS",
+           "variant_namespace", "variant_label"]
 
 PROFILE_NAMESPACE = "evicpress:"  # extra_key prefix of the profiler's own requests
 REF_NAMESPACE = "evicpress:ref"
 CFG_NAMESPACE = "evicpress:cfg:"
 MIN_CONTEXT_TOKENS = 16
+
+
+def variant_namespace(label: str, ctx_id: Any) -> str:
+    """The profiler's namespace for answering on config ``label`` of context ``ctx_id``:
+    one per context, because contexts share first tokens (an instruction header) and a
+    variant's rows are compressed over the whole context -- in a shared namespace one
+    context's variant would start from another's rows."""
+    return f"{CFG_NAMESPACE}{label}/{ctx_id}"
+
+
+def variant_label(namespace: str) -> str:
+    """The config label of a profiler namespace (``evicpress:cfg:<label>[/<context>]``)."""
+    return namespace[len(CFG_NAMESPACE):].split("/", 1)[0]
 
 
 @dataclass

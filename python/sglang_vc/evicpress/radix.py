@@ -80,7 +80,7 @@ from .device_tier import DeviceTierStore
 from .disk_tier import measure_bandwidth
 from .host_tier import HostSlotStore, HostTierStore
 from .storage_tier import StorageTier
-from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims
+from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims, variant_label
 from .manager import EvicPressManager
 from .request_plan import Load
 
@@ -689,12 +689,12 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 st.tier, st.served = fetched.tier.name.lower(), fetched.config
 
     def _inject_variant(self, req, key: RadixKey, ns: str) -> None:
-        """Profiler request: answer on config ``ns[len(CFG_NAMESPACE):]`` of the context.
+        """Profiler request: answer on config ``variant_label(ns)`` of the context.
         Its own KV never enters the tree (a failed load must not leave full KV in this
         namespace); the profiler checks ``cached_tokens`` to know the load happened."""
         req.skip_radix_cache_insert = True
         mgr = self.evicpress
-        cfg = CompressionConfig.parse(ns[len(CFG_NAMESPACE):])
+        cfg = CompressionConfig.parse(variant_label(ns))
         ids = key.raw_token_ids()
         m = mgr.match(ids, None)
         if m is None:

@@ -58,7 +58,7 @@ import requests
 from .config import CompressionConfig
 from .control import ControlClient, ControlError
 from .flags import settings_of
-from .context import CFG_NAMESPACE, REF_NAMESPACE
+from .context import REF_NAMESPACE, variant_namespace
 from .probes import ProbeSource, context_probes
 from .profiler import ProfileMetric, likelihood_quality, monotone_profile
 
@@ -423,14 +423,15 @@ class ProfilerService:
         labels = list(job["candidates"])
         if likelihood:  # the full-KV answer read over each config's KV: one forward, no decoding
             answers = _parallel([
-                (lambda p=p, r=r, ns=CFG_NAMESPACE + label:
+                (lambda p=p, r=r, ns=variant_namespace(label, job["ctx_id"]):
                  # from the prompt's last token: SGLang gives the first input position None
                  self._gen(p + list(r["output_ids"]), ns, 1, logprob_start_len=len(p) - 1))
                 for label in labels for p, r in zip(prompts, refs)
             ])
         else:
             answers = _parallel([
-                (lambda p=p, ns=CFG_NAMESPACE + label: self._gen(p, ns, m)) for label in labels for p in prompts
+                (lambda p=p, ns=variant_namespace(label, job["ctx_id"]): self._gen(p, ns, m))
+                for label in labels for p in prompts
             ])
         quality = {}
         for i, label in enumerate(labels):
