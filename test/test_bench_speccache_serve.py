@@ -40,13 +40,18 @@ def test_front_end_time_is_tokenization_then_the_longer_of_selection_and_fetch()
     assert bench.front_end_s({"tokenize_s": 0.1, "score_s": 0.5, "fetch_s": 3.0}) == pytest.approx(3.1)
 
 
-def test_merge_refuses_another_workload_or_a_partial_run(tmp_path, capsys):
+def test_merge_refuses_another_workload_a_partial_run_other_settings_or_the_same_items(tmp_path, capsys):
+    clash = {"item": "rag_multihop-0000", "target": "smollm2-135m", "spec_model": "smollm2-135m"}
     for bad in ({"workload": "rag", "partial": False, "rows": []},
-                {"workload": "rag_multihop", "partial": True, "rows": []}):
+                {"workload": "rag_multihop", "partial": True, "rows": []},
+                {"workload": "rag_multihop", "partial": False},
+                {"workload": "rag_multihop", "partial": False, "rows": [], "chunk_tokens": 256},
+                {"workload": "rag_multihop", "partial": False, "rows": [clash], "ratios": [0.15, 0.2]}):
         prev = tmp_path / "prev.json"
         prev.write_text(json.dumps(bad))
         with pytest.raises(SystemExit) as exc:
-            bench.main(["--json", str(tmp_path / "x.json"), "--workload", "rag_multihop", "--merge", str(prev)])
+            bench.main(["--json", str(tmp_path / "x.json"), "--workload", "rag_multihop", "--merge", str(prev),
+                        "--pairs", "smollm2-135m:smollm2-135m", "--n", "1", "--chunk-tokens", "128"])
         assert exc.value.code == 2
         assert "--merge" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:

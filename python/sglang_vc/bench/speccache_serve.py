@@ -225,9 +225,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             prev = json.loads(Path(args.merge).read_text())
         except (OSError, ValueError) as exc:
             ap.error(f"--merge: cannot read {args.merge}: {exc}")
-        if prev.get("workload") != args.workload or prev.get("partial"):
-            ap.error(f"--merge: {args.merge} is a {'partial ' if prev.get('partial') else ''}run of "
-                     f"workload {prev.get('workload')!r}, not a complete run of {args.workload!r}")
+        if prev.get("workload") != args.workload or prev.get("partial") or not isinstance(prev.get("rows"), list):
+            ap.error(f"--merge: {args.merge} is not a complete run of workload {args.workload!r}")
+        same = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "ratios": ratios,
+                "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens}
+        differ = [k for k, v in same.items() if prev.get(k, v) != v]
+        if differ:
+            ap.error(f"--merge: {args.merge} was run with other {', '.join(differ)}")
         earlier = prev["rows"]
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +250,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from sglang_vc import models
 
+    work = []
     for target, spec in pairs:
         tok = AutoTokenizer.from_pretrained(models.resolve(target))
         items = load_workload(args.workload, tokenizer=tok, n=args.skip + n, chunks=args.chunks,
@@ -253,9 +258,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                               max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))[args.skip:]
         clash = {r["item"] for r in earlier if r["target"] == target and r["spec_model"] == spec} & \
             {it["id"] for it in items}
-        if clash:
-            log(f"--merge: {args.merge} already has items {sorted(clash)} of {target} <- {spec}")
-            return 2
+        if clash:  # checked for every pair before any runs
+            ap.error(f"--merge: {args.merge} already has items {sorted(clash)} of {target} <- {spec}")
+        work.append((target, spec, items))
+    for target, spec, items in work:
         # rag_multihop's answer is one code on one line: what follows is not the answer
         stop = ["\n"] if args.workload == "rag_multihop" else None
         rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop,
@@ -273,6 +279,7 @@ def _report(args, pairs, selectors, ratios, n, rates, rows, started, partial: bo
     return {"benchmark": "speccache_serve", "workload": args.workload,
             "mode": "served (sglang-vc server, streamed TTFT)", "partial": partial, "pairs": pairs,
             "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "skip": args.skip,
+            "max_new_tokens": args.max_new_tokens,
             "merged_from": args.merge, "chunks": args.chunks,
             "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
             "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
