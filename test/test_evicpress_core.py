@@ -568,7 +568,7 @@ def test_failed_lookup_is_counted_and_served_without_evicpress(monkeypatch):
     cache = object.__new__(EvicPressRadixCache)
     # the manager's count() adds to its own counters and the server's sglang_vc counters
     cache.evicpress = types.SimpleNamespace(count=lambda **kw: seen.append(kw))
-    cache.disable, cache._dropped = False, {}
+    cache.disable, cache._private = False, {}
 
     def broken(params):
         raise RuntimeError("store unreachable")

@@ -687,6 +687,74 @@ def test_server_kv_bytes_survive_device_host_disk_device(ep_server, tokenizer):
     assert info["device_config"] == "kivi@4b"
 
 
+def test_a_lossy_copy_never_stands_in_for_the_exact_rows_of_another_request(ep_server, tokenizer):
+    """A context served from its 2-bit copy shares its first 28 tokens (an instruction
+    header) with a plain request that is no context. The lossy rows are the context's
+    alone: the plain request decodes token for token as full-KV decoding, sent after
+    the context's load and in one batch with it, in both orders. (Until 2026-11-27 the
+    dequantized rows went into the tree under the request's own namespace, and the plain
+    request reused them for the header: its greedy output differed.)"""
+    import threading
+
+    from conftest import real_text_passages
+
+    s = ep_server
+    passages = real_text_passages(16, words=220)
+    header = tokenizer("You are a careful reader. Read the document below, then answer the question "
+                       "after it in a few words.\n\nDocument:\n", add_special_tokens=False)["input_ids"]
+    body = lambda i, n: tokenizer(passages[i], add_special_tokens=False)["input_ids"][:n]  # noqa: E731
+    ctx_ids = header + body(12, CTX_TOKENS - len(header))
+    q = tokenizer(epx.QUESTION, add_special_tokens=False)["input_ids"]
+    plain = header + body(13, 80) + q  # under --evicpress-auto-context-tokens: no context
+    assert len(header) >= 20 and len(plain) < 150
+
+    def run(ids):
+        return s.generate(input_ids=ids, max_new_tokens=12)
+
+    epx.api(s, "POST", "/evicpress/evict_device")
+    want = run(plain)  # full-KV decoding, nothing cached
+    epx.api(s, "POST", "/evicpress/contexts", {"id": "lossy", "token_ids": ctx_ids, "quality": {}})
+    epx.ask(s, tokenizer, ctx_ids)  # computed and stored
+    epx.api(s, "POST", "/evicpress/contexts/lossy/placement", {"tier": "host", "config": "kivi@2b"})
+    full = epx.api(s, "GET", "/evicpress/contexts/lossy/digest")
+
+    def check_plain(got):
+        assert got["output_ids"] == want["output_ids"], (got["output_ids"], want["output_ids"])
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        assert len(got["output_ids"]) == len(want["output_ids"])
+
+    def check_lossy(c0):
+        assert epx.counters(s)["hits_host"] == c0.get("hits_host", 0) + 1
+        d = epx.api(s, "GET", "/evicpress/contexts/lossy/digest")
+        # the device holds the 2-bit copy dequantized, not the full KV: the compressed path
+        assert d["device_config"] == "kivi@2b" and d["device"] == d["stored"] != full["device"], d
+
+    epx.api(s, "POST", "/evicpress/evict_device")
+    c0 = epx.counters(s)
+    lossy = epx.ask(s, tokenizer, ctx_ids)
+    assert lossy["meta_info"]["cached_tokens"] >= CTX_TOKENS
+    check_lossy(c0)
+    got = run(plain)  # the lossy copy is on the device now
+    check_plain(got)
+    assert got["meta_info"]["cached_tokens"] == 0  # nothing exact of the header is cached
+    c1 = epx.counters(s)
+    again = epx.ask(s, tokenizer, ctx_ids)  # the context's own requests do reuse its device copy
+    assert epx.counters(s)["hits_device"] == c1.get("hits_device", 0) + 1
+    assert again["output_ids"] == lossy["output_ids"]
+
+    for order in (("ctx", "plain"), ("plain", "ctx")):  # one batch, both orders
+        epx.api(s, "POST", "/evicpress/evict_device")
+        c0, outs = epx.counters(s), {}
+        prompts = {"ctx": ctx_ids + q, "plain": plain}
+        threads = [threading.Thread(target=lambda k=k: outs.__setitem__(k, run(prompts[k]))) for k in order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check_plain(outs["plain"])
+        check_lossy(c0)
+
+
 @pytest.mark.parametrize("damage", [pytest.param("flip", marks=pytest.mark.slow), "truncate"])
 def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     from conftest import real_text_passages

@@ -90,8 +90,8 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
                  "\n\nThe most important word in this text is"]
     lossy_prompts = [ctx_ids + tokenizer(q, add_special_tokens=False)["input_ids"] for q in questions]
     exact_prompts = [tokenizer(p[:300])["input_ids"] for p in passages[3:5]]  # no stored prefix
-    # shares the context's first 40 tokens (its radix match runs into the lossy rows), then
-    # another text: less than half the context, so no context match; it is verified too
+    # shares the context's first 40 tokens, then another text: less than half the context,
+    # so no context match; the lossy copy's rows are not its to match
     overlap_prompt = ctx_ids[:40] + tokenizer(passages[5][:300], add_special_tokens=False)["input_ids"]
     prompts = lossy_prompts + exact_prompts + [overlap_prompt]
     n_new = 24
@@ -154,13 +154,13 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             assert after_local.get("hits_device", 0) - before_local.get("hits_device", 0) >= rv["verify_calls"], (
                 before_local, after_local)
 
-            # a prompt whose radix match runs into the lossy rows without matching the
-            # context (sent once the copy is on the device) is verified as well
+            # a prompt sharing the context's opening (sent once the lossy copy is on the
+            # device) matches none of its rows: an exact prefill, never verified
             got = _post(remote.url, {"input_ids": overlap_prompt, "sampling_params": {
                 "temperature": 0, "max_new_tokens": n_new}}).json()
             assert got["output_ids"] == ref[5]["output_ids"], (got, ref[5]["output_ids"])
-            assert remote.server_info()["sglang_vc"]["counters"]["evicpress"].get("lossy_overlaps") == 1
-            assert got["meta_info"]["sglang_vc_vericache"][0]["verify_rounds"] >= n_new // 4 - 1, got["meta_info"]
+            assert got["meta_info"]["cached_tokens"] == 0, got["meta_info"]
+            assert not any(got["meta_info"].get("sglang_vc_vericache") or []), got["meta_info"]
 
             # the verifier fails mid-request (after the first token and one round): the
             # remote reads the full copy at once and the request finishes exactly

@@ -274,23 +274,6 @@ class EvicPressManager(StorageCopies, ProfileState, RequestPlan):
                     best = (ctx, n)
             return best
 
-    def lossy_overlap(self, token_ids, namespace, limit: int) -> Optional[tuple[Context, int]]:
-        """The context whose device copy is lossy and shares the longest prefix with
-        ``token_ids`` (at most ``limit`` tokens), and that length; None when none does.
-        A radix match can run into such rows whether or not the request matched the
-        context (their first tokens are shared tree nodes)."""
-        ids = as_token_array(token_ids)[:limit]
-        with self.lock:
-            best = None
-            for ctx in self.contexts.values():
-                cfg = ctx.device_config
-                if cfg is None or cfg.is_full or ctx.namespace != namespace:
-                    continue
-                n = common_prefix_len(ids, ctx.token_ids)
-                if n > 0 and (best is None or n > best[1]):
-                    best = (ctx, n)
-            return best
-
     # ------------------------------------------------------------------ model
     def info(self, ctx: Context) -> ContextInfo:
         n = ctx.stored_len or ctx.num_tokens

@@ -22,35 +22,44 @@
 A request whose prompt starts with a known context (registered through the API, or a
 long prompt seen before) is looked up in ``match_prefix``: if the device tree has the
 context, it is a device hit; otherwise the context's blob is read from its tier (a
-corrupted disk entry is detected by its checksum and dropped, never served), decoded
-(dequantized) and written into freshly allocated device slots, which are inserted into
-the tree -- SGLang's own match then finds them. A miss is computed by prefill as usual,
-and its KV is captured from the device right after (``checkpoint_into_tree``) and stored
-by the placement policy (:mod:`.manager`, :mod:`.policy`).
+corrupted disk entry is detected by its checksum and dropped, never served) and decoded.
+A full copy is written into freshly allocated device slots inserted into the tree under
+the request's own key -- SGLang's own match then finds them. A miss is computed by
+prefill as usual, and its KV is captured from the device right after
+(``checkpoint_into_tree``) and stored by the placement policy (:mod:`.manager`,
+:mod:`.policy`).
+
+**The rows in a request's namespace are always exact.** A lossy copy (quantized or
+token-dropped) is never inserted there: every request sharing a few first tokens with
+the context (an instruction header, a system prompt) would match its rows and decode
+over lossy KV without having asked for it. A lossy copy lives in a private namespace of
+its own (``evicpress:lossy:<ctx>:<config>``; ``evicpress:drop:<ctx>:<config>:<n>`` for a
+token-dropped one, whose kept rows depend on ``n``) that no ordinary request matches.
+The request served from it:
+
+1. has its match redirected to the private node, which SGLang reports as its cached
+   prefix (all ``n`` context tokens);
+2. never puts its own KV in the tree (``skip_radix_cache_insert``): it was computed over
+   lossy rows;
+3. for a quantized copy, gets the node's slots as its prefix row. A token-dropped copy's
+   node holds only the ``n_keep`` kept rows of each (layer, head) (served by the
+   ``vc_torch`` attention backend, which the launcher then selects): the request's row
+   gets the kept slots followed by ``NULL_SLOT`` for the dropped tokens
+   (``prefix_device_indices``), and once SGLang has allocated it
+   (``maybe_hand_to_session``), a :class:`~sglang_vc.kvruntime.CompressedKVIndex`
+   (``attend_from = n``) makes the backend attend, for every query, over the kept rows
+   (their keys already carry RoPE) plus the ordinary causal rows from position ``n`` on
+   (the question, the generated tokens), skipping the null positions; the entry is
+   released with the request.
+
+The private node stays in the tree as the context's device copy (``device_config``)
+until the tree evicts it. :meth:`EvicPressRadixCache.install_full` (VeriCache's remote
+prefix caching) overwrites it with the exact KV in place, for the requests holding it,
+and puts the exact copy in the context's own namespace for the later ones.
 
 The profiler's requests carry an ``extra_key`` namespace (``evicpress:ref`` for full-KV
-reference answers, ``evicpress:cfg:<config>`` to answer on a compressed version of the
-context), so they never share tree nodes with user requests.
-
-**Token-dropped contexts** (``knorm@0.5``...; served by the ``vc_torch`` attention
-backend, which the launcher then selects) store only each (layer, head)'s kept rows, so
-they cannot be keyed token by token in the tree. Their device copy takes ``n_keep``
-slots, not ``n``. A hit on such a copy of an ``n``-token context:
-
-1. loads the ``n_keep`` kept rows into ``n_keep`` fresh device slots and inserts them
-   under the context's first ``n_keep`` tokens in a private namespace
-   (``evicpress:drop:<ctx>:<config>:<n>``) that no ordinary request matches;
-2. redirects the request's match to that node and reports all ``n`` context tokens as
-   cached, so SGLang does not prefill them; the request's row gets the kept slots
-   followed by ``NULL_SLOT`` for the dropped tokens (``prefix_device_indices``), and its
-   own KV never enters the tree (``skip_radix_cache_insert``);
-3. once SGLang has allocated the request's row (``maybe_hand_to_session``), registers
-   a :class:`~sglang_vc.kvruntime.CompressedKVIndex` for it (``attend_from = n``): the
-   ``vc_torch`` backend attends, for every query, over the kept rows (visible to all,
-   their keys already carry RoPE) plus the ordinary causal rows from position ``n`` on
-   (the question, the generated tokens), skipping the null positions;
-4. releases the index entry with the request; the private node stays in the tree as
-   the context's device copy (``device_config``) until the tree evicts it.
+reference answers, ``evicpress:cfg:<config>/<ctx>`` to answer on a compressed version of
+the context), so they never share tree nodes with user requests.
 
 The profiler answers on a token-dropped candidate the same way (its own private
 namespace), so the quality it measures is the quality this path serves.
@@ -88,6 +97,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "evicpress"
 DROP_NAMESPACE = PROFILE_NAMESPACE + "drop:"  # device copies of token-dropped contexts
+LOSSY_NAMESPACE = PROFILE_NAMESPACE + "lossy:"  # device copies of quantized contexts
 _SAME = object()  # "the namespace of the key given"
 _ACTIVE: Optional["EvicPressRadixCache"] = None  # this scheduler's cache (one TP rank)
 
@@ -110,9 +120,10 @@ def active_cache() -> Optional["EvicPressRadixCache"]:
 
 
 @dataclass
-class _DroppedPrefix:
-    """A request served from a token-dropped copy: its first ``n`` row positions are
-    the private node in ``namespace``, of which the first ``n_keep`` hold kept rows."""
+class _PrivatePrefix:
+    """A request served from a lossy copy: its first ``n`` row positions are the private
+    node in ``namespace``, of which the first ``n_keep`` hold rows (``n_keep == n`` for
+    a quantized copy; the kept rows of a token-dropped one)."""
 
     namespace: str
     n: int
@@ -120,8 +131,13 @@ class _DroppedPrefix:
     config: CompressionConfig
 
 
-def _drop_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False) -> str:
-    return f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
+def _private_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False) -> str:
+    """The namespace of a lossy device copy of ``ctx``'s first ``n`` tokens (module
+    docstring). A quantized copy's rows are the same whatever prefix of it is used;
+    a token-dropped copy's kept rows depend on ``n``."""
+    if cfg.drops_tokens:
+        return f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
+    return f"{LOSSY_NAMESPACE}{ctx.ctx_id}:{cfg.label}"
 
 
 @dataclass
@@ -142,7 +158,6 @@ class _Req:
     tier: str  # device | host | disk | miss | none
     served: Optional[CompressionConfig]
     capture_len: int
-    base_config: CompressionConfig
     t0: float
     prefix_have: int = 0
     fetched: object = None
@@ -173,9 +188,6 @@ def evicpress_factory(ctx):
 
 class EvicPressRadixCache(UnifiedRadixCache):
     evicpress: Optional[EvicPressManager] = None
-    # set by a worker that may make a lossy device copy exact in place (install_full):
-    # then no KV computed over a lossy copy may enter the tree
-    lossy_out_of_tree: bool = False
 
     # ------------------------------------------------------------------ set-up
     def init_hicache(self, server_args, params) -> None:
@@ -231,7 +243,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         settings.serves_dropped = kvruntime.current_runtime() is not None
         if settings.serves_dropped and self.page_size != 1:
             raise ValueError("evicpress: token-dropped contexts need --page-size 1")
-        self._dropped: dict[str, _DroppedPrefix] = {}  # rid -> its token-dropped prefix
+        self._private: dict[str, _PrivatePrefix] = {}  # rid -> its lossy prefix
         settings.model_id = model_id
         self.evicpress = EvicPressManager(
             settings, dims, host, disk,
@@ -265,7 +277,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if self.evicpress is not None:
             self.evicpress.on_host_cleared()
             self._reqs.clear()
-            self._dropped.clear()
+            self._private.clear()
 
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
@@ -318,19 +330,26 @@ class EvicPressRadixCache(UnifiedRadixCache):
         return True
 
     def install_full(self, ctx: Context, kv: FullKV) -> int:
-        """Overwrite the device rows of ``ctx`` (a lossy copy loaded from the store) with
-        its full KV ``kv``, in place: the requests holding those rows keep them, and later
-        requests match an exact copy (``device_config`` FULL). Only the context's own
-        rows change; a request's rows after the context are its own to recompute. Returns
-        the rows written (0 when the context is not on the device)."""
+        """Make the device copy of ``ctx`` exact with its full KV ``kv``: the rows of its
+        quantized copy are overwritten in place (the requests holding them keep them, now
+        exact), and the exact copy is put in the context's own namespace, where later
+        requests match it (``device_config`` FULL). Only the context's own rows change; a
+        request's rows after the context are its own to recompute. Returns the rows made
+        exact (0 when the context is not on the device and there is no room for it)."""
         n = self._floor(min(kv.num_tokens, ctx.stored_len or ctx.num_tokens))
-        have, _, idx = self._device_match(self._key(ctx.token_ids[:n].tolist(), None, ctx.namespace))
-        if have == 0:
+        ids = ctx.token_ids[:n].tolist()
+        cfg = ctx.device_config
+        in_place = 0
+        if cfg is not None and cfg.is_quantized and not cfg.drops_tokens:
+            in_place, _, idx = self._device_match(self._key(ids, None, _private_namespace(ctx, cfg, n)))
+            if in_place:
+                self._write(idx[:in_place], kv.prefix(in_place))
+        rows = max(in_place, self._inject(ids, None, ctx.namespace, n, kv))
+        if rows == 0:
             return 0
-        self._write(idx[:have], kv.prefix(have))
         ctx.device_config = FULL
         self.evicpress.count(full_copies_installed=1)
-        return have
+        return rows
 
     # ------------------------------------------------------------------ helpers
     def _key(self, ids, like: Optional[RadixKey], namespace=_SAME) -> RadixKey:
@@ -427,7 +446,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
     def place_dropped(self, ctx: Context, config: CompressionConfig, rows: FullKV) -> Optional[_Pin]:
         n = ctx.stored_len or ctx.num_tokens
         n_keep = rows.num_tokens
-        key = self._key(ctx.token_ids[:n_keep].tolist(), None, _drop_namespace(ctx, config, n))
+        key = self._key(ctx.token_ids[:n_keep].tolist(), None, _private_namespace(ctx, config, n))
         have = self._device_match(key)[0]
         if have == 0:
             new = self._alloc(n_keep)
@@ -498,76 +517,66 @@ class EvicPressRadixCache(UnifiedRadixCache):
             except Exception:  # never fail a request because of EvicPress
                 logger.exception("EvicPress: lookup failed; serving without it")
                 self.evicpress.count(lookup_failures=1)  # the benchmarks report it
-            drop = self._dropped.get(params.req.rid)
-            if drop is not None:
+            private = self._private.get(params.req.rid)
+            if private is not None:
                 key = params.key
                 limit = key.limit if key.limit is not None else len(key)
-                private = self._key(key.raw_token_ids()[: drop.n_keep], None, drop.namespace)
-                result = super().match_prefix(dataclasses.replace(params, key=private))
-                if result.device_prefix_len == drop.n_keep and limit >= drop.n:
-                    # The private node holds the n_keep kept rows; SGLang counts all n
-                    # context tokens as cached, and the request's row gets the kept
-                    # slots then NULL_SLOT for the dropped ones (prefix_device_indices).
-                    params.req.skip_radix_cache_insert = True  # its row holds no plain prefix
-                    return result._replace(device_prefix_len=drop.n, full_kv_hit_length=drop.n,
-                                           full_device_match_len=drop.n, cache_protected_len=drop.n)
+                pkey = self._key(key.raw_token_ids()[: private.n_keep], None, private.namespace)
+                result = super().match_prefix(dataclasses.replace(params, key=pkey))
+                if result.device_prefix_len == private.n_keep and limit >= private.n:
+                    # SGLang counts all n context tokens as cached; a token-dropped
+                    # copy's row gets the kept slots then NULL_SLOT for the dropped ones
+                    # (prefix_device_indices). The request's own KV, computed over
+                    # lossy rows, stays out of the tree.
+                    params.req.skip_radix_cache_insert = True
+                    n = private.n
+                    return result._replace(device_prefix_len=n, full_kv_hit_length=n,
+                                           full_device_match_len=n, cache_protected_len=n)
                 # evicted meanwhile or capped shorter: the request recomputes the context
-                del self._dropped[params.req.rid]
-        result = super().match_prefix(params)
-        if self.lossy_out_of_tree and params.req is not None and int(result.device_prefix_len) > 0:
-            self._flag_lossy_overlap(params.req, params.key, int(result.device_prefix_len))
-        return result
-
-    def _flag_lossy_overlap(self, req, key: RadixKey, have: int) -> None:
-        """A request served as exact whose device prefix runs into rows of a lossy copy
-        (another context's, sharing its first tokens) is lossy too: its drafts get
-        verified. Only where lossy copies may become exact (``lossy_out_of_tree``)."""
-        st = self._reqs.get(req.rid)
-        if st is None or (st.served is not None and not st.served.is_full):
-            return
-        hit = self.evicpress.lossy_overlap(key.raw_token_ids(), key.extra_key, have)
-        if hit is None:
-            return
-        ctx, n = hit
-        st.ctx, st.served, st.usable, st.tier = ctx, ctx.device_config, self._floor(n), "overlap"
-        req.skip_radix_cache_insert = True
-        self.evicpress.count(lossy_overlaps=1)
+                del self._private[params.req.rid]
+        return super().match_prefix(params)
 
     def prefix_device_indices(self, req) -> torch.Tensor:
-        drop = self._dropped.get(req.rid) if self.evicpress is not None else None
-        if drop is None:
+        private = self._private.get(req.rid) if self.evicpress is not None else None
+        if private is None:
             return super().prefix_device_indices(req)
+        rows = self.tree_core.collect_full_device_indices(req.last_node, self.root_node_handle(private.namespace))
+        assert len(rows) == private.n_keep, (req.rid, len(rows), private.n_keep)
+        if private.n == private.n_keep:
+            return rows[: req.prefix_len]
         from sglang_vc.kvruntime import NULL_SLOT
 
-        kept = self.tree_core.collect_full_device_indices(req.last_node, self.root_node_handle(drop.namespace))
-        assert len(kept) == drop.n_keep, (req.rid, len(kept), drop.n_keep)
-        null = torch.full((drop.n - drop.n_keep,), NULL_SLOT, dtype=kept.dtype, device=kept.device)
-        return torch.cat([kept, null])[: req.prefix_len]
+        null = torch.full((private.n - private.n_keep,), NULL_SLOT, dtype=rows.dtype, device=rows.device)
+        return torch.cat([rows, null])[: req.prefix_len]
 
-    # ------------------------------------------------------------------ token-dropped copies
+    # ------------------------------------------------------------------ lossy copies
     def _lossy_runtime(self):
         from sglang_vc.kvruntime import get_runtime
 
         return get_runtime()  # created by the vc_torch backend with the model runner
 
-    def _dropped_on_device(self, req, ids, namespace: str, n: int, cfg: CompressionConfig) -> bool:
-        """Whether the private node ``namespace`` holds the kept rows of ``ids[:n]``; then
-        ``req`` is served from it."""
+    def _private_on_device(self, req, ids, namespace: str, n: int, cfg: CompressionConfig) -> bool:
+        """Whether the private node ``namespace`` holds the copy ``cfg`` of ``ids[:n]``
+        (its kept rows for a token-dropped one); then ``req`` is served from it."""
         from sglang_vc.compress import num_kept
 
-        n_keep = num_kept(n, cfg.ratio)
-        if self._device_match(self._key(ids[:n_keep], None, namespace))[0] < n_keep:
+        n_keep = num_kept(n, cfg.ratio) if cfg.drops_tokens else n
+        if n_keep <= 0 or self._device_match(self._key(ids[:n_keep], None, namespace))[0] < n_keep:
             return False
-        self._dropped[req.rid] = _DroppedPrefix(namespace, n, n_keep, cfg)
+        self._private[req.rid] = _PrivatePrefix(namespace, n, n_keep, cfg)
         return True
 
-    def _load_dropped(self, req, ids, namespace: str, n: int, cfg: CompressionConfig, rows: FullKV) -> bool:
-        """Put the kept rows ``rows [L, n_keep, H, D]`` of the context ``ids[:n]`` on the
-        device as the private node ``namespace`` (see the module docstring) and serve
-        ``req`` from them."""
-        if self._dropped_on_device(req, ids, namespace, n, cfg):
+    def _load_private(self, req, ids, namespace: str, n: int, cfg: CompressionConfig, kv: FullKV) -> bool:
+        """Put the copy ``cfg`` of the context ``ids[:n]`` on the device as the private
+        node ``namespace`` (see the module docstring) and serve ``req`` from it. ``kv``
+        is the copy decoded: ``[L, >= n, H, D]`` for a quantized one, the kept rows
+        ``[L, n_keep, H, D]`` for a token-dropped one."""
+        if self._private_on_device(req, ids, namespace, n, cfg):
             return True
-        n_keep = rows.num_tokens
+        if not cfg.drops_tokens:  # rows a shorter request left there are this copy's too
+            self._inject(ids, None, namespace, n, kv)
+            return self._private_on_device(req, ids, namespace, n, cfg)
+        n_keep = kv.num_tokens
         key = self._key(ids[:n_keep], None, namespace)
         if self._device_match(key)[0]:  # a partly evicted node: not a usable prefix
             return False
@@ -576,14 +585,14 @@ class EvicPressRadixCache(UnifiedRadixCache):
             logger.info("EvicPress: no device room to load %d kept rows", n_keep)
             return False
         new = new.to(torch.int64)
-        self._write(new, rows)
+        self._write(new, kv)
         self.insert(InsertParams(key=key, value=new, prev_prefix_len=0, inserted_len=0))
-        return self._dropped_on_device(req, ids, namespace, n, cfg)
+        return self._private_on_device(req, ids, namespace, n, cfg)
 
     def maybe_hand_to_session(self, req) -> None:
         super().maybe_hand_to_session(req)
-        drop = self._dropped.get(req.rid) if self.evicpress is not None else None
-        if drop is None or req.kv.req_pool_idx is None:
+        drop = self._private.get(req.rid) if self.evicpress is not None else None
+        if drop is None or not drop.config.drops_tokens or req.kv.req_pool_idx is None:
             return
         from sglang_vc.kvruntime import CompressedKVIndex, make_spec
 
@@ -609,7 +618,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 m = mgr.match(key.raw_token_ids(), None)
                 if m is not None and m[0].ctx_id not in self._profile_kv:
                     n = self._floor(min(m[1], len(key)))
-                    self._reqs[req.rid] = _Req(m[0], m[1], n, "ref", None, n, FULL, time.perf_counter())
+                    self._reqs[req.rid] = _Req(m[0], m[1], n, "ref", None, n, time.perf_counter())
             return
         st = self._reqs.get(req.rid)
         ids = key.raw_token_ids()
@@ -617,30 +626,29 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if first:
             m = mgr.begin_request(req.rid, ids, ns, req.origin_input_ids, self._floor)
             if m is None:
-                self._reqs[req.rid] = _Req(None, 0, 0, "none", None, 0, FULL, time.perf_counter())
+                self._reqs[req.rid] = _Req(None, 0, 0, "none", None, 0, time.perf_counter())
                 return
             ctx, lcp = m
-            st = _Req(ctx, lcp, self._floor(min(lcp, len(key))), "miss", None, 0,
-                      FULL, time.perf_counter())
+            st = _Req(ctx, lcp, self._floor(min(lcp, len(key))), "miss", None, 0, time.perf_counter())
             self._reqs[req.rid] = st
         ctx = st.ctx
         if ctx is None or st.usable <= 0 or ctx.ctx_id not in mgr.contexts:
             return
         ctx_key = self._key(ids[: st.usable], key)
-        have, _, idx = self._device_match(ctx_key)
+        have, _, idx = self._device_match(ctx_key)  # rows in the request's namespace: exact
         st.prefix_have = have
         dev_cfg = ctx.device_config
-        if (have < st.usable and dev_cfg is not None and dev_cfg.drops_tokens
-                and self._dropped_on_device(req, ids, _drop_namespace(ctx, dev_cfg, st.usable),
-                                            st.usable, dev_cfg)):
+        if have >= st.usable:
             if first:
-                st.tier, st.served = "device", dev_cfg
-        elif have >= st.usable:
-            if first:
-                st.tier, st.served = "device", ctx.device_config or FULL
-                if not ctx.stored and (ctx.device_config is None or ctx.device_config.is_full):
+                st.tier, st.served = "device", FULL
+                if not ctx.stored:
                     kv = self._gather(idx)
                     self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
+        elif (dev_cfg is not None and not dev_cfg.is_full
+              and self._private_on_device(req, ids, _private_namespace(ctx, dev_cfg, st.usable),
+                                          st.usable, dev_cfg)):
+            if first:
+                st.tier, st.served = "device", dev_cfg
         else:
             load = mgr.plan_load(ctx, first=first, backup_in_tree=lambda: self._cached_len(ctx_key) >= st.usable)
             if load is Load.HOST_BACKUP:
@@ -653,11 +661,6 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 self._load_stored(req, key, ids, st, have, first)
             if first and st.served is None:  # nowhere, corrupted or lost: recompute, then store again
                 st.tier, st.capture_len = "miss", st.usable
-                st.base_config = (ctx.device_config or FULL) if have else FULL
-        if first and self.lossy_out_of_tree and st.served is not None and not st.served.is_full:
-            # every chunk of it (SGLang checkpoints middle chunks into the tree): its KV
-            # was computed over a copy that install_full may later make exact
-            req.skip_radix_cache_insert = True
         if first:
             tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
             promote = mgr.served(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp,
@@ -675,14 +678,16 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if fetched is None:
             return
         st.fetched = fetched
-        if fetched.dropped:  # the kept rows stand for exactly num_tokens tokens
-            n = st.usable
-            loaded = n == fetched.num_tokens and self._load_dropped(
-                req, ids, _drop_namespace(ctx, fetched.config, n), n, fetched.config, fetched.kv)
-        else:
+        cfg = fetched.config
+        if cfg.is_full:  # exact rows: in the request's own namespace, shared by all
             n = self._floor(min(st.usable, fetched.kv.num_tokens))
             got = self._inject(ids, key, _SAME, n, fetched.kv) if n > have else have
             loaded = got >= n and n > have
+        else:  # lossy: a private node only this context's requests are sent to
+            # (a token-dropped copy's kept rows stand for exactly num_tokens tokens)
+            n = st.usable if fetched.dropped else self._floor(min(st.usable, fetched.kv.num_tokens))
+            loaded = (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
+                      and self._load_private(req, ids, _private_namespace(ctx, cfg, n), n, cfg, fetched.kv))
         if loaded:
             ctx.device_config = fetched.config
             if first:
@@ -701,16 +706,14 @@ class EvicPressRadixCache(UnifiedRadixCache):
             return
         ctx, lcp = m
         n = self._floor(min(lcp, len(key)))
-        drop_ns = _drop_namespace(ctx, cfg, n, profile=True) if cfg.drops_tokens else None
-        if drop_ns is not None and self._dropped_on_device(req, ids, drop_ns, n, cfg):
+        drop_ns = _private_namespace(ctx, cfg, n, profile=True) if cfg.drops_tokens else None
+        if drop_ns is not None and self._private_on_device(req, ids, drop_ns, n, cfg):
             return
         if drop_ns is None and self._device_match(self._key(ids[:n], key))[0] >= n:
             return
-        # The full KV to compress: the profiler's reference copy, the user copy when it
-        # is full precision, or a full stored blob.
-        spaces = [REF_NAMESPACE]
-        if ctx.device_config is None or ctx.device_config.is_full:
-            spaces.append(ctx.namespace)
+        # The full KV to compress: the profiler's reference copy, the user copy (always
+        # exact), or a full stored blob.
+        spaces = [REF_NAMESPACE, ctx.namespace]
         src = None
         kept = self._profile_kv.get(ctx.ctx_id)
         if kept is not None and kept.num_tokens >= n:
@@ -730,7 +733,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if not cfg.is_full:
             _, src, _ = codec.decode(codec.encode(src, cfg))
         if drop_ns is not None:
-            if not self._load_dropped(req, ids, drop_ns, n, cfg, src):
+            if not self._load_private(req, ids, drop_ns, n, cfg, src):
                 return
         else:
             self._inject(ids, key, ns, n, src)
@@ -765,9 +768,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 return
             elapsed = time.perf_counter() - st.t0
             self.evicpress.note_prefill(n - st.prefix_have, elapsed)
-            ctx.device_config = st.base_config
-            kv, cfg, mgr = self._gather(idx), st.base_config, self.evicpress
-            self._deferred.append(lambda: mgr.store_computed(ctx, kv, cfg))
+            ctx.device_config = FULL  # computed in the request's namespace: exact
+            kv, mgr = self._gather(idx), self.evicpress
+            self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
             self.evicpress.count(captures=1)
         except Exception:
             logger.exception("EvicPress: could not store context %s", st.ctx.ctx_id)
@@ -776,7 +779,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
         if self.evicpress is None:
             return
-        if self._dropped.pop(req.rid, None) is not None:
+        private = self._private.pop(req.rid, None)
+        if private is not None and private.config.drops_tokens:
             # before SGLang frees the row: its index entry must not outlive it
             self._lossy_runtime().release(req.rid, req.kv.req_pool_idx)
         st = self._reqs.pop(req.rid, None)
@@ -786,7 +790,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if st.backed_hit:  # SGLang loaded the backup back: the rows are on the device now
             ctx, mgr = st.ctx, self.evicpress
             self._deferred.append(lambda: mgr.after_hit(ctx, Tier.HOST))
-        if st.ctx is None or st.served is None or st.served.is_full or st.tier == "overlap":
+        if st.ctx is None or st.served is None or st.served.is_full:
             return
         try:
             sp = req.sampling_params
@@ -808,9 +812,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
 
         n = ctx.stored_len or ctx.num_tokens
         dev_cfg = ctx.device_config
-        dropped = dev_cfg is not None and dev_cfg.drops_tokens
-        # a token-dropped device copy: its kept rows, in the private namespace
-        ns = _drop_namespace(ctx, dev_cfg, n) if dropped else ctx.namespace
+        lossy = dev_cfg is not None and not dev_cfg.is_full
+        dropped = lossy and dev_cfg.drops_tokens
+        # a lossy device copy is in its private namespace (a token-dropped one: its kept rows)
+        ns = _private_namespace(ctx, dev_cfg, n) if lossy else ctx.namespace
         length = num_kept(n, dev_cfg.ratio) if dropped else n
         key = RadixKey(array.array("q", ctx.token_ids[:length].tolist()), ns,
                        is_bigram=self.tree_core.is_eagle)
@@ -824,6 +829,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         elif have and not dropped:
             kv = self._gather(idx)
             out["device"] = _digest(kv)
+            if lossy:
+                out["device_config"] = dev_cfg.label
         if ctx.placement.tier == Tier.DISK:
             out["storage_files"] = self.evicpress.storage_files(ctx)
         if ctx.stored:

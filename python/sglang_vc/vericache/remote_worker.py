@@ -23,7 +23,8 @@ One iteration (lock-step; ``L`` = committed KV length, ``t0`` = last output toke
 
 The KV a lossy request keeps for its committed tokens is the drafts' (computed over the
 lossy prefix): it only feeds later drafts; every committed token is the verifier's
-full-KV argmax. Such KV never enters the radix tree (the radix cache's ``lossy_out_of_tree``). Greedy
+full-KV argmax. Such KV never enters the radix tree (nor does the lossy copy
+share tree nodes with exact requests: :mod:`sglang_vc.evicpress.radix`). Greedy
 only (sampling is refused with HTTP 400, :mod:`.requests`).
 
 Path P2 and the fallback (:mod:`.remote_stream`): the context's full copy streams here
@@ -92,9 +93,6 @@ def retract_switched(scheduler) -> int:
     worker = _ACTIVE
     if worker is None:
         return 0
-    cache = evicpress_radix.active_cache()
-    if cache is not None:  # before any request is matched (the cache is made after the worker)
-        cache.lossy_out_of_tree = True
     worker.install_arrived()
     batch = getattr(scheduler, "running_batch", None)
     if not worker.switching or batch is None or batch.is_empty():
