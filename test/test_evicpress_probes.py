@@ -116,14 +116,16 @@ def test_profile_error_against_served_quality():
 
 def test_served_floor_is_what_the_two_generic_questions_leave_and_the_spread(tmp_path):
     """The served reference's own floor: the two generic questions' served qualities
-    against the mean of all three; misses and device hits do not count. And the
-    profiled-vs-served plot is written."""
+    against the mean of all three; misses, device hits and answers from another copy of
+    the context do not count. And the profiled-vs-served plot is written."""
     from sglang_vc.bench.evicpress import plot_profiles
     from sglang_vc.bench.evicpress_quality import served_floor
 
     recs = [{"config": "kivi@2b", "ctx": "a", "query": q, "tier": "host", "quality": v}
             for q, v in ((0, 0.0), (1, 0.6), (2, 0.6))]
     recs += [{"config": "kivi@2b", "ctx": "b", "query": 0, "tier": "miss", "quality": 1.0}]
+    recs += [{"config": "kivi@2b", "ctx": "c", "query": q, "tier": "disk", "served_config": "kivi@4b", "quality": 1.0}
+             for q in range(3)]
     floor = served_floor(recs)["kivi@2b"]
     assert floor["contexts"] == 1
     assert abs(floor["generic_exact_mae"] - (0.6 - 0.4)) < 1e-9

@@ -311,6 +311,10 @@ def main(argv=None) -> int:
         "--evicpress-generate-queries", str(profile_queries), "--evicpress-profile-source", "context",
         "--evicpress-observe-rate", "0",
         "--evicpress-auto-context-tokens", "0", "--evicpress-idle-seconds", "0.2",
+        # each system serves its own policy's copies only: with storage copies (a
+        # multi-server feature, on by default) a fixed config would load the full or
+        # 4-bit copy an earlier system left on the store
+        "--evicpress-storage-copies", "none",
         "--chunked-prefill-size", str(max(1024, 2 * length)),
     ]
     if args.device_contexts is not None:

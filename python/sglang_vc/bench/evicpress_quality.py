@@ -17,7 +17,8 @@ def served_quality(cl: Client, contexts, configs: list[str], max_new: int, score
     two generic ones): what a profile should predict. Under ``fixed:config`` each context
     is computed once (its copy stored), then each question is asked with the device tree
     emptied first, so the answer comes from the stored copy (checked: a host or disk
-    hit); references are full prefills in their own cache namespace."""
+    hit, and the copy loaded is the config's, :func:`from_copy`); references are full
+    prefills in their own cache namespace."""
     questions = [(ci, qi) for ci in range(len(contexts)) for qi in range(3)]
 
     def prompt(ci: int, qi: int) -> list[int]:
@@ -37,19 +38,28 @@ def served_quality(cl: Client, contexts, configs: list[str], max_new: int, score
                 before = cl.counters()
                 _, text, _ = cl.stream(prompt(ci, qi), max_new)
                 tier = tier_of(before, cl.counters())
+                loaded = cl.api("GET", f"/evicpress/contexts/{c['id']}")["device_config"]
                 recs.append({"config": cfg, "ctx": c["id"], "query": qi, "tier": tier, "text": text,
-                             "ref": refs[(ci, qi)]})
+                             "served_config": loaded, "ref": refs[(ci, qi)]})
         scores = scorer.score_many([r["text"] for r in recs[-3 * len(contexts):]],
                                    [r["ref"] for r in recs[-3 * len(contexts):]])
         for r, sc in zip(recs[-3 * len(contexts):], scores):
             r["quality"] = sc
-            if r["tier"] in ("host", "disk"):  # from the stored copy; a miss recomputed the full KV
+            if from_copy(r):
                 per.setdefault(r["ctx"], []).append(sc)
         out[cfg] = {cid: sum(v) / len(v) for cid, v in per.items()}
         n = sum(len(v) for v in per.values())
-        log(f"served quality of {cfg}: {n} of {3 * len(contexts)} answers from its stored copy, "
-            f"mean {sum(sum(v) for v in per.values()) / max(1, n):.3f}")
+        other = sum(r["tier"] in ("host", "disk") and not from_copy(r) for r in recs[-3 * len(contexts):])
+        log(f"served quality of {cfg}: {n} of {3 * len(contexts)} answers from its stored copy "
+            f"({other} loaded another copy), mean {sum(sum(v) for v in per.values()) / max(1, n):.3f}")
     return out, recs
+
+
+def from_copy(rec: dict) -> bool:
+    """Whether a served-quality answer came from the config's own stored copy: a host or
+    disk hit (a miss recomputed the full KV; a device-tier copy is full) that loaded that
+    config (not another copy of the context found on the store)."""
+    return rec["tier"] in ("host", "disk") and rec.get("served_config", rec["config"]) == rec["config"]
 
 
 def served_floor(records: list[dict]) -> dict:
@@ -60,7 +70,7 @@ def served_floor(records: list[dict]) -> dict:
     qualities within a context (mean standard deviation)."""
     by: dict = {}
     for r in records:
-        if r["tier"] in ("host", "disk") and "quality" in r:
+        if from_copy(r) and "quality" in r:
             by.setdefault(r["config"], {}).setdefault(r["ctx"], {})[r["query"]] = r["quality"]
     out = {}
     for cfg, per in by.items():
