@@ -741,6 +741,15 @@ def test_a_lossy_copy_never_stands_in_for_the_exact_rows_of_another_request(ep_s
     again = epx.ask(s, tokenizer, ctx_ids)  # the context's own requests do reuse its device copy
     assert epx.counters(s)["hits_device"] == c1.get("hits_device", 0) + 1
     assert again["output_ids"] == lossy["output_ids"]
+    # ... but not a request with another cache_salt: SGLang keeps salted rows apart, so it
+    # loads a copy of its own from the host
+    c2 = epx.counters(s)
+    r = requests.post(s.url + "/generate", json={"input_ids": ctx_ids + q, "cache_salt": "tenant-b",
+                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+                      timeout=300)
+    assert r.status_code == 200, r.text
+    assert epx.counters(s)["hits_host"] == c2.get("hits_host", 0) + 1
+    assert r.json()["output_ids"] == lossy["output_ids"]
 
     for order in (("ctx", "plain"), ("plain", "ctx")):  # one batch, both orders
         epx.api(s, "POST", "/evicpress/evict_device")

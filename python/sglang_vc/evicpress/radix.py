@@ -131,13 +131,17 @@ class _PrivatePrefix:
     config: CompressionConfig
 
 
-def _private_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False) -> str:
+def _private_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False,
+                       salt: Optional[str] = None) -> str:
     """The namespace of a lossy device copy of ``ctx``'s first ``n`` tokens (module
     docstring). A quantized copy's rows are the same whatever prefix of it is used;
-    a token-dropped copy's kept rows depend on ``n``."""
+    a token-dropped copy's kept rows depend on ``n``. A request's ``cache_salt`` keeps
+    its own copy, as SGLang keeps salted requests' rows apart."""
     if cfg.drops_tokens:
-        return f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
-    return f"{LOSSY_NAMESPACE}{ctx.ctx_id}:{cfg.label}"
+        ns = f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
+    else:
+        ns = f"{LOSSY_NAMESPACE}{ctx.ctx_id}:{cfg.label}"
+    return ns if not salt else f"{ns}@{salt}"
 
 
 @dataclass
@@ -644,9 +648,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
                 if not ctx.stored:
                     kv = self._gather(idx)
                     self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
-        elif (dev_cfg is not None and not dev_cfg.is_full
-              and self._private_on_device(req, ids, _private_namespace(ctx, dev_cfg, st.usable),
-                                          st.usable, dev_cfg)):
+        elif (dev_cfg is not None and not dev_cfg.is_full and self._private_on_device(
+                req, ids, _private_namespace(ctx, dev_cfg, st.usable, salt=key.cache_salt), st.usable, dev_cfg)):
             if first:
                 st.tier, st.served = "device", dev_cfg
         else:
@@ -687,7 +690,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
             # (a token-dropped copy's kept rows stand for exactly num_tokens tokens)
             n = st.usable if fetched.dropped else self._floor(min(st.usable, fetched.kv.num_tokens))
             loaded = (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
-                      and self._load_private(req, ids, _private_namespace(ctx, cfg, n), n, cfg, fetched.kv))
+                      and self._load_private(req, ids, _private_namespace(ctx, cfg, n, salt=key.cache_salt),
+                                             n, cfg, fetched.kv))
         if loaded:
             ctx.device_config = fetched.config
             if first:
