@@ -577,3 +577,32 @@ def test_failed_lookup_is_counted_and_served_without_evicpress(monkeypatch):
     params = types.SimpleNamespace(req=types.SimpleNamespace(rid="r"))
     assert cache.match_prefix(params) == "plain match"
     assert seen == [{"lookup_failures": 1}]
+
+
+def test_a_request_is_marked_exact_only_when_its_own_lossy_rows_were_rewritten():
+    """VeriCache's remote worker stops verifying a request once ``mark_exact`` says its
+    context rows are exact: only when ``install_full`` rewrote the very private node the
+    request holds (here a salted copy next to the unsalted one it rewrote), never for a
+    request on kept rows of a token-dropped copy (``install_full`` then makes nothing
+    exact, and the request fails over)."""
+    import time
+    import types
+
+    from sglang_vc.evicpress.config import FULL, CompressionConfig
+    from sglang_vc.evicpress.radix import EvicPressRadixCache, _PrivatePrefix, _Req
+
+    ctx = types.SimpleNamespace(ctx_id="doc", device_config=FULL)
+    kivi4 = CompressionConfig.parse("kivi@4b")
+    cache = object.__new__(EvicPressRadixCache)
+    cache._reqs = {"r": _Req(ctx, 100, 100, "disk", kivi4, 0, time.perf_counter())}
+    cache._private = {"r": _PrivatePrefix("evicpress:lossy:doc:kivi@4b@tenant-b", 100, 100, kivi4, "doc")}
+    cache._exact_spaces = {"evicpress:lossy:doc:kivi@4b"}
+    assert not cache.mark_exact("r", 100)  # the unsalted copy was rewritten, not its own
+    assert cache._reqs["r"].served == kivi4
+    cache._exact_spaces.add("evicpress:lossy:doc:kivi@4b@tenant-b")
+    assert not cache.mark_exact("r", 101)  # a chunk already ran past the context's rows
+    assert cache.mark_exact("r", 100) and cache._reqs["r"].served == FULL
+
+    knorm = CompressionConfig.parse("knorm@0.5")
+    cache._private = {"d": _PrivatePrefix("evicpress:drop:doc:knorm@0.5:100", 100, 50, knorm, "doc")}
+    assert cache.install_full(ctx, None) == 0  # returns before touching the tree

@@ -129,6 +129,7 @@ class _PrivatePrefix:
     n: int
     n_keep: int
     config: CompressionConfig
+    ctx_id: str
 
 
 def _private_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False,
@@ -248,6 +249,10 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if settings.serves_dropped and self.page_size != 1:
             raise ValueError("evicpress: token-dropped contexts need --page-size 1")
         self._private: dict[str, _PrivatePrefix] = {}  # rid -> its lossy prefix
+        # the private namespaces of each context's quantized device copies (install_full
+        # makes them all exact), and those it made exact
+        self._lossy_spaces: dict[str, set[str]] = {}
+        self._exact_spaces: set[str] = set()
         settings.model_id = model_id
         self.evicpress = EvicPressManager(
             settings, dims, host, disk,
@@ -282,6 +287,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
             self.evicpress.on_host_cleared()
             self._reqs.clear()
             self._private.clear()
+            self._lossy_spaces.clear()
+            self._exact_spaces.clear()
 
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
@@ -330,24 +337,32 @@ class EvicPressRadixCache(UnifiedRadixCache):
             return False
         if prefix_len > st.usable:  # an earlier chunk ran over the lossy rows
             return False
+        private = self._private.get(rid)
+        if private is not None and private.namespace not in self._exact_spaces:
+            return False  # its own rows are a copy install_full did not rewrite
         st.served = FULL
         return True
 
     def install_full(self, ctx: Context, kv: FullKV) -> int:
         """Make the device copy of ``ctx`` exact with its full KV ``kv``: the rows of its
-        quantized copy are overwritten in place (the requests holding them keep them, now
-        exact), and the exact copy is put in the context's own namespace, where later
-        requests match it (``device_config`` FULL). Only the context's own rows change; a
-        request's rows after the context are its own to recompute. Returns the rows made
-        exact (0 when the context is not on the device and there is no room for it)."""
+        quantized copies (every config and salt loaded) are overwritten in place (the
+        requests holding them keep them, now exact), and the exact copy is put in the
+        context's own namespace, where later requests match it (``device_config`` FULL).
+        Only the context's own rows change; a request's rows after the context are its own
+        to recompute. Returns the rows made exact: 0 when there is no room for them, or
+        when a request holds the context's token-dropped rows (they cannot be made exact;
+        such a request fails over as when the copy cannot be read)."""
+        if any(p.ctx_id == ctx.ctx_id and p.config.drops_tokens for p in self._private.values()):
+            return 0  # a request holds kept rows, which cannot be made exact in place
         n = self._floor(min(kv.num_tokens, ctx.stored_len or ctx.num_tokens))
         ids = ctx.token_ids[:n].tolist()
-        cfg = ctx.device_config
         in_place = 0
-        if cfg is not None and cfg.is_quantized and not cfg.drops_tokens:
-            in_place, _, idx = self._device_match(self._key(ids, None, _private_namespace(ctx, cfg, n)))
-            if in_place:
-                self._write(idx[:in_place], kv.prefix(in_place))
+        for space in self._lossy_spaces.pop(ctx.ctx_id, ()):  # every quantized copy: any config, any salt
+            have, _, idx = self._device_match(self._key(ids, None, space))
+            if have:
+                self._write(idx[:have], kv.prefix(have))
+            self._exact_spaces.add(space)
+            in_place = max(in_place, have)
         rows = max(in_place, self._inject(ids, None, ctx.namespace, n, kv))
         if rows == 0:
             return 0
@@ -559,7 +574,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
 
         return get_runtime()  # created by the vc_torch backend with the model runner
 
-    def _private_on_device(self, req, ids, namespace: str, n: int, cfg: CompressionConfig) -> bool:
+    def _private_on_device(self, req, ctx: Context, ids, namespace: str, n: int, cfg: CompressionConfig) -> bool:
         """Whether the private node ``namespace`` holds the copy ``cfg`` of ``ids[:n]``
         (its kept rows for a token-dropped one); then ``req`` is served from it."""
         from sglang_vc.compress import num_kept
@@ -567,19 +582,21 @@ class EvicPressRadixCache(UnifiedRadixCache):
         n_keep = num_kept(n, cfg.ratio) if cfg.drops_tokens else n
         if n_keep <= 0 or self._device_match(self._key(ids[:n_keep], None, namespace))[0] < n_keep:
             return False
-        self._private[req.rid] = _PrivatePrefix(namespace, n, n_keep, cfg)
+        self._private[req.rid] = _PrivatePrefix(namespace, n, n_keep, cfg, ctx.ctx_id)
         return True
 
-    def _load_private(self, req, ids, namespace: str, n: int, cfg: CompressionConfig, kv: FullKV) -> bool:
+    def _load_private(self, req, ctx: Context, ids, namespace: str, n: int, cfg: CompressionConfig, kv: FullKV) -> bool:
         """Put the copy ``cfg`` of the context ``ids[:n]`` on the device as the private
         node ``namespace`` (see the module docstring) and serve ``req`` from it. ``kv``
         is the copy decoded: ``[L, >= n, H, D]`` for a quantized one, the kept rows
         ``[L, n_keep, H, D]`` for a token-dropped one."""
-        if self._private_on_device(req, ids, namespace, n, cfg):
+        if self._private_on_device(req, ctx, ids, namespace, n, cfg):
             return True
         if not cfg.drops_tokens:  # rows a shorter request left there are this copy's too
+            self._lossy_spaces.setdefault(ctx.ctx_id, set()).add(namespace)
+            self._exact_spaces.discard(namespace)  # lossy rows again (a partial node topped up)
             self._inject(ids, None, namespace, n, kv)
-            return self._private_on_device(req, ids, namespace, n, cfg)
+            return self._private_on_device(req, ctx, ids, namespace, n, cfg)
         n_keep = kv.num_tokens
         key = self._key(ids[:n_keep], None, namespace)
         if self._device_match(key)[0]:  # a partly evicted node: not a usable prefix
@@ -591,7 +608,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         new = new.to(torch.int64)
         self._write(new, kv)
         self.insert(InsertParams(key=key, value=new, prev_prefix_len=0, inserted_len=0))
-        return self._private_on_device(req, ids, namespace, n, cfg)
+        return self._private_on_device(req, ctx, ids, namespace, n, cfg)
 
     def maybe_hand_to_session(self, req) -> None:
         super().maybe_hand_to_session(req)
@@ -643,13 +660,14 @@ class EvicPressRadixCache(UnifiedRadixCache):
         st.prefix_have = have
         dev_cfg = ctx.device_config
         if have >= st.usable:
+            self._private.pop(req.rid, None)  # matched again (waiting): its exact rows now
             if first:
                 st.tier, st.served = "device", FULL
                 if not ctx.stored:
                     kv = self._gather(idx)
                     self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
         elif (dev_cfg is not None and not dev_cfg.is_full and self._private_on_device(
-                req, ids, _private_namespace(ctx, dev_cfg, st.usable, salt=key.cache_salt), st.usable, dev_cfg)):
+                req, ctx, ids, _private_namespace(ctx, dev_cfg, st.usable, salt=key.cache_salt), st.usable, dev_cfg)):
             if first:
                 st.tier, st.served = "device", dev_cfg
         else:
@@ -690,7 +708,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
             # (a token-dropped copy's kept rows stand for exactly num_tokens tokens)
             n = st.usable if fetched.dropped else self._floor(min(st.usable, fetched.kv.num_tokens))
             loaded = (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
-                      and self._load_private(req, ids, _private_namespace(ctx, cfg, n, salt=key.cache_salt),
+                      and self._load_private(req, ctx, ids, _private_namespace(ctx, cfg, n, salt=key.cache_salt),
                                              n, cfg, fetched.kv))
         if loaded:
             ctx.device_config = fetched.config
@@ -711,7 +729,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         ctx, lcp = m
         n = self._floor(min(lcp, len(key)))
         drop_ns = _private_namespace(ctx, cfg, n, profile=True) if cfg.drops_tokens else None
-        if drop_ns is not None and self._private_on_device(req, ids, drop_ns, n, cfg):
+        if drop_ns is not None and self._private_on_device(req, ctx, ids, drop_ns, n, cfg):
             return
         if drop_ns is None and self._device_match(self._key(ids[:n], key))[0] >= n:
             return
@@ -737,7 +755,7 @@ class EvicPressRadixCache(UnifiedRadixCache):
         if not cfg.is_full:
             _, src, _ = codec.decode(codec.encode(src, cfg))
         if drop_ns is not None:
-            if not self._load_private(req, ids, drop_ns, n, cfg, src):
+            if not self._load_private(req, ctx, ids, drop_ns, n, cfg, src):
                 return
         else:
             self._inject(ids, key, ns, n, src)
