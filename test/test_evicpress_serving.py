@@ -394,11 +394,11 @@ def test_reconfigure_empties_tiers_keeps_profiles(tmp_path):
 
 def test_auto_contexts_are_recycled_at_the_limit(tmp_path):
     mgr = _manager(tmp_path, host_bytes=1 << 30, disk_bytes=1 << 30, max_contexts=3)
-    api = mgr.register(list(range(1, 40)), ctx_id="api")
+    mgr.register(list(range(1, 40)), ctx_id="api")
     a1 = mgr.register(list(range(100, 140)), source="auto")
     a2 = mgr.register(list(range(200, 240)), source="auto")
     a3 = mgr.register(list(range(300, 340)), source="auto")  # forgets a1 (least recent)
-    assert set(mgr.contexts) == {"api", a2.ctx_id, a3.ctx_id}
+    assert set(mgr.contexts) == {"api", a2.ctx_id, a3.ctx_id} and a1.ctx_id not in mgr.contexts
     with pytest.raises(ValueError):
         mgr.register(list(range(400, 440)))  # an API context is refused instead
     assert mgr.match(list(range(200, 260)))[0] is a2
@@ -440,7 +440,6 @@ def test_profiler_job_scores_variants_against_reference():
 
 
 def test_profiler_writes_questions_for_contexts_without_queries():
-    from sglang_vc.evicpress.context import REF_NAMESPACE
     from sglang_vc.evicpress.service import ProfilerService
 
     posted = []
