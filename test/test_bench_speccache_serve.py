@@ -38,6 +38,37 @@ def test_front_end_time_is_tokenization_then_the_longer_of_selection_and_fetch()
     assert bench.front_end_s({"tokenize_s": 0.1, "score_s": 2.0, "align_s": 0.1, "select_s": 0.1,
                               "fetch_s": 1.0}) == pytest.approx(2.3)
     assert bench.front_end_s({"tokenize_s": 0.1, "score_s": 0.5, "fetch_s": 3.0}) == pytest.approx(3.1)
+    # the server's own measurement, when it gives one (scoring after the fetch: the sum)
+    assert bench.front_end_s({"tokenize_s": 0.1, "score_s": 0.5, "fetch_s": 3.0, "front_end_s": 3.6}) == 3.6
+
+
+def test_storage_runs_start_hicache_with_a_file_backend_and_wait_for_the_prefetch(tmp_path):
+    flags = bench.server_flags("t", "s", "storage", tmp_path)
+    at = flags.index("--hicache-storage-backend")
+    assert flags[at + 1] == "file" and flags[flags.index("--file-storage-path") + 1] == str(tmp_path)
+    assert flags[flags.index("--hicache-storage-prefetch-policy") + 1] == "wait_complete"
+    assert "--enable-hierarchical-cache" not in bench.server_flags("t", "s", "device", tmp_path)
+    # a chunk shorter than SGLang's default prefetch threshold (256 tokens) is still loaded
+    extra = json.loads(flags[flags.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra["prefetch_threshold"] < 256
+
+
+def test_serial_needs_chunks_to_fetch(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--json", str(tmp_path / "x.json"), "--serial"])
+    assert exc.value.code == 2 and "--chunks-from storage" in capsys.readouterr().err
+
+
+def test_costs_put_scoring_and_fetch_beside_the_rest_of_the_ttft():
+    row = {"target": "t", "spec_model": "s", "selector": bench.SERIAL, "ratio": 0.15, "ttft_s": 10.0,
+           "breakdown_s": {"tokenize_s": 0.1, "score_s": 3.0, "fetch_s": 2.0, "front_end_s": 5.2},
+           "chunk_sources": {"storage": 4, "host": 0, "device": 0, "computed": 0, "lost": 0}}
+    res = [{"target": "t", "spec_model": "s", "selector": bench.SERIAL, "ratio": 0.15}]
+    bench.add_costs(res, [row, {**row, "ttft_s": 12.0}])
+    assert res[0]["score_mean_s"] == 3.0 and res[0]["fetch_mean_s"] == 2.0
+    assert res[0]["front_end_mean_s"] == pytest.approx(5.2)
+    assert res[0]["after_front_end_mean_s"] == pytest.approx(11.0 - 5.2)
+    assert res[0]["chunk_sources"]["storage"] == 8
 
 
 def test_merge_refuses_another_workload_a_partial_run_other_settings_or_the_same_items(tmp_path, capsys):

@@ -174,6 +174,7 @@ def test_registered_chunks_are_hits(rag):
     (_prompt("p", ["chunk"], "q"), {"speccache_ratio": 1.5}, "in [0, 1]"),
     (_prompt("p", ["chunk"], "q"), {"speccache_ration": 0.1}, "unknown SpecCache request keys"),
     (_prompt("p", ["chunk"], "q"), {"_speccache_plan": {}}, "set by the server"),
+    (_prompt("p", ["chunk"], "q"), {"speccache_overlap": "no"}, "true or false"),
     ("a prompt without chunks", {"speccache_ratio": 0.1}, "need a prompt whose chunks are marked"),
 ])
 def test_bad_chunk_requests_are_400(rag, text, custom, message):
@@ -248,12 +249,12 @@ def test_chat_messages_carry_chunks(rag):
     assert _counters(rag)["prefills"] == before + 1
 
 
-def test_flushed_chunks_are_recomputed_then_fetched_again(rag, tokenizer):
-    """The tree loses the chunks after they were fetched (a cache flush): the next
-    request's prefill does not find them and recomputes them (counted lost, nothing
-    reused; its answer equals a full prefill's); it reports them, so the request after
-    it fetches them again (computed alone: misses) and reuses them, answering as the
-    request before the flush did."""
+def test_a_flush_makes_the_front_end_fetch_its_chunks_again(rag):
+    """A cache flush empties the tree after the chunks were fetched: the front end hears
+    of it and forgets them, so the next request fetches them again (computed alone:
+    misses) instead of finding them gone in its prefill (nothing lost), reuses them, and
+    answers as the request before the flush did. (Chunks lost to eviction, which the
+    front end does not hear of: ``test_speccache_tiers``.)"""
     prefix, chunks, query = _pieces("flushed", k=2, words=60)
     chunks = [f"(flushed {i}) {c}" for i, c in enumerate(chunks)]  # no other test's chunk starts so
     text = _prompt(prefix, chunks, query)
@@ -263,13 +264,34 @@ def test_flushed_chunks_are_recomputed_then_fetched_again(rag, tokenizer):
     meta = hit.json()["meta_info"]["sglang_vc_speccache"][0]
     assert meta["chunk_hits_device"] == 2 and meta["chunk_misses"] == 0 and meta["front_end"]["fetch_s"] < 0.05
     assert requests.post(rag.url + "/flush_cache").status_code == 200
-    lost = _generate(rag, {"text": text})
-    meta = lost.json()["meta_info"]["sglang_vc_speccache"][0]
-    assert meta["chunks_lost"] == 2 and meta["lost_chunks"] == [0, 1] and meta["tokens_reused"] == 0
     again = _generate(rag, {"text": text})
     meta = again.json()["meta_info"]["sglang_vc_speccache"][0]
     assert meta["chunk_misses"] == 2 and meta["chunks_lost"] == 0 and meta["tokens_reused"] > 0
     assert again.json()["output_ids"] == hit.json()["output_ids"] == first.json()["output_ids"]
-    # last: the plain prompt enters the tree, and would be an exact prefix hit for the above
-    prompt = layout.tokenize(tokenizer, prefix, chunks, query)
-    assert lost.json()["output_ids"] == _generate(rag, {"input_ids": prompt.ids}).json()["output_ids"]
+
+
+def test_scoring_beside_or_after_the_fetch_selects_the_same_tokens(rag):
+    """``speccache_overlap: false`` runs the small model's scoring after the chunks'
+    fetch instead of beside it: the same positions chosen, the same answer, and the
+    front end's measured time holds both parts one after the other."""
+    prefix, chunks, query = _pieces("overlap", k=2, words=60)
+    chunks = [f"(overlap {i}) {c}" for i, c in enumerate(chunks)]
+    text = _prompt(prefix, chunks, query)
+    got = {}
+    for overlap in (True, False):
+        assert requests.post(rag.url + "/flush_cache").status_code == 200  # each fetch computes its chunks
+        r = _generate(rag, {"text": text}, speccache_selector="speccache", speccache_ratio=0.2,
+                      speccache_return_selection=True, speccache_overlap=overlap)
+        assert r.status_code == 200, r.text
+        got[overlap] = r.json()
+    for overlap, out in got.items():
+        meta = out["meta_info"]["sglang_vc_speccache"][0]
+        times = meta["front_end"]
+        assert meta["chunk_misses"] == 2 and times["fetch_s"] > 0 and times["score_s"] > 0, meta
+        parts = times["tokenize_s"] + times["score_s"] + times["fetch_s"]
+        if not overlap:  # sequential: at least the sum (rounded to the microsecond)
+            assert times["front_end_s"] >= parts - 1e-5, times
+        assert times["front_end_s"] >= times["tokenize_s"] + max(times["score_s"], times["fetch_s"]) - 1e-5
+    assert got[True]["output_ids"] == got[False]["output_ids"]
+    assert (got[True]["meta_info"]["sglang_vc_speccache"][0]["selected_positions"]
+            == got[False]["meta_info"]["sglang_vc_speccache"][0]["selected_positions"])

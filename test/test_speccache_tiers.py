@@ -4,8 +4,9 @@ the device, loaded back from HiCache's host pool after the device evicted them, 
 prefetched from storage after the device and host were flushed. Each tier is counted
 in the response, and the answer is the same token for token (the reused rows are byte
 copies of the chunk's KV, wherever it was kept). The request that first finds its
-chunks gone from the device recomputes them (lost) and reports them; the next one
-fetches them from where HiCache kept them."""
+chunks evicted from the device recomputes them (lost: its answer is a full prefill's)
+and reports them; the next one fetches them from where HiCache kept them. A flush the
+front end hears of: the next request fetches them at once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import pytest
 import requests
 
+from sglang_vc.speccache import layout
 from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
 from sglang_vc.testing.server import ServerProcess
 
@@ -55,7 +57,7 @@ def _settled(folder, at_least: int, timeout: float = 60.0) -> int:
     raise AssertionError(f"storage holds {last} entries after {timeout} s, expected at least {at_least}")
 
 
-def test_chunks_hit_from_device_host_and_storage(tiered):
+def test_chunks_hit_from_device_host_and_storage(tiered, tokenizer):
     proc, storage = tiered
     passages = real_text_passages(12, words=100)
     chunks = [p + "\n" for p in passages[:2]]
@@ -79,7 +81,7 @@ def test_chunks_hit_from_device_host_and_storage(tiered):
     # HiCache wrote them through to the host when they were inserted
     others = requests.post(proc.url + "/speccache/chunks", json={"chunks": [p + "\n" for p in passages[2:]]})
     assert others.status_code == 200 and set(others.json()["sources"]) == {"computed"}, others.text
-    ask(lost=2)  # the prefill finds them gone from the device and recomputes them
+    lost, _ = ask(lost=2)  # the prefill finds them gone from the device and recomputes them
     answer, where = ask()
     assert where == {"device": 0, "host": 2, "storage": 0, "computed": 0}, proc.log_tail()
     assert answer == first
@@ -88,10 +90,15 @@ def test_chunks_hit_from_device_host_and_storage(tiered):
     tokens = sum(others.json()["tokens"]) + 2 * 100
     _settled(storage, at_least=tokens)
     assert requests.post(proc.url + "/flush_cache").status_code == 200
-    ask(lost=2)
-    answer, where = ask()
+    answer, where = ask()  # the front end forgot the flushed chunks: fetched from storage
     assert where == {"device": 0, "host": 0, "storage": 2, "computed": 0}, proc.log_tail()
     assert answer == first
 
     counters = requests.get(proc.url + "/server_info").json()["sglang_vc"]["counters"]["speccache"]
     assert counters["chunk_hits_host"] >= 2 and counters["chunk_hits_storage"] >= 2
+    # last (the plain prompt enters the tree): the lost request's answer is a full prefill's
+    prefix, *rest = text.split(SEP)
+    prompt = layout.tokenize(tokenizer, prefix, rest[:-1], rest[-1])
+    plain = requests.post(proc.url + "/generate", json={
+        "input_ids": prompt.ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    assert plain.json()["output_ids"] == lost

@@ -148,6 +148,27 @@ async def _forget_lost_chunks(frontend, obj, responses):
         yield out
 
 
+def _speccache_flush(original, tokenizer_manager, *args, **kwargs):
+    """A cache flush empties the device (and HiCache's host pool) behind the front end's
+    back: it has no seam for a plugin to hear of it. SpecCache's front end fetches only
+    the chunks it has not fetched before, so after a flush every request would find its
+    chunks gone and recompute them in full; it must forget them instead, and the next
+    request fetches them (from storage, where HiCache keeps them). On a server without
+    SpecCache the original coroutine is returned as it is."""
+    from sglang_vc.speccache.frontend import frontend_for
+
+    frontend = frontend_for(tokenizer_manager)
+    result = original(tokenizer_manager, *args, **kwargs)
+    return result if frontend is None else _forget_after_flush(frontend, result)
+
+
+async def _forget_after_flush(frontend, flushed):
+    result = await flushed
+    if getattr(result, "success", False):
+        frontend.forget_all()
+    return result
+
+
 def _abort_all(tokenizer_manager) -> None:
     if tokenizer_manager is not None and tokenizer_manager.event_loop is not None:
         # on the tokenizer manager's loop: its ZMQ socket is not to be used from a signal frame
@@ -334,6 +355,11 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
         _speccache_responses,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.flush_cache",
+        _speccache_flush,
         HookType.AROUND,
     )
     HookRegistry.register(

@@ -11,10 +11,18 @@ model), serving the ``rag`` workload (:mod:`.workloads`). Per item:
    their KV precomputed, not timed);
 3. the marked prompt is sent once per selector and ratio (``custom_params``).
 
+With ``--chunks-from storage`` the server runs HiCache with a ``file`` storage backend
+and the cache is flushed before each SpecCache request: its chunks' KV is only in the
+files, and its fetch prefetches them while the small model scores (the paper's regime:
+KV streamed in while the speculative model runs). ``--serial`` adds ``speccache`` with the
+scoring after the fetch (``speccache-serial``): the TTFT difference is what the overlap
+buys, and ``score_mean_s`` / ``fetch_mean_s`` / ``after_front_end_mean_s`` (the target's
+prefill, the fill, the transport) are reported side by side.
+
 TTFT is the client's time from sending the request to the first streamed token; it
-includes the front end's tokenization, the chunks' fetch (a device hit: a one-token
-prefill per chunk), the speculative model's scoring and the alignment, and cacheblend's
-first pass. ``breakdown_s`` is what the server
+includes the front end's tokenization, the chunks' fetch (none by default: the
+registration fetched them, and the front end skips chunks it has fetched), the
+speculative model's scoring and the alignment, and cacheblend's first pass. ``breakdown_s`` is what the server
 reports in ``meta_info["sglang_vc_speccache"]`` (front-end times, the fill's ``load_s``,
 cacheblend's first pass ``probe_s``).
 Quality is token F1 / exact match of the greedy answer; the KL column of the lab
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -100,21 +109,30 @@ def selection_report(item: dict, prompt, positions: list[int]) -> dict:
 
 def front_end_s(breakdown: dict) -> float:
     """The front end's share of a TTFT: tokenization, then the selection (the small
-    model's scoring, the alignment, the choice) and the chunks' fetch side by side."""
+    model's scoring, the alignment, the choice) and the chunks' fetch, side by side or
+    one after the other. The server measures it (``front_end_s``); rows of runs before
+    it did are estimated from the parts, side by side."""
+    if "front_end_s" in breakdown:
+        return breakdown["front_end_s"]
     select = sum(breakdown.get(k, 0.0) for k in ("score_s", "align_s", "select_s"))
     return breakdown.get("tokenize_s", 0.0) + max(select, breakdown.get("fetch_s", 0.0))
 
 
 def add_costs(results: list[dict], rows: list[dict]) -> None:
-    """Per result: the scoring's cost beside the rest of the TTFT (the target's prefill,
-    the fill, the transport), and for ``rag_multihop`` the mean fraction of each fact's
-    tokens the selector recomputed."""
+    """Per result: the scoring's and the fetch's cost beside the rest of the TTFT (the
+    target's prefill, the fill, the transport), and for ``rag_multihop`` the mean
+    fraction of each fact's tokens the selector recomputed."""
     for res in results:
         rs = [r for r in rows if (r["target"], r["spec_model"], r["selector"], r["ratio"])
               == (res["target"], res["spec_model"], res["selector"], res["ratio"])]
         fe = [front_end_s(r["breakdown_s"]) for r in rs]
         res["front_end_mean_s"] = sum(fe) / len(fe)
         res["after_front_end_mean_s"] = sum(r["ttft_s"] for r in rs) / len(rs) - res["front_end_mean_s"]
+        for part in ("score_s", "fetch_s"):
+            res[part.replace("_s", "_mean_s")] = sum(r["breakdown_s"].get(part, 0.0) for r in rs) / len(rs)
+        src = [r["chunk_sources"] for r in rs if "chunk_sources" in r]
+        if src:  # --chunks-from storage: where the fetches found the chunks, summed
+            res["chunk_sources"] = {k: sum(x[k] for x in src) for k in src[0]}
         sel = [r["selection"] for r in rs if "selection" in r]
         if sel:
             facts = sorted({f for x in sel for f in x["fact_recomputed"]})
@@ -122,20 +140,71 @@ def add_costs(results: list[dict], rows: list[dict]) -> None:
                                            for f in facts}
 
 
+SERIAL = "speccache-serial"  # speccache with its selection after the fetch, not beside it
+
+
+def server_flags(target: str, spec: str, chunks_from: str, storage: Path) -> list[str]:
+    flags = ["--model-path", target, "--dtype", "float32", "--max-total-tokens", "32768",
+             "--speccache-spec-model", spec, "--speccache-selector", "speccache"]
+    if chunks_from == "storage":  # chunk KV precomputed into files, prefetched by HiCache
+        flags += ["--enable-hierarchical-cache", "--hicache-size", "4",
+                  "--hicache-storage-backend", "file", "--file-storage-path", str(storage),
+                  "--hicache-storage-prefetch-policy", "wait_complete",
+                  # SGLang prefetches only runs of 256 tokens or more by default: a shorter chunk
+                  # would be computed, not loaded
+                  "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": 32})]
+        if not _cuda():
+            flags += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
+    return flags
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _settle(folder: Path, at_least: int, timeout: float = 300.0) -> None:
+    """Wait until HiCache's storage writes (asynchronous; a flush drops those still
+    queued) hold ``at_least`` files and stop."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = sum(1 for _ in folder.iterdir())
+        if n != last:
+            last, since = n, time.monotonic()
+        elif n >= at_least and time.monotonic() - since > 2.0:
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"the storage backend holds {last} files after {timeout} s, expected {at_least}")
+
+
+def _flush(url: str) -> None:
+    """Empty the device tree (and HiCache's host pool), once the scheduler is idle."""
+    requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
+
+
 def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log_dir: Path,
-             stop: Optional[list[str]] = None, full_rows: Optional[dict] = None) -> list[dict]:
+             stop: Optional[list[str]] = None, full_rows: Optional[dict] = None,
+             chunks_from: str = "device") -> list[dict]:
     """Every run of every item on one server. ``full_rows`` (item id -> row) holds the
     full-recompute runs of an earlier pair with the same target: the plain prompt's
     prefill does not involve the small model, so it is measured once per target and
-    item in a run, and filled in here (its row's ``measured_with`` says where)."""
+    item in a run, and filled in here (its row's ``measured_with`` says where).
+
+    ``chunks_from="storage"``: the chunks' KV is in HiCache's storage backend only when
+    each SpecCache request arrives (the cache is flushed before it), so the request's
+    fetch prefetches it from there while the small model scores: the paper's regime."""
     from transformers import AutoTokenizer
 
     from sglang_vc import models
 
     tok = AutoTokenizer.from_pretrained(models.resolve(target))
     rows = []
-    flags = ["--model-path", target, "--dtype", "float32", "--max-total-tokens", "32768",
-             "--speccache-spec-model", spec, "--speccache-selector", "speccache"]
+    storage = log_dir / f"{target}--{spec}-storage"
+    if chunks_from == "storage":
+        shutil.rmtree(storage, ignore_errors=True)
+        storage.mkdir(parents=True)
+    flags = server_flags(target, spec, chunks_from, storage)
     with ServerProcess(flags, log_path=log_dir / f"{target}--{spec}.log", timeout=600) as server:
         url = server.url
         sampling = {"max_new_tokens": max_new, "temperature": 0, **({"stop": stop} if stop else {})}
@@ -153,18 +222,30 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                 for ratio in ([0.0] if name == "full-reuse" else ratios):
                     custom = {"speccache_selector": name, "speccache_ratio": ratio,
                               "speccache_return_selection": True}
+                    if name == SERIAL:
+                        custom.update(speccache_selector="speccache", speccache_overlap=False)
                     runs.append((name, ratio, {"text": text, "sampling_params": {**sampling, "custom_params": custom}}))
             for k, run in enumerate(runs):
                 if run is None:
                     continue
                 name, ratio, payload = run
                 if k == 1:  # after the plain prompt: nothing of it cached, the chunks' KV precomputed
-                    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+                    _flush(url)
+                    if chunks_from == "storage":  # the plain prompt's KV was written there too
+                        requests.post(url + "/hicache/storage-backend/clear", timeout=60).raise_for_status()
                     r = requests.post(url + "/speccache/chunks", json={"chunks": item["chunks"]}, timeout=600)
                     r.raise_for_status()
+                    if chunks_from == "storage":
+                        _settle(storage, at_least=sum(r.json()["tokens"]) // 2)
+                if k >= 1 and chunks_from == "storage":  # device and host emptied; the files stay
+                    _flush(url)
                 ttft, last = _ttft(url, payload)
                 answer = last.get("text", "")
                 meta = (last.get("meta_info", {}).get("sglang_vc_speccache") or [{}])[0]
+                details = last.get("meta_info", {}).get("cached_tokens_details") or {}
+                if k >= 1 and int(details.get("storage") or 0) > 0:
+                    raise RuntimeError(f"{name}: the prompt itself was loaded from storage ({details}), "
+                                       "not its chunks: the run would measure a prefix hit")
                 breakdown = {k2: v for k2, v in (meta.get("front_end") or {}).items()}
                 for part in ("load_s", "probe_s"):  # the fill; cacheblend's first pass
                     if meta.get(part):
@@ -180,8 +261,16 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                     rows[-1]["measured_with"] = spec
                     if full_rows is not None:
                         full_rows[item["id"]] = rows[-1]
+                if chunks_from == "storage" and name != "full-recompute":
+                    got = {t: meta.get(f"chunk_hits_{t}", 0) for t in ("storage", "host", "device")}
+                    rows[-1]["chunk_sources"] = {**got, "computed": meta.get("chunk_misses", 0),
+                                                 "lost": meta.get("chunks_lost", 0)}
+                    if got["storage"] != len(item["chunks"]):
+                        log(f"WARNING: {item['id']} {name}: chunks not all from storage: {rows[-1]['chunk_sources']}")
                 if "selected_positions" in meta and item.get("chunk_roles"):
                     rows[-1]["selection"] = selection_report(item, prompt, meta["selected_positions"])
+    if chunks_from == "storage":
+        shutil.rmtree(storage, ignore_errors=True)  # GBs of float32 KV
     return rows
 
 
@@ -206,6 +295,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--rates", default="0.05,0.1,0.2")
+    ap.add_argument("--chunks-from", choices=("device", "storage"), default="device",
+                    help="where each SpecCache request finds its chunks' KV: on the device (registered "
+                    "just before), or only in HiCache's file storage backend (the cache flushed before "
+                    "each request: its fetch loads them while the small model scores)")
+    ap.add_argument("--serial", action="store_true",
+                    help=f"also run speccache with its scoring after the chunks' fetch instead of beside it "
+                    f"(reported as {SERIAL}): what the overlap buys")
     ap.add_argument("--quick", action="store_true", help="the 0.5B target with smollm2-135m, 4 items")
     args = ap.parse_args(argv)
     from .speccache import parse_pairs
@@ -213,6 +309,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     selectors = [s.strip() for s in args.selectors.split(",") if s.strip()]
     if "full-recompute" in selectors:
         ap.error("--selectors: full recompute always runs (the plain prompt)")
+    if args.serial and args.chunks_from != "storage":
+        ap.error("--serial needs --chunks-from storage: with the chunks registered on the device a "
+                 "request has nothing to fetch, so scoring after the fetch is scoring beside it")
+    if args.serial and SERIAL not in selectors:
+        selectors.append(SERIAL)
     ratios = [float(r) for r in args.ratios.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
     pairs = parse_pairs(ap, args.pairs, args.quick)
@@ -228,7 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if prev.get("workload") != args.workload or prev.get("partial") or not isinstance(prev.get("rows"), list):
             ap.error(f"--merge: {args.merge} is not a complete run of workload {args.workload!r}")
         same = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "ratios": ratios,
-                "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens}
+                "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens,
+                "chunks_from": args.chunks_from}
         differ = [k for k, v in same.items() if prev.get(k, v) != v]
         if differ:
             ap.error(f"--merge: {args.merge} was run with other {', '.join(differ)}")
@@ -265,7 +367,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # rag_multihop's answer is one code on one line: what follows is not the answer
         stop = ["\n"] if args.workload == "rag_multihop" else None
         rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop,
-                         full_rows.setdefault(target, {}))
+                         full_rows.setdefault(target, {}), args.chunks_from)
         write(rows, partial=True)  # a pair's results are kept if a later pair fails
     write(rows, partial=False)
     log_results(summarize(earlier + rows, rates))
@@ -280,7 +382,7 @@ def _report(args, pairs, selectors, ratios, n, rates, rows, started, partial: bo
             "mode": "served (sglang-vc server, streamed TTFT)", "partial": partial, "pairs": pairs,
             "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "skip": args.skip,
             "max_new_tokens": args.max_new_tokens,
-            "merged_from": args.merge, "chunks": args.chunks,
+            "merged_from": args.merge, "chunks": args.chunks, "chunks_from": args.chunks_from,
             "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
             "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
 

@@ -14,8 +14,9 @@ A prefill-only request computes at least the chunk's last token (SGLang's match 
 one token to compute), so a fetch costs a forward even when the chunk is on the device
 (on a CPU, with a 1.5B model, most of a second: the weights are read once per forward).
 The front end therefore fetches only chunks it has not fetched before (its ``known``
-set); the prefill's lookup checks the others, and a chunk that is gone from the device
-is recomputed by that prefill, reported, and fetched again by the next request.
+set, cleared by a cache flush); the prefill's lookup checks the others, and a chunk the
+tree evicted is recomputed by that prefill, reported, and fetched again by the next
+request.
 """
 
 from __future__ import annotations

@@ -17,12 +17,14 @@ OpenAI chat API tokenizes its template), before SGLang tokenizes it:
    radix cache and attention backend read it.
 
 Bad input is a ``ValueError`` here, which SGLang answers with HTTP 400: a malformed chunk
-layout, an unknown selector, a ratio outside [0, 1], a client-sent plan, or input
-log-probabilities (the reused tokens have no logits). A chunk no longer (wholly) on the
-device when the request's prefill looks it up is recomputed by that prefill (counted as
-``chunks_lost``: slower, never wrong); the response reports it, and the front end
-forgets it (:meth:`Frontend.forget`) so that the next request fetches it again (from
-the host or storage tier where HiCache kept it).
+layout, an unknown selector, a ratio outside [0, 1], a ``speccache_overlap`` that is not
+a boolean, a client-sent plan, or input log-probabilities (the reused tokens have no
+logits). A chunk no longer (wholly) on the device when the request's prefill looks it up
+(the tree evicted it) is recomputed by that prefill (counted as ``chunks_lost``: slower,
+never wrong); the response reports it, and the front end forgets it
+(:meth:`Frontend.forget`) so that the next request fetches it again (from the host or
+storage tier where HiCache kept it). A cache flush makes it forget every chunk at once
+(:meth:`Frontend.forget_all`).
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ class Frontend:
 
     # ------------------------------------------------------------------ requests
 
-    def request_options(self, custom: dict) -> tuple[str, float]:
-        """(selector, ratio) of a request: the server's, or its ``custom_params``'."""
+    def request_options(self, custom: dict) -> tuple[str, float, bool]:
+        """(selector, ratio, overlap) of a request: the server's, or its ``custom_params``'."""
         if PLAN_KEY in custom:
             raise ValueError(f"custom_params.{PLAN_KEY} is set by the server, not by a client")
         unknown = sorted(k for k in custom if k.startswith("speccache") and k not in REQUEST_KEYS)
@@ -99,7 +101,10 @@ class Frontend:
             raise ValueError(f"unknown SpecCache request keys {unknown}; known: {list(REQUEST_KEYS)}")
         selector = check_selector(custom.get("speccache_selector", self.settings.selector))
         ratio = check_ratio(custom.get("speccache_ratio", self.settings.ratio))
-        return selector, ratio
+        overlap = custom.get("speccache_overlap", True)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"speccache_overlap must be true or false, got {overlap!r}")
+        return selector, ratio, overlap
 
     def prompt_text(self, obj) -> Optional[str]:
         if isinstance(obj.text, str):
@@ -125,7 +130,8 @@ class Frontend:
                 raise ValueError(f"speccache_* options need a prompt whose chunks are marked with "
                                  f"{self.settings.separator!r}")
             return
-        selector, ratio = self.request_options(custom)
+        started = time.perf_counter()
+        selector, ratio, overlap = self.request_options(custom)
         if obj.return_logprob:
             raise ValueError("SpecCache requests cannot return log-probabilities: the reused prompt tokens have "
                              "no logits of their own")
@@ -140,11 +146,17 @@ class Frontend:
             sources = await self.fetch(prompt.chunk_ids, Namespace.of(obj))
             return sources, time.perf_counter() - t0
 
-        # the selection (the small model's forward, in a thread) overlaps the chunks'
-        # fetch (loads and prefills in the scheduler): neither needs the other
-        (recompute, times), (sources, fetch_s) = await asyncio.gather(
-            asyncio.to_thread(self.select, prompt, selector, ratio, seed), fetch())
-        times.update(tokenize_s=tokenize_s, fetch_s=fetch_s)
+        def select():  # the small model's forward runs in a thread: the event loop keeps serving
+            return asyncio.to_thread(self.select, prompt, selector, ratio, seed)
+
+        if overlap:
+            # the selection overlaps the chunks' fetch (loads and prefills in the
+            # scheduler): neither needs the other
+            (recompute, times), (sources, fetch_s) = await asyncio.gather(select(), fetch())
+        else:  # one after the other: what the overlap buys is the difference
+            sources, fetch_s = await fetch()
+            recompute, times = await select()
+        times.update(tokenize_s=tokenize_s, fetch_s=fetch_s, front_end_s=time.perf_counter() - started)
         stats.add(GROUP, requests=1, **times)
         obj.input_ids = prompt.ids
         obj.text = prompt.text
@@ -202,6 +214,11 @@ class Frontend:
         stats.add(GROUP, chunks_fetched=len(todo), chunk_hits_host=found[ChunkSource.HOST],
                   chunk_hits_storage=found[ChunkSource.STORAGE], chunk_misses=found[ChunkSource.COMPUTED])
         return [fetched.get(k, ChunkSource.KNOWN) for k in keys]
+
+    def forget_all(self) -> None:
+        """After a cache flush: no chunk is on the device any more, so the next request
+        that brings one fetches it (from storage, where HiCache keeps it, or computed)."""
+        self.known.clear()
 
     def forget(self, obj, meta: dict) -> None:
         """A finished SpecCache request's report: chunks its prefill did not find (wholly)

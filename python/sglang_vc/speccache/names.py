@@ -13,8 +13,9 @@ DEFAULT_SPEC_MODEL = "smollm2-135m"
 
 # sampling_params.custom_params keys a request may send
 # (speccache_return_selection: true puts the recomputed chunk positions in meta_info,
-# for analysis: which tokens a selector chose)
-REQUEST_KEYS = ("speccache_selector", "speccache_ratio", "speccache_return_selection")
+# for analysis: which tokens a selector chose; speccache_overlap: false runs the selection
+# after the chunks' fetch instead of beside it, to measure what the overlap buys)
+REQUEST_KEYS = ("speccache_selector", "speccache_ratio", "speccache_return_selection", "speccache_overlap")
 # the plan the server's front end attaches for the scheduler; a client's is refused
 PLAN_KEY = "_speccache_plan"
 META_INFO_KEY = "sglang_vc_speccache"  # meta_info of each SpecCache response
