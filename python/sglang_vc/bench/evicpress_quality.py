@@ -165,9 +165,12 @@ def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, thresh
     re-profiled on the queries it was asked. Returns the counters and the profile error
     against the served quality before and after (TTFTs here are not a system's: the
     checks run between the requests)."""
-    c0 = cl.counters()
-    cl.api("POST", "/evicpress/reconfigure", {"policy": "evicpress", "alpha": alpha, "observe_rate": 1.0,
+    cl.api("POST", "/evicpress/reconfigure", {"policy": "evicpress", "alpha": alpha, "observe_rate": 0.0,
                                               "reprofile_threshold": threshold})
+    for c in contexts:  # placement first, unchecked: a context met for the first time is a miss, served full
+        cl.stream(c["token_ids"] + c["profile"][0], 1)
+    c0 = cl.counters()
+    cl.api("POST", "/evicpress/reconfigure", {"observe_rate": 1.0})
     for i, (ci, qi) in enumerate(stream):
         c = contexts[ci]
         cl.stream(c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1]), max_new)
@@ -191,6 +194,8 @@ def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, thresh
              for c in cl.api("GET", "/evicpress/contexts")["contexts"] if c["profiled"]}
     c1 = cl.counters()
     delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("observations_queued", "observations", "drift_flags", "reprofilings")}
+    if not delta["observations_queued"]:
+        log("WARNING: drift: no compressed answer was served, so none was checked: nothing measured")
     changed = sorted(cid for cid in after if after[cid] != before.get(cid))
     maes = profile_mae({"before": before, "after": {**before, **after}}, served)
     log(f"drift: {delta}, {len(changed)} contexts re-profiled; profile MAE {maes['before']['mean']:.3f} -> "
