@@ -165,12 +165,12 @@ def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, thresh
     re-profiled on the queries it was asked. Returns the counters and the profile error
     against the served quality before and after (TTFTs here are not a system's: the
     checks run between the requests)."""
-    cl.api("POST", "/evicpress/reconfigure", {"policy": "evicpress", "alpha": alpha, "observe_rate": 0.0,
-                                              "reprofile_threshold": threshold})
-    for c in contexts:  # placement first, unchecked: a context met for the first time is a miss, served full
-        cl.stream(c["token_ids"] + c["profile"][0], 1)
     c0 = cl.counters()
-    cl.api("POST", "/evicpress/reconfigure", {"observe_rate": 1.0})
+    # (a reconfigure empties the tiers: one, before the placement pass)
+    cl.api("POST", "/evicpress/reconfigure", {"policy": "evicpress", "alpha": alpha, "observe_rate": 1.0,
+                                              "reprofile_threshold": threshold})
+    for c in contexts:  # placement first: a context met for the first time is a miss, served full
+        cl.stream(c["token_ids"] + c["profile"][0], 1)
     for i, (ci, qi) in enumerate(stream):
         c = contexts[ci]
         cl.stream(c["token_ids"] + (c["test"] if qi == 0 else c["profile"][qi - 1]), max_new)
