@@ -11,13 +11,13 @@ front end hears of: the next request fetches them at once."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests
 
 from sglang_vc.speccache import layout
 from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
+from sglang_vc.testing.files import wait_for_files
 from sglang_vc.testing.server import ServerProcess
 
 from conftest import real_text_passages
@@ -41,20 +41,6 @@ def tiered(tmp_path_factory):
     ], log_path=folder / "server.log")
     yield proc, storage
     proc.stop()
-
-
-def _settled(folder, at_least: int, timeout: float = 60.0) -> int:
-    """Wait until the storage backend's file count stops growing (writes are
-    asynchronous) and holds at least ``at_least`` entries."""
-    last, stable_since, deadline = -1, time.monotonic(), time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        n = sum(1 for _ in folder.iterdir())
-        if n != last:
-            last, stable_since = n, time.monotonic()
-        elif n >= at_least and time.monotonic() - stable_since > 1.0:
-            return n
-        time.sleep(0.2)
-    raise AssertionError(f"storage holds {last} entries after {timeout} s, expected at least {at_least}")
 
 
 def test_chunks_hit_from_device_host_and_storage(tiered, tokenizer):
@@ -88,7 +74,7 @@ def test_chunks_hit_from_device_host_and_storage(tiered, tokenizer):
 
     # a flush empties the device and the host pool; the storage backend keeps every chunk
     tokens = sum(others.json()["tokens"]) + 2 * 100
-    _settled(storage, at_least=tokens)
+    wait_for_files(storage, at_least=tokens)
     assert requests.post(proc.url + "/flush_cache").status_code == 200
     answer, where = ask()  # the front end forgot the flushed chunks: fetched from storage
     assert where == {"device": 0, "host": 0, "storage": 2, "computed": 0}, proc.log_tail()

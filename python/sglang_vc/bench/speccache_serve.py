@@ -46,6 +46,7 @@ import requests
 
 from sglang_vc.speccache import layout
 from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
+from sglang_vc.testing.files import wait_for_files
 from sglang_vc.testing.server import ServerProcess
 
 from .speccache import GOOD_FRACTION, WORKLOAD_CHOICES, log, log_results, plot, summarize
@@ -164,20 +165,6 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _settle(folder: Path, at_least: int, timeout: float = 300.0) -> None:
-    """Wait until HiCache's storage writes (asynchronous; a flush drops those still
-    queued) hold ``at_least`` files and stop."""
-    last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        n = sum(1 for _ in folder.iterdir())
-        if n != last:
-            last, since = n, time.monotonic()
-        elif n >= at_least and time.monotonic() - since > 2.0:
-            return
-        time.sleep(0.25)
-    raise RuntimeError(f"the storage backend holds {last} files after {timeout} s, expected {at_least}")
-
-
 def _flush(url: str) -> None:
     """Empty the device tree (and HiCache's host pool), once the scheduler is idle."""
     requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
@@ -236,7 +223,7 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                     r = requests.post(url + "/speccache/chunks", json={"chunks": item["chunks"]}, timeout=600)
                     r.raise_for_status()
                     if chunks_from == "storage":
-                        _settle(storage, at_least=sum(r.json()["tokens"]) // 2)
+                        wait_for_files(storage, sum(r.json()["tokens"]) // 2, timeout=300, quiet_s=2.0)
                 if k >= 1 and chunks_from == "storage":  # device and host emptied; the files stay
                     _flush(url)
                 ttft, last = _ttft(url, payload)
