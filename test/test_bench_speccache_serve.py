@@ -85,9 +85,17 @@ def test_merge_refuses_another_workload_a_partial_run_other_settings_or_the_same
                         "--pairs", "smollm2-135m:smollm2-135m", "--n", "1", "--chunk-tokens", "128"])
         assert exc.value.code == 2
         assert "--merge" in capsys.readouterr().err
+    prev.write_text(json.dumps({"workload": "rag_multihop", "partial": False, "rows": []}))  # from before --hop: far
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--json", str(tmp_path / "x.json"), "--workload", "rag_multihop", "--hop", "near",
+                    "--merge", str(prev), "--pairs", "smollm2-135m:smollm2-135m", "--n", "1"])
+    assert exc.value.code == 2 and "other hop" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         bench.main(["--json", str(tmp_path / "x.json"), "--skip", "-1"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:  # only rag_multihop has hops
+        bench.main(["--json", str(tmp_path / "x.json"), "--workload", "rag", "--hop", "near"])
+    assert exc.value.code == 2 and "only rag_multihop has hops" in capsys.readouterr().err
 
 
 def test_skipped_items_are_the_workloads_later_ones(tokenizer):

@@ -794,6 +794,7 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     assert epx.placement(s, cid)["tier"] == "host"  # stored again after the recompute
 
 
+@pytest.mark.slow  # 15-min default budget; full disk in process: test_evicpress_core
 def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     """More contexts than the tiers hold (host 2.5, disk 4.5 full contexts, 8 contexts of
     equal use): the knapsack keeps 2 on the host, demotes 4 to disk and, with the disk

@@ -162,7 +162,8 @@ DEFAULT_DRAFTERS = {"snapkv": (None, 0.75), "kivi2": (DRAFTERS["kivi2"], 0.6),
                     "specache1": (SPECACHE_DRAFTER, 0.75)}
 
 
-@pytest.mark.parametrize("drafter", ["snapkv", "kivi2", "specache1"])  # each drafter family
+@pytest.mark.parametrize("drafter", [  # each drafter family; kivi2 (a second quantizer) in the slow run
+    "snapkv", pytest.param("kivi2", marks=pytest.mark.slow), "specache1"])
 def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4, drafter):
     """VERICACHE at X = 4 gives the plain (full-KV) server's tokens, and the drafter was
     really lossy: some drafts were rejected, and while a request decodes the device pool
@@ -441,6 +442,7 @@ def _identical_to_full(server, model_dir, ids, out, n):
     _assert_identical(server, model_dir, [ids], [out], n)
 
 
+@pytest.mark.slow  # 15-min default budget; in process: test_vericache_reload
 def test_failed_reload_and_full_host_store_keep_output_identical(server, model_dir, tokenizer, vc_constrained):
     """1. A compressed 150-token prompt whose first reload fails every retry: its full KV
     is restored on the device from the host store and it decodes from it (counted as a
@@ -542,6 +544,7 @@ def test_unsupported_parameter_is_http_400_on_the_openai_api(vc4):
     assert "presence_penalty" in r.text, r.text
 
 
+@pytest.mark.slow  # 15-min default budget; identity: test_greedy_identity_...
 def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
     """``logit_bias`` banning a token the full-KV output picks in a verify round changes
     the output, and VERICACHE gives the biased full-KV tokens; ``min_p = 1`` at
@@ -600,6 +603,7 @@ def vc_no_pool_room(tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow  # 15-min default budget; in process: test_vericache_staging
 def test_verifies_without_pool_room_keep_output_identical(server, model_dir, tokenizer, vc_no_pool_room):
     """When the pool has no room to stage a verifier's full KV, the verify attends its
     rows with the reloaded span outside the pool (the slower path) instead of waiting:

@@ -349,3 +349,27 @@ def test_rag_multihop_needs_the_bridge_and_the_answer_chunk_and_lures_the_rest(b
     with pytest.raises(ValueError, match="chunks >= 4"):
         W.load_workload("rag_multihop", chunks=3)
 
+
+def test_rag_multihop_near_puts_the_answer_sentence_right_after_the_bridge_sentence():
+    """``hop="near"``: the answer chunk follows the bridge chunk, whose last sentence is the
+    bridge fact, and the answer chunk opens with the answer fact; the same entities and
+    lures as ``far``, whose items the option leaves as they were."""
+    far = W.load_workload("rag_multihop", n=6, chunks=5, chunk_tokens=128)
+    near = W.load_workload("rag_multihop", n=6, chunks=5, chunk_tokens=128, hop="near")
+    assert near.provenance["params"]["hop"] == "near" and far.provenance["params"]["hop"] == "far"
+    assert far.provenance["items_sha256"] == W.load_workload("rag_multihop", n=6, chunks=5, chunk_tokens=128,
+                                                              hop="far").provenance["items_sha256"]
+    adjacent_in_far = 0
+    for f, it in zip(far, near):
+        b, a = it["answer_chunks"]
+        assert a == b + 1 and it["chunk_roles"][b:b + 2] == ["bridge", "answer"]
+        team = it["bridge_entity"]
+        assert it["chunks"][b].rstrip().endswith(f"is maintained by the {team} team.")
+        assert it["chunks"][a].startswith(f"\nPassage {a + 1}: The archive code of the {team} team is {it['answer']}.")
+        assert (f["answer"], f["lure_answer"], f["bridge_entity"]) == (it["answer"], it["lure_answer"], team)
+        assert sorted(it["chunk_roles"]) == sorted(f["chunk_roles"])
+        adjacent_in_far += f["answer_chunks"][1] == f["answer_chunks"][0] + 1
+    assert adjacent_in_far < len(far)  # far is not near by chance
+    with pytest.raises(ValueError, match="hop must be one of far, near"):
+        W.load_workload("rag_multihop", hop="close")
+

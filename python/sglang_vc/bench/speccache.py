@@ -49,9 +49,12 @@ from sglang_vc.speccache.selectors import SELECTORS, Need, SelectionInput, get_s
 
 from . import speccache_hf as sc
 from .lossy_hf import Session, load_model
+from .workloads import HOPS
 
 KL_TOKENS = 8
 WORKLOAD_CHOICES = ("rag", "rag_multihop")  # bench.workloads' RAG workloads
+HOP_HELP = ("rag_multihop: far (facts anywhere, chunks shuffled) or near (the answer chunk right after "
+            "the bridge chunk, the two facts adjacent across the boundary: the easier variant)")
 GOOD_FRACTION = 0.8  # the paper's eq. 8 threshold: 80% of full recompute's mean score
 
 
@@ -247,6 +250,18 @@ def log_results(results: list[dict]) -> None:
             f"EM {r['exact_match']:.2f}{kl}")
 
 
+def workload_params(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """``load_workload``'s options from the shared flags (``--chunks``, ``--chunk-tokens``,
+    ``--hop``); ``--hop near`` on a workload other than ``rag_multihop`` is refused."""
+    params = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
+              "max_tokens": max(8192, args.chunks * args.chunk_tokens + 256)}
+    if args.workload == "rag_multihop":
+        params["hop"] = args.hop
+    elif args.hop != "far":
+        ap.error(f"--hop {args.hop}: only rag_multihop has hops (got --workload {args.workload})")
+    return params
+
+
 def parse_pairs(ap: argparse.ArgumentParser, text: Optional[str], quick: bool) -> list[tuple[str, str]]:
     """``TARGET:SPEC,...`` (the defaults of the issue: both pairs, or the quick one)."""
     text = text or ("qwen2.5-coder-0.5b:smollm2-135m" if quick else
@@ -274,6 +289,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "answer in another chunk, a lure and a distractor on the same entities)")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--hop", choices=HOPS, default="far", help=HOP_HELP)
     ap.add_argument("--rates", default="0.05,0.1,0.2", help="Poisson arrival rates (req/s) for goodput")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -294,6 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         selectors.append("full-recompute")
     pairs = parse_pairs(ap, args.pairs, args.quick)
     n = args.n if args.n is not None else (4 if args.quick else 12)
+    params = workload_params(ap, args)
 
     from .workloads import load_workload
 
@@ -311,8 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"speccache: cannot load model {name!r}: {exc}", file=sys.stderr)
                     return 2
         target, spec = models[target_name], models[spec_name]
-        items = load_workload(args.workload, tokenizer=target.tokenizer, n=n, chunks=args.chunks, chunk_tokens=args.chunk_tokens,
-                              max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))
+        items = load_workload(args.workload, tokenizer=target.tokenizer, n=n, **params)
         for i, item in enumerate(items):
             log(f"{target_name} <- {spec_name}: item {i + 1}/{len(items)} ({item['task']}, {item['n_tokens']} tokens)")
             rows += run_item(item, target, spec, selectors, ratios, kv_cache)
@@ -321,7 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "speccache", "workload": args.workload, "mode": "lab (HF transformers, this process)", "pairs": pairs,
               "selectors": selectors, "ratios": ratios, "n": n, "chunks": args.chunks,
-              "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
+              "chunk_tokens": args.chunk_tokens, "hop": params.get("hop"), "rates": rates,
+              "good_fraction": GOOD_FRACTION,
               "kl_tokens": KL_TOKENS, "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
     out.write_text(json.dumps(report, indent=2))
     png = plot(results, out.with_suffix(".png"))

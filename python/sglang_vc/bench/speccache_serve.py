@@ -49,7 +49,7 @@ from sglang_vc.speccache.names import DEFAULT_SEPARATOR as SEP
 from sglang_vc.testing.files import wait_for_files
 from sglang_vc.testing.server import ServerProcess
 
-from .speccache import GOOD_FRACTION, WORKLOAD_CHOICES, log, log_results, plot, summarize
+from .speccache import GOOD_FRACTION, HOP_HELP, HOPS, WORKLOAD_CHOICES, log, log_results, plot, summarize
 from .workloads import load_workload, score, token_f1
 
 
@@ -280,6 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "answer in another chunk, a lure and a distractor on the same entities)")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--hop", choices=HOPS, default="far", help=HOP_HELP)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--rates", default="0.05,0.1,0.2")
     ap.add_argument("--chunks-from", choices=("device", "storage"), default="device",
@@ -291,7 +292,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"(reported as {SERIAL}): what the overlap buys")
     ap.add_argument("--quick", action="store_true", help="the 0.5B target with smollm2-135m, 4 items")
     args = ap.parse_args(argv)
-    from .speccache import parse_pairs
+    from .speccache import parse_pairs, workload_params
+
+    params = workload_params(ap, args)
 
     selectors = [s.strip() for s in args.selectors.split(",") if s.strip()]
     if "full-recompute" in selectors:
@@ -319,6 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens,
                 "chunks_from": args.chunks_from}
         differ = [k for k, v in same.items() if prev.get(k, v) != v]
+        if prev.get("hop") not in (None, args.hop) or (prev.get("hop") is None and args.hop != "far"):
+            differ.append("hop")  # runs from before --hop were far
         if differ:
             ap.error(f"--merge: {args.merge} was run with other {', '.join(differ)}")
         earlier = prev["rows"]
@@ -342,9 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = []
     for target, spec in pairs:
         tok = AutoTokenizer.from_pretrained(models.resolve(target))
-        items = load_workload(args.workload, tokenizer=tok, n=args.skip + n, chunks=args.chunks,
-                              chunk_tokens=args.chunk_tokens,
-                              max_tokens=max(8192, args.chunks * args.chunk_tokens + 256))[args.skip:]
+        items = load_workload(args.workload, tokenizer=tok, n=args.skip + n, **params)[args.skip:]
         clash = {r["item"] for r in earlier if r["target"] == target and r["spec_model"] == spec} & \
             {it["id"] for it in items}
         if clash:  # checked for every pair before any runs
@@ -370,7 +373,8 @@ def _report(args, pairs, selectors, ratios, n, rates, rows, started, partial: bo
             "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "skip": args.skip,
             "max_new_tokens": args.max_new_tokens,
             "merged_from": args.merge, "chunks": args.chunks, "chunks_from": args.chunks_from,
-            "chunk_tokens": args.chunk_tokens, "rates": rates, "good_fraction": GOOD_FRACTION,
+            "chunk_tokens": args.chunk_tokens,
+            "hop": args.hop if args.workload == "rag_multihop" else None, "rates": rates, "good_fraction": GOOD_FRACTION,
             "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows}
 
 if __name__ == "__main__":

@@ -49,10 +49,12 @@ from __future__ import annotations
 from .common import DEFAULT_MAX_TOKENS, MODEL_CONTEXT, WORKLOADS_VERSION, TokenCounter, approx_tokens
 from .json_calls import extract_json_call, json_call_score
 from .needle import needle_found
+from .rag_multihop import HOPS
 from .registry import Workload, describe_workloads, list_workloads, load_workload, read_jsonl, write_workload
 from .scoring import score, token_f1
 
 __all__ = [
+    "HOPS",
     "DEFAULT_MAX_TOKENS",
     "MODEL_CONTEXT",
     "WORKLOADS_VERSION",

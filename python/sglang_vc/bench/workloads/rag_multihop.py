@@ -15,8 +15,17 @@ sentences:
 * plain passages for any further chunks.
 
 The question asks for the archive code of the team that maintains project P; the answer
-C is stated verbatim in the answer chunk. Chunks are in a random order. Scored by exact
-match of the code (:func:`~.scoring.score`) and token F1.
+C is stated verbatim in the answer chunk. Scored by exact match of the code
+(:func:`~.scoring.score`) and token F1.
+
+``hop`` sets how far apart the two facts are:
+
+* ``far`` (default): chunks in a random order, each fact between two random sentences of
+  its passage;
+* ``near``: the easier variant (the issue's fallback when full recompute answers too few):
+  the answer chunk follows the bridge chunk, the bridge fact is its passage's last
+  sentence and the answer fact its passage's first, so the second hop is the next
+  sentence. The lure and distractor chunks stay where the shuffle puts them.
 """
 
 from __future__ import annotations
@@ -29,11 +38,12 @@ from .rag import _RAG_INTRO, _rag_code, _rag_insert, _rag_name
 
 MULTIHOP_TASK = "rag_multihop"
 ROLES = ("bridge", "answer", "lure", "distractor")
+HOPS = ("far", "near")
 
 
 def _build_rag_multihop(counter: TokenCounter, max_tokens: int, n: int | None, seed: int, *,
                         chunks: int = 4, chunk_tokens: int = 512, kinds: Sequence[str] = _DOC_KINDS,
-                        min_prose: float = 0.3) -> tuple[list[dict], dict]:
+                        min_prose: float = 0.3, hop: str = "far") -> tuple[list[dict], dict]:
     """``n`` items (default 24) of ``chunks`` passages (at least 4: bridge, answer, lure,
     distractor) of about ``chunk_tokens`` tokens each; ``chunks`` in an item are the
     passages as they appear in the prompt (``prompt == chunk_prefix + "".join(chunks) +
@@ -43,6 +53,8 @@ def _build_rag_multihop(counter: TokenCounter, max_tokens: int, n: int | None, s
         raise ValueError(f"rag_multihop: needs chunks >= {len(ROLES)} (bridge, answer, lure, distractor), got {chunks}")
     if chunk_tokens < 64:
         raise ValueError(f"rag_multihop: chunk_tokens must be >= 64, got {chunk_tokens}")
+    if hop not in HOPS:
+        raise ValueError(f"rag_multihop: hop must be one of {', '.join(HOPS)}, got {hop!r}")
     chunk_tokens = min(chunk_tokens, (max_tokens - 96) // chunks)  # clamped to the prompt budget
     if chunk_tokens < 64:
         raise ValueError(f"rag_multihop: {chunks} chunks do not fit max_tokens {max_tokens}")
@@ -50,8 +62,9 @@ def _build_rag_multihop(counter: TokenCounter, max_tokens: int, n: int | None, s
     if not docs:
         raise RuntimeError(f"rag_multihop workload: no documents of kinds {list(kinds)} on this machine")
     n = 24 if n is None else n
-    items = [_item(i, seed, chunks, chunk_tokens, docs, counter) for i in range(n)]
-    return items, {"chunks": chunks, "chunk_tokens": chunk_tokens, "kinds": list(kinds), "min_prose": min_prose}
+    items = [_item(i, seed, chunks, chunk_tokens, docs, counter, hop) for i in range(n)]
+    return items, {"chunks": chunks, "chunk_tokens": chunk_tokens, "kinds": list(kinds), "min_prose": min_prose,
+                   "hop": hop}
 
 
 def _passage(rng, docs, counter: TokenCounter, budget: int) -> tuple[str, dict]:
@@ -90,7 +103,7 @@ def _distinct(rng, make, k: int) -> list[str]:
     return out
 
 
-def _item(i: int, seed: int, n_chunks: int, chunk_tokens: int, docs, counter: TokenCounter) -> dict:
+def _item(i: int, seed: int, n_chunks: int, chunk_tokens: int, docs, counter: TokenCounter, hop: str) -> dict:
     rng = _rng(MULTIHOP_TASK, seed, i)
     project, other_project, team, lure_team = _distinct(rng, _rag_name, 4)
     code, lure_code = _distinct(rng, _rag_code, 2)
@@ -104,11 +117,19 @@ def _item(i: int, seed: int, n_chunks: int, chunk_tokens: int, docs, counter: To
     }
     roles = list(ROLES) + ["plain"] * (n_chunks - len(ROLES))
     rng.shuffle(roles)
+    if hop == "near":  # the answer chunk right after the bridge chunk
+        roles.remove("answer")
+        roles.insert(roles.index("bridge") + 1, "answer")
     passages, sources = [], []
     for role in roles:
         text, src = _passage(rng, docs, counter, chunk_tokens - 24 * len(facts.get(role, [])))
         for fact in facts.get(role, []):
-            text = _rag_insert(rng, text, fact)
+            if hop == "near" and role == "bridge":
+                text = f"{text} {fact}"
+            elif hop == "near" and role == "answer":
+                text = f"{fact} {text}"
+            else:
+                text = _rag_insert(rng, text, fact)
         passages.append(text)
         sources.append(src)
     # the code only, repeated next to the question: 2k tokens after the intro, the 1.5B
