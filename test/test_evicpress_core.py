@@ -543,7 +543,7 @@ def test_digest_of_kv_in_any_dtype():
     import torch
 
     from sglang_vc.evicpress.codec import FullKV
-    from sglang_vc.evicpress.radix import _digest
+    from sglang_vc.evicpress.tree_rows import _digest
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         k = torch.randn(2, 5, 3, 4).to(dtype)

@@ -280,6 +280,33 @@ def test_manager_store_fetch_demote_bytes_equal(tmp_path):
     assert torch.equal(got.kv.k, kvs[0].k)
 
 
+def test_a_request_aborted_while_waiting_leaves_no_plan(tmp_path, monkeypatch):
+    """SGLang ends a request aborted in the waiting queue with ``finish(ABORT)``, never
+    ``on_release``: the cache forgets its plan, its lossy prefix and its activity (which
+    keeps the profiler from seeing the server idle)."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, CacheRequestOutcome
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from sglang_vc.evicpress import radix
+
+    # SGLang's own prefetch bookkeeping needs a whole cache; only ours is under test
+    monkeypatch.setattr(UnifiedRadixCache, "release_aborted_request", lambda self, request: None)
+    mgr = _manager(tmp_path, host_bytes=10**7, disk_bytes=10**8)
+    ctx = _ctx(mgr, 0)
+    ids = list(range(1, 220))
+    cache = radix.EvicPressRadixCache.__new__(radix.EvicPressRadixCache)
+    cache.evicpress, cache._reqs, cache._private = mgr, {}, {}
+    for rid in ("waiting", "running"):
+        assert mgr.begin_request(rid, ids, None, ids, lambda n: n) == (ctx, 200)
+        cache._reqs[rid] = radix._Req(ctx, 200, 200, "host", KIVI4, 0, 0.0)
+        cache._private[rid] = radix._PrivatePrefix("lossy:c0", 200, 200, KIVI4, ctx.ctx_id)
+    assert set(mgr.active_requests) == {"waiting", "running"}
+    cache.finish(CacheRequestHandle(rid="waiting", attempt_id=0), CacheRequestOutcome.ABORT)
+    assert set(cache._reqs) == set(cache._private) == set(mgr.active_requests) == {"running"}
+    cache.finish(CacheRequestHandle(rid="running", attempt_id=0), CacheRequestOutcome.SUCCESS)
+    assert set(cache._reqs) == {"running"}  # a success is released by on_release
+
+
 def test_manager_corrupted_and_truncated_disk_entries_are_dropped(tmp_path):
     full = DIMS.bytes_per_token * 200
     mgr = _manager(tmp_path, host_bytes=full // 2, disk_bytes=10 * full, policy="lru")
@@ -861,7 +888,7 @@ def test_measured_delay_model_inputs_are_physical(tmp_path):
     tier (a memcpy against reads through the file system)."""
     import math
 
-    from sglang_vc.evicpress.radix import measure_delay_inputs
+    from sglang_vc.evicpress.measure import measure_delay_inputs
 
     ep = {"candidates": ["kivi@2b", "kivi@4b", "kivi1@1b"]}
     m = measure_delay_inputs(ep, DIMS, tmp_path)

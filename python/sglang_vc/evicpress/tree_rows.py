@@ -1,0 +1,296 @@
+"""The radix tree's device and host rows as EvicPress's tiers use them.
+
+:class:`TreeRows` is the part of :class:`~.radix.EvicPressRadixCache` the tiers call
+(the ``DeviceTree`` protocol of :mod:`.device_tier`, the ``HostTree`` protocol of
+:mod:`.host_tier`): keys in a namespace, matching, gathering and writing KV rows,
+injecting a copy into the tree, pinning it, and the HiCache backups of the host tier.
+The request path (``match_prefix`` and the hooks around a request) stays in
+:mod:`.radix`; both work on the same tree, so this is a mixin of that class, not an
+object of its own.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from . import codec
+from .codec import FullKV
+from .config import CompressionConfig, Tier
+from .context import PROFILE_NAMESPACE, Context
+
+logger = logging.getLogger(__name__)
+
+DROP_NAMESPACE = PROFILE_NAMESPACE + "drop:"  # device copies of token-dropped contexts
+LOSSY_NAMESPACE = PROFILE_NAMESPACE + "lossy:"  # device copies of quantized contexts
+SAME_NAMESPACE = object()  # "the namespace of the key given"
+
+
+def private_namespace(ctx: Context, cfg: CompressionConfig, n: int, profile: bool = False,
+                       salt: Optional[str] = None) -> str:
+    """The namespace of a lossy device copy of ``ctx``'s first ``n`` tokens (module
+    docstring). A quantized copy's rows are the same whatever prefix of it is used;
+    a token-dropped copy's kept rows depend on ``n``. A request's ``cache_salt`` keeps
+    its own copy, as SGLang keeps salted requests' rows apart."""
+    if cfg.drops_tokens:
+        ns = f"{DROP_NAMESPACE}{'profile:' if profile else ''}{ctx.ctx_id}:{cfg.label}:{n}"
+    else:
+        ns = f"{LOSSY_NAMESPACE}{ctx.ctx_id}:{cfg.label}"
+    return ns if not salt else f"{ns}@{salt}"
+
+
+@dataclass
+class _Pin:
+    """A copy EvicPress holds in the tree: its key and EvicPress's lock on it (a device
+    lock for a device-tier copy; for a host backup, the host-lock receipt of ``node``)."""
+
+    key: RadixKey
+    lock: Any
+    node: Any = None
+
+
+class TreeRows:
+    """Rows of the tree for the tiers (a mixin of ``UnifiedRadixCache`` subclasses: it
+    uses the tree's match, insert, lock and evict methods and ``_kv_pool`` /
+    ``_host_pool``, the device and host KV pools)."""
+
+    def _key(self, ids, like: Optional[RadixKey], namespace=SAME_NAMESPACE) -> RadixKey:
+        """A key for ``ids`` in ``like``'s namespace (or in ``namespace``)."""
+        return RadixKey(
+            array.array("q", [int(t) for t in ids]),
+            like.extra_key if namespace is SAME_NAMESPACE else namespace,
+            is_bigram=self.tree_core.is_eagle,
+            cache_salt=like.cache_salt if like is not None and namespace is SAME_NAMESPACE else None,
+        )
+
+    def _floor(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def _device_match(self, key: RadixKey):
+        """(device tokens, last device node, their device indices) for ``key``."""
+        r = self._match_tree(MatchPrefixParams(key=key))
+        have = int(r.device_prefix_len)
+        if have == 0:
+            return 0, r.last_device_node, torch.empty(0, dtype=torch.int64)
+        idx = self.tree_core.collect_full_device_indices(
+            r.last_device_node, self.root_node_handle(key.extra_key)
+        )
+        return have, r.last_device_node, idx[:have]
+
+    def _cached_len(self, key: RadixKey) -> int:
+        """Tokens of ``key`` the tree holds on the device or, backed up, on the host."""
+        r = self._match_tree(MatchPrefixParams(key=key))
+        return int(r.device_prefix_len) + int(r.host_hit_length)
+
+    def _gather(self, indices: torch.Tensor) -> FullKV:
+        pool = self._kv_pool
+        idx = indices.to(torch.int64).to(pool.k_buffer[0].device)
+        k = torch.stack([pool.k_buffer[l][idx] for l in range(pool.layer_num)]).cpu()
+        v = torch.stack([pool.v_buffer[l][idx] for l in range(pool.layer_num)]).cpu()
+        return FullKV(k, v)
+
+    def _write(self, indices: torch.Tensor, kv: FullKV) -> None:
+        pool = self._kv_pool
+        dev = pool.k_buffer[0].device
+        idx = indices.to(torch.int64).to(dev)
+        for l in range(pool.layer_num):
+            pool.k_buffer[l][idx] = kv.k[l].to(device=dev, dtype=pool.k_buffer[l].dtype)
+            pool.v_buffer[l][idx] = kv.v[l].to(device=dev, dtype=pool.v_buffer[l].dtype)
+
+    def _alloc(self, n: int) -> Optional[torch.Tensor]:
+        alloc = self.token_to_kv_pool_allocator
+        idx = alloc.alloc(n)
+        if idx is None:
+            self.evict(EvictParams(num_tokens=n))
+            idx = alloc.alloc(n)
+        return idx
+
+    def _inject(self, ids, like: RadixKey, namespace, n: int, kv: FullKV) -> int:
+        """Put tokens ``[have, n)`` of ``kv`` on the device under ``ids[:n]`` and insert
+        them into the tree. Returns the device-resident length afterwards."""
+        key = self._key(ids[:n], like, namespace)
+        have, node, prefix_idx = self._device_match(key)
+        if have >= n:
+            return have
+        lock = self.lock(node) if have > 0 else None
+        try:
+            new = self._alloc(n - have)
+            if new is None:
+                logger.info("EvicPress: no device room to load %d tokens", n - have)
+                return have
+            self._write(new, FullKV(kv.k[:, have:n], kv.v[:, have:n]))
+            value = torch.cat([prefix_idx.to(torch.int64), new.to(torch.int64)])
+            self.insert(InsertParams(key=key, value=value, prev_prefix_len=have, inserted_len=have))
+        finally:
+            self.unlock(lock)
+        return self._device_match(key)[0]
+
+    # ------------------------------------------------------------------ device tier
+    # The DeviceTree protocol of :mod:`.device_tier`: copies the policy keeps on the
+    # device are tree nodes EvicPress holds a lock on.
+    @property
+    def bytes_per_token(self) -> int:
+        return self.evicpress.dims.bytes_per_token if self.evicpress is not None else 0
+
+    def _pin(self, key: RadixKey) -> Optional[_Pin]:
+        have, node, _ = self._device_match(key)
+        if have < len(key):
+            return None
+        return _Pin(key, self.lock(node))
+
+    def place_full(self, ctx: Context, kv: Optional[FullKV]) -> Optional[_Pin]:
+        n = kv.num_tokens if kv is not None else (ctx.stored_len or ctx.num_tokens)
+        ids = ctx.token_ids[:n].tolist()
+        if kv is not None and self._inject(ids, None, ctx.namespace, n, kv) < n:
+            return None
+        return self._pin(self._key(ids, None, ctx.namespace))
+
+    def place_dropped(self, ctx: Context, config: CompressionConfig, rows: FullKV) -> Optional[_Pin]:
+        n = ctx.stored_len or ctx.num_tokens
+        n_keep = rows.num_tokens
+        key = self._key(ctx.token_ids[:n_keep].tolist(), None, private_namespace(ctx, config, n))
+        have = self._device_match(key)[0]
+        if have == 0:
+            new = self._alloc(n_keep)
+            if new is None:
+                return None
+            self._write(new.to(torch.int64), rows)
+            self.insert(InsertParams(key=key, value=new.to(torch.int64), prev_prefix_len=0, inserted_len=0))
+        elif have < n_keep:  # a partly evicted copy: not usable
+            return None
+        return self._pin(key)
+
+    def read_pinned(self, pin: _Pin) -> FullKV:
+        have, _, idx = self._device_match(pin.key)
+        if have < len(pin.key):
+            raise RuntimeError("a pinned device copy is missing from the tree")
+        return self._gather(idx)
+
+    def unpin(self, pin: _Pin) -> None:
+        self.unlock(pin.lock)
+
+    # ------------------------------------------------------------------ host tier
+    # The HostTree protocol of :mod:`.host_tier`: a full host copy is SGLang's own
+    # HiCache backup of the context's nodes (controller write), host-locked; SGLang loads
+    # it back layer-wise when a request finds the device copy evicted.
+    def back_up_full(self, ctx: Context) -> Optional[_Pin]:
+        n = ctx.stored_len or ctx.num_tokens
+        key = self._key(ctx.token_ids[:n].tolist(), None, ctx.namespace)
+        have, node, _ = self._device_match(key)
+        if have < n:
+            return None  # not on the device: the caller stores a blob instead
+        for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
+            if not self.tree_core.is_backuped(node_id) and not self.backup_node_for_write_back(node_id):
+                logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
+                return None
+        return _Pin(key, self.inc_host_lock_ref(node).to_dec_params(), node)
+
+    def read_backed(self, pin: _Pin) -> Optional[FullKV]:
+        r = self._match_tree(MatchPrefixParams(key=pin.key))
+        have = int(r.device_prefix_len)
+        if have + int(r.host_hit_length) < len(pin.key):
+            return None
+        kv = None
+        if have:
+            idx = self.tree_core.collect_full_device_indices(
+                r.last_device_node, self.root_node_handle(pin.key.extra_key))[:have]
+            kv = self._gather(idx)
+        if have < len(pin.key):
+            xfer, _ = self.tree_core.build_load_back_spec(r.best_match_node)
+            host_idx = xfer.host_indices[: len(pin.key) - have].to(torch.int64)
+            if len(host_idx) < len(pin.key) - have:
+                return None
+            rows = FullKV(_host_rows(self._host_pool, self._host_pool.k_buffer, host_idx),
+                          _host_rows(self._host_pool, self._host_pool.v_buffer, host_idx))
+            kv = rows if kv is None else FullKV(torch.cat([kv.k, rows.k], 1), torch.cat([kv.v, rows.v], 1))
+        return kv
+
+    def release_backed(self, pin: _Pin) -> None:
+        self.dec_host_lock_ref(pin.node, pin.lock)
+
+    def free_host(self, num_slots: int) -> int:
+        return self.evict_host(num_slots)
+
+    def _trim_host_pool(self) -> None:
+        """Evict the HiCache backups EvicPress released (SGLang's host LRU: the ones it
+        still holds are host-locked): a context the policy demoted or dropped must not
+        keep answering from the host pool beyond the host tier's budget. A released
+        backup whose rows are also on the device (a context promoted to the device tier)
+        is not evictable from the host until its device copy is evicted; such copies
+        are bounded by the device tier's size."""
+        excess = self.evicpress.host.excess_slots()
+        if excess:
+            self.evict_host(excess)
+
+    # ------------------------------------------------------------------ tests and admin
+    def device_digest(self, ctx: Context) -> dict:
+        """xxh3 of the device copy of ``ctx`` (the stored length) and of its stored KV
+        decoded, for tests of moves between tiers."""
+        import xxhash
+
+        from sglang_vc.compress import num_kept
+
+        n = ctx.stored_len or ctx.num_tokens
+        dev_cfg = ctx.device_config
+        lossy = dev_cfg is not None and not dev_cfg.is_full
+        dropped = lossy and dev_cfg.drops_tokens
+        # a lossy device copy is in its private namespace (a token-dropped one: its kept rows)
+        ns = private_namespace(ctx, dev_cfg, n) if lossy else ctx.namespace
+        length = num_kept(n, dev_cfg.ratio) if dropped else n
+        key = RadixKey(array.array("q", ctx.token_ids[:length].tolist()), ns,
+                       is_bigram=self.tree_core.is_eagle)
+        have, _, idx = self._device_match(key)
+        out = {"device_tokens": have, "device": None, "stored": None, "stored_config": None}
+        if dropped and have >= length:
+            out["device_slots"] = have  # the kept rows only: n_keep of the n tokens
+            out["device_tokens"] = n
+            out["device"] = _digest(self._gather(idx[:length]))
+            out["device_config"] = dev_cfg.label
+        elif have and not dropped:
+            kv = self._gather(idx)
+            out["device"] = _digest(kv)
+            if lossy:
+                out["device_config"] = dev_cfg.label
+        if ctx.placement.tier == Tier.DISK:
+            out["storage_files"] = self.evicpress.storage_files(ctx)
+        if ctx.stored:
+            blob = self.evicpress.stored_blob(ctx)
+            if blob is not None:
+                cfg, kv, _ = codec.decode(blob)
+                out["stored"] = _digest(kv)
+                out["stored_config"] = cfg.label
+                out["blob"] = xxhash.xxh3_64_hexdigest(blob)
+        return out
+
+    def evict_device_all(self) -> int:
+        """Evict every evictable node from the device tree (admin / tests)."""
+        n = self.evictable_size()
+        if n:
+            self.evict(EvictParams(num_tokens=n))
+        self._trim_host_pool()  # evicted backed-up nodes went to the host: drop released ones
+        return n
+
+
+def _digest(kv: FullKV) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for t in (kv.k, kv.v):  # the raw bytes, whatever the dtype (numpy has no bfloat16)
+        h.update(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _host_rows(pool, buffer: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Token rows ``idx`` of a host pool K or V buffer as ``[L, n, H, D]``."""
+    if pool.layout == "layer_first":  # [L, size, H, D]
+        return buffer[:, idx.to(buffer.device)].cpu()
+    if pool.layout == "page_first":  # [size, L, H, D]
+        return buffer[idx.to(buffer.device)].transpose(0, 1).cpu()
+    raise ValueError(f"EvicPress reads host pools with layout layer_first or page_first, not {pool.layout!r}")
