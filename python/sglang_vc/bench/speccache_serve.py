@@ -322,8 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens,
                 "chunks_from": args.chunks_from}
         differ = [k for k, v in same.items() if prev.get(k, v) != v]
-        if prev.get("hop") not in (None, args.hop) or (prev.get("hop") is None and args.hop != "far"):
-            differ.append("hop")  # runs from before --hop were far
+        if (prev.get("hop") or "far") != args.hop:  # runs from before --hop (and rag's) were far
+            differ.append("hop")
         if differ:
             ap.error(f"--merge: {args.merge} was run with other {', '.join(differ)}")
         earlier = prev["rows"]
