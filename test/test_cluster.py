@@ -92,7 +92,7 @@ def _requests_served(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^sglang:num_requests_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
-@pytest.mark.slow  # 15-min default budget; launch checks: test_the_cluster_serves_only_once_...
+@pytest.mark.slow  # 15-min default budget: routing is served only here (launch logic in process below)
 def test_router_spreads_routes_by_prefix_and_answers_as_one_server(cluster, tokenizer):
     url, workers, _, _ = cluster
     passages = real_text_passages(7, words=220)
@@ -123,7 +123,7 @@ def test_every_servers_counters_through_the_router(cluster):
     assert all("counters" in section and "kv_pool" in section["counters"] for section in found.values())
 
 
-@pytest.mark.slow  # the cluster fixture; a SIGTERM stop stays in test_lifecycle
+@pytest.mark.slow  # the cluster fixture; one server's SIGTERM stop: test_lifecycle
 def test_sigterm_stops_the_cluster(cluster):
     url, _, proc, logs = cluster
     family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]

@@ -54,7 +54,6 @@ def _hit(server, tokenizer, ids, tier):
     return out
 
 
-@pytest.mark.slow  # 15-min default budget; dropping: test_lossy_serving
 def test_dropped_context_half_stored_served_from_kept_rows_across_tiers(drop_server, tokenizer):
     from conftest import real_text_passages
 
@@ -100,7 +99,6 @@ def test_dropped_context_half_stored_served_from_kept_rows_across_tiers(drop_ser
         assert r.status_code >= 400, (config, r.text)
 
 
-@pytest.mark.slow  # the drop_server fixture (see above)
 def test_ratio_one_answer_equals_full_kv_answer(drop_server, tokenizer):
     """knorm@1 keeps every row: served as a compressed prefix, the answer is the one
     the full KV gives (the miss computed it), token for token; a batch mixing such a

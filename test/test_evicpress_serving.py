@@ -283,28 +283,36 @@ def test_manager_store_fetch_demote_bytes_equal(tmp_path):
 def test_a_request_aborted_while_waiting_leaves_no_plan(tmp_path, monkeypatch):
     """SGLang ends a request aborted in the waiting queue with ``finish(ABORT)``, never
     ``on_release``: the cache forgets its plan, its lossy prefix and its activity (which
-    keeps the profiler from seeing the server idle)."""
+    keeps the profiler from seeing the server idle). An aborted chunked prefill also gets
+    ``finish(ABORT)`` but holds a row: its state stays for the ``on_release`` that
+    follows (which frees a token-dropped prefix's index entry with the row)."""
+    from types import SimpleNamespace
+
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, CacheRequestOutcome
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     from sglang_vc.evicpress import radix
 
-    # SGLang's own prefetch bookkeeping needs a whole cache; only ours is under test
+    # SGLang's own bookkeeping needs a whole cache; only ours is under test
     monkeypatch.setattr(UnifiedRadixCache, "release_aborted_request", lambda self, request: None)
+    monkeypatch.setattr(UnifiedRadixCache, "maybe_hand_to_session", lambda self, req: None)
     mgr = _manager(tmp_path, host_bytes=10**7, disk_bytes=10**8)
     ctx = _ctx(mgr, 0)
     ids = list(range(1, 220))
     cache = radix.EvicPressRadixCache.__new__(radix.EvicPressRadixCache)
-    cache.evicpress, cache._reqs, cache._private = mgr, {}, {}
-    for rid in ("waiting", "running"):
+    cache.evicpress, cache._reqs, cache._private, cache._holding_rows = mgr, {}, {}, set()
+    rids = ("waiting", "prefilling", "done")
+    for rid in rids:
         assert mgr.begin_request(rid, ids, None, ids, lambda n: n) == (ctx, 200)
         cache._reqs[rid] = radix._Req(ctx, 200, 200, "host", KIVI4, 0, 0.0)
         cache._private[rid] = radix._PrivatePrefix("lossy:c0", 200, 200, KIVI4, ctx.ctx_id)
-    assert set(mgr.active_requests) == {"waiting", "running"}
-    cache.finish(CacheRequestHandle(rid="waiting", attempt_id=0), CacheRequestOutcome.ABORT)
-    assert set(cache._reqs) == set(cache._private) == set(mgr.active_requests) == {"running"}
-    cache.finish(CacheRequestHandle(rid="running", attempt_id=0), CacheRequestOutcome.SUCCESS)
-    assert set(cache._reqs) == {"running"}  # a success is released by on_release
+    cache.maybe_hand_to_session(SimpleNamespace(rid="prefilling", kv=SimpleNamespace(req_pool_idx=3)))
+    assert set(mgr.active_requests) == set(rids)
+    for rid in ("waiting", "prefilling"):
+        cache.finish(CacheRequestHandle(rid=rid, attempt_id=0), CacheRequestOutcome.ABORT)
+    cache.finish(CacheRequestHandle(rid="done", attempt_id=0), CacheRequestOutcome.SUCCESS)
+    # the waiting one is forgotten; the one holding a row and the success wait for on_release
+    assert set(cache._reqs) == set(cache._private) == set(mgr.active_requests) == {"prefilling", "done"}
 
 
 def test_manager_corrupted_and_truncated_disk_entries_are_dropped(tmp_path):
@@ -821,7 +829,7 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     assert epx.placement(s, cid)["tier"] == "host"  # stored again after the recompute
 
 
-@pytest.mark.slow  # 15-min default budget; full disk in process: test_evicpress_core
+@pytest.mark.slow  # 15-min default budget; full disk in process: test_manager_full_disk_drops
 def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     """More contexts than the tiers hold (host 2.5, disk 4.5 full contexts, 8 contexts of
     equal use): the knapsack keeps 2 on the host, demotes 4 to disk and, with the disk

@@ -44,7 +44,6 @@ def tier_server(tmp_path_factory):
     proc.stop()
 
 
-@pytest.mark.slow  # 15-min default budget; tier moves: test_evicpress_serving
 def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
     """LRU over device -> host -> disk: a computed context is kept on the device (its
     tree node pinned, so evicting the tree keeps it); a second one pushes the older to

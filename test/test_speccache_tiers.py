@@ -43,7 +43,7 @@ def tiered(tmp_path_factory):
     proc.stop()
 
 
-@pytest.mark.slow  # 15-min default budget; served: test_speccache_serving
+@pytest.mark.slow  # 15-min default budget: host and storage chunk hits are served only here
 def test_chunks_hit_from_device_host_and_storage(tiered, tokenizer):
     proc, storage = tiered
     passages = real_text_passages(12, words=100)

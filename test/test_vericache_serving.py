@@ -153,7 +153,7 @@ def _assert_identical(server, model_dir, ids_list, outs, max_new, custom=None):
             assert result.identical, (len(ids), custom, result, out["output_ids"], ref["output_ids"])
 
 
-# A token-dropping drafter and KIVI 2-bit, in the default run: prompts of 300 and 400
+# A token-dropping drafter (default run) and KIVI 2-bit (slow run): prompts of 300 and 400
 # tokens (KIVI quantizes 160 and 256 of them: residual 128, groups of 32).
 # SpeCache's 1-bit copy as the drafter (residual 64: 224 and 320 rows quantized), with 4
 # rows per layer and KV head fetched from the host copy each draft step.
@@ -442,7 +442,7 @@ def _identical_to_full(server, model_dir, ids, out, n):
     _assert_identical(server, model_dir, [ids], [out], n)
 
 
-@pytest.mark.slow  # 15-min default budget; in process: test_vericache_reload
+@pytest.mark.slow  # 15-min default budget; in process: test_vericache_reload, _staging
 def test_failed_reload_and_full_host_store_keep_output_identical(server, model_dir, tokenizer, vc_constrained):
     """1. A compressed 150-token prompt whose first reload fails every retry: its full KV
     is restored on the device from the host store and it decodes from it (counted as a
@@ -544,7 +544,7 @@ def test_unsupported_parameter_is_http_400_on_the_openai_api(vc4):
     assert "presence_penalty" in r.text, r.text
 
 
-@pytest.mark.slow  # 15-min default budget; identity: test_greedy_identity_...
+@pytest.mark.slow  # 15-min default budget: logit_bias and min_p are served only here
 def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
     """``logit_bias`` banning a token the full-KV output picks in a verify round changes
     the output, and VERICACHE gives the biased full-KV tokens; ``min_p = 1`` at

@@ -239,6 +239,8 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             counters=lambda **kw: stats.add("evicpress", **kw),
         )
         self._reqs: dict[str, _Req] = {}
+        # requests SGLang has given a row (maybe_hand_to_session): released by on_release
+        self._holding_rows: set[str] = set()
         # full KV of contexts the profiler just computed (reference answers), the source
         # of the compressed versions it answers on next; a few entries, LRU
         self._profile_kv: "collections.OrderedDict[str, FullKV]" = collections.OrderedDict()
@@ -264,6 +266,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             self.evicpress.on_host_cleared()
             self._reqs.clear()
             self._private.clear()
+            self._holding_rows.clear()
             self._lossy_spaces.clear()
             self._exact_spaces.clear()
 
@@ -420,6 +423,8 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
 
     def maybe_hand_to_session(self, req) -> None:
         super().maybe_hand_to_session(req)
+        if self.evicpress is not None:
+            self._holding_rows.add(req.rid)
         drop = self._private.get(req.rid) if self.evicpress is not None else None
         if drop is None or not drop.config.drops_tokens or req.kv.req_pool_idx is None:
             return
@@ -609,6 +614,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
         if self.evicpress is None:
             return
+        self._holding_rows.discard(req.rid)
         private = self._private.pop(req.rid, None)
         if private is not None and private.config.drops_tokens:
             # before SGLang frees the row: its index entry must not outlive it
@@ -635,9 +641,10 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
     def release_aborted_request(self, request) -> None:
         # SGLang calls this (through finish(ABORT)) for a request aborted while waiting,
         # which is never released: its plan and lossy-prefix entry would stay forever.
-        # It holds no row yet, so there is nothing for the lossy runtime to free.
+        # An aborted chunked prefill also comes here, but holds a row: on_release, which
+        # SGLang calls next, frees its index entry and the rest.
         super().release_aborted_request(request)
-        if self.evicpress is None:
+        if self.evicpress is None or request.rid in self._holding_rows:
             return
         self._private.pop(request.rid, None)
         st = self._reqs.pop(request.rid, None)
