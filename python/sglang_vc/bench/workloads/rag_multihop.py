@@ -22,10 +22,11 @@ C is stated verbatim in the answer chunk. Scored by exact match of the code
 
 * ``far`` (default): chunks in a random order, each fact between two random sentences of
   its passage;
-* ``near``: the easier variant (the issue's fallback when full recompute answers too few):
-  the answer chunk follows the bridge chunk, the bridge fact is its passage's last
-  sentence and the answer fact its passage's first, so the second hop is the next
-  sentence. The lure and distractor chunks stay where the shuffle puts them.
+* ``near``: the easier variant (for a target that answers too few ``far`` items): the
+  answer chunk follows the bridge chunk, the bridge fact ends its passage (appended after
+  the passage's last line, which may stop mid-sentence) and the answer fact opens the
+  next, so the second hop is the next sentence. The other chunks keep their shuffled
+  order.
 """
 
 from __future__ import annotations
