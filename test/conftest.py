@@ -1,7 +1,8 @@
 """Shared fixtures: the prepared embedded model and real servers started on it.
 
-Servers are expensive on 2 cores (10-20 s to start), so one plain server is shared by the
-whole session; tests that need other flags start their own.
+Servers are expensive on 2 cores (20-40 s to start), so one plain server is shared by the
+whole session (by each pytest-xdist worker's session: `make test` runs two, one test file
+at a time each); tests that need other flags start their own.
 """
 
 from __future__ import annotations

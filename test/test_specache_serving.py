@@ -171,8 +171,14 @@ def test_late_prefetch_is_waited_for_and_counted(monkeypatch):
 
     host, k, v = _store()
     seen = []
-    monkeypatch.setattr(stats, "add", lambda mech, **kw: seen.append(kw))
     gate = threading.Event()
+
+    def add(mech, **kw):
+        seen.append(kw)
+        if "prefetch_stalls" in kw:
+            gate.set()  # the copy lands only once take() has found it not done: no timing
+
+    monkeypatch.setattr(stats, "add", add)
 
     def slow(*args):
         gate.wait(10)
@@ -180,7 +186,6 @@ def test_late_prefetch_is_waited_for_and_counted(monkeypatch):
 
     pre = Prefetcher(host, "cpu", fetch=slow)
     pre.start("r", 5, torch.tensor([[7], [8], [9]]))
-    threading.Timer(0.2, gate.set).start()
     rows = pre.take("r", 5)
     assert torch.equal(rows.v[0, 2], v[9, 2]) and {"prefetch_stalls": 1} in seen
 

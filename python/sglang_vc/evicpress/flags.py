@@ -163,12 +163,12 @@ def storage_argv(ep: dict[str, Any], argv: list[str]) -> list[str]:
     backend = flag_value(argv, "--hicache-storage-backend")[1]
     extra = flag_value(argv, "--hicache-storage-backend-extra-config")[1]
     if flag_value(argv, "--radix-cache-backend")[1] == "evicpress":
-        import socket
+        # the scheduler binds it seconds later: below the ephemeral range, as SGLang
+        # picks its own such port, or any outgoing connection may take it meanwhile
+        from sglang.srt.utils.network import get_free_port_below_ephemeral
 
         ep["enabled"] = True
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ep["control_port"] = sock.getsockname()[1]
+        ep["control_port"] = get_free_port_below_ephemeral()
         if backend is None and ep.get("disk_dir"):
             backend = STORAGE_BACKEND
             extra = json.dumps({"path": str(ep["disk_dir"]), "capacity_gb": ep["disk_size_gb"]})

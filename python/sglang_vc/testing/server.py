@@ -22,32 +22,46 @@ LAUNCHERS = {
 # Ports are drawn below Linux's ephemeral range (32768-60999 by default): a port the
 # kernel hands out for port 0 can be given again, during the ~20 s a server takes to
 # start, to any outgoing connection (HTTP clients, torch.distributed's store), and then
-# uvicorn cannot bind it. SGLang also takes port + 100..1000 for its NCCL/gloo store.
-PORT_RANGE = (10000, 31000)
+# uvicorn cannot bind it. They also stay below 22000-29999, where SGLang draws the ports
+# its scheduler binds later (the NCCL/gloo store; EvicPress's control port too).
+PORT_RANGE = (10000, 22000)
 
 
-def _ephemeral_low() -> int:
+def ephemeral_low() -> int:
+    """The first port the kernel hands out for port 0 (and to outgoing connections)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
 
 
+def port_slice() -> tuple[int, int]:
+    """The ports this process draws from, ``[lo, hi)``: under pytest-xdist each worker has
+    a slice of its own, so that two workers' servers never pick the same port."""
+    lo, hi = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_low())
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
+        return lo, hi
+    width = (hi - lo) // int(count)
+    index = int(worker[2:])
+    return lo + index * width, lo + (index + 1) * width
+
+
 def free_port() -> int:
-    """A port that is free now and outside the ephemeral range (see ``PORT_RANGE``)."""
+    """A port that is free now, in this process's slice of ``PORT_RANGE``."""
     import random
 
-    hi = min(PORT_RANGE[1], _ephemeral_low() - 1001)
+    lo, hi = port_slice()
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(PORT_RANGE[0], hi)
+        port = rng.randrange(lo, hi)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in [{PORT_RANGE[0]}, {hi})")
+    raise RuntimeError(f"no free port in [{lo}, {hi})")
 
 
 def free_ports(n: int) -> list[int]:
@@ -69,11 +83,13 @@ class ServerProcess:
         args: list[str],
         launcher: str = "sglang-vc",
         log_path: Optional[Path] = None,
-        timeout: float = 180.0,  # a start takes about 30 s on 2 cores
+        timeout: float = 420.0,  # a start takes about 30 s on 2 idle cores
         env: Optional[dict] = None,
     ):
-        self.port = free_port()
+        self.port, nccl_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
+        if "--nccl-port" not in args:  # SGLang's own pick may meet another test worker's
+            args = ["--nccl-port", str(nccl_port), *args]
         self.cmd = LAUNCHERS[launcher] + ["--port", str(self.port), "--host", "127.0.0.1", *args]
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-vc-{self.port}.log"
         self._log = open(self.log_path, "w")
