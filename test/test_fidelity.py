@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_vc.bench import fidelity
-from sglang_vc.bench.fidelity import CompressorSpec, parse_compressors, run_prompt
+from sglang_vc.bench import fidelity, fidelity_run
+from sglang_vc.bench.fidelity_run import CompressorSpec, parse_compressors, run_prompt
 from sglang_vc.bench.lossy_hf import PromptCapture, Session, build_cache, cache_kv, compress_prompt, load_model
 from sglang_vc.compress import get_compressor
 
@@ -71,7 +71,7 @@ def items():
 
 
 def _ids(tokenizer, item):
-    return fidelity.encode(tokenizer, item["prompt"], chat=True)
+    return fidelity_run.encode(tokenizer, item["prompt"], chat=True)
 
 
 def _spec(name, value):
@@ -180,7 +180,7 @@ def test_lossy_methods_have_positive_kl(tiny, tokenizer, items, prompt, methods)
     for spec, r in zip(specs, res):
         assert r["cumulative_kl"][-1] > 0, r["label"]
         assert all(k >= -1e-9 for k in r["kl"]) and r["kl"][0] == 0.0
-        assert r["cumulative_kl"] == pytest.approx(fidelity._cumsum(r["kl"]))
+        assert r["cumulative_kl"] == pytest.approx(fidelity_run._cumsum(r["kl"]))
         if spec.scenario == "token_dropping":
             assert r["kept_fraction"] <= 0.25
         else:

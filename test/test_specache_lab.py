@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from sglang_vc.bench import fidelity
+from sglang_vc.bench import fidelity_run
 from sglang_vc.bench.lossy_hf import Session, build_cache, cache_kv, load_model
 from sglang_vc.bench.specache_hf import SpeCacheSim, decode, evaluate
 from sglang_vc.specache.config import SpeCacheConfig
@@ -30,7 +30,7 @@ def traj(sess, tiny_dir, items):  # noqa: F811
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    ids = fidelity.encode(tok, items["needle"]["prompt"], chat=True)
+    ids = fidelity_run.encode(tok, items["needle"]["prompt"], chat=True)
     sess.activate(None)
     cache, logits, _, _ = sess.prefill(ids)
     base = cache_kv(cache)

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from sglang_vc import models
-    from sglang_vc.bench.fidelity import encode
+    from sglang_vc.bench.fidelity_run import encode
     from sglang_vc.testing.server import ServerProcess
 
     model_dir = models.resolve(args.model)
