@@ -46,6 +46,13 @@ def register_algorithm(name: str, attention_backend: Optional[str], create_backe
         )(lambda server_args: worker_cls_for(name))
 
 
+def config_error(name: str, message: str):
+    """The usage error of algorithm ``name``'s flags (the launcher exits 2 with it)."""
+    from sglang_vc.config import ConfigError
+
+    return ConfigError(f"--speculative-algorithm {name}: {message}")
+
+
 def check_raw_flags(server_args, attention_backend: str) -> Optional[str]:
     """What the user's own flags contradict in what a project algorithm needs (its
     attention backend, the ``vc`` radix cache, page size 1, one chain); None if nothing."""

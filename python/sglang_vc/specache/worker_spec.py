@@ -19,14 +19,8 @@ from __future__ import annotations
 from . import flags
 from .names import ALGORITHM, ATTENTION_BACKEND
 
-_registered = False
-
 
 def register() -> None:
-    global _registered
-    if _registered:
-        return
-    _registered = True
     from sglang_vc.speculative import register_algorithm
 
     register_algorithm(ALGORITHM, ATTENTION_BACKEND, _create_attention_backend, validate_server_args,
@@ -40,9 +34,9 @@ def _create_attention_backend(model_runner):
 
 
 def _config_error(message: str):
-    from sglang_vc.config import ConfigError
+    from sglang_vc.speculative import config_error
 
-    return ConfigError(f"--speculative-algorithm {ALGORITHM}: {message}")
+    return config_error(ALGORITHM, message)
 
 
 def validate_server_args(server_args) -> None:

@@ -26,14 +26,8 @@ from __future__ import annotations
 from . import flags
 from .names import CHAIN_BACKEND, DEFAULT_REMOTE_DRAFT_TOKENS, REMOTE_ALGORITHM
 
-_registered = False
-
 
 def register() -> None:
-    global _registered
-    if _registered:
-        return
-    _registered = True
     from sglang_vc.speculative import register_algorithm
 
     # vc_chain: the CPU's attention backend for a tiering verify (see handle_server_args)
@@ -48,9 +42,9 @@ def _create_chain_backend(model_runner):
 
 
 def _error(message: str):
-    from sglang_vc.config import ConfigError
+    from sglang_vc.speculative import config_error
 
-    return ConfigError(f"--speculative-algorithm {REMOTE_ALGORITHM}: {message}")
+    return config_error(REMOTE_ALGORITHM, message)
 
 
 def validate_server_args(server_args) -> None:

@@ -25,15 +25,9 @@ from .names import ALGORITHM, ATTENTION_BACKEND, AUTO_MAX_DRAFT_TOKENS, DEFAULT_
 # reads; VeriCache needs the committed tokens' KV untouched.
 UNSUPPORTED_MODES = ("online",)
 
-_registered = False
-
 
 def register() -> None:
     """Register ``VERICACHE`` and the ``vc_verify`` attention backend (once per process)."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
     from sglang_vc.speculative import register_algorithm
 
     register_algorithm(ALGORITHM, ATTENTION_BACKEND, _create_attention_backend, validate_server_args,
@@ -47,9 +41,9 @@ def _create_attention_backend(model_runner):
 
 
 def _config_error(message: str):
-    from sglang_vc.config import ConfigError
+    from sglang_vc.speculative import config_error
 
-    return ConfigError(f"--speculative-algorithm {ALGORITHM}: {message}")
+    return config_error(ALGORITHM, message)
 
 
 def validate_server_args(server_args) -> None:
