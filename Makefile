@@ -14,12 +14,8 @@ N ?= 2
 serve-cluster: $(STAMP)
 	$(PY) -m sglang_vc.cluster --nodes $(N) $(ARGS)
 
-# Two pytest-xdist workers, one test file each at a time (a file's servers are its own):
-# most of a test's time is a server starting or one request decoding, which leaves a
-# core of the two idle. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-all: $(STAMP) $(VENV)/.installed-storage
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)

@@ -1,8 +1,8 @@
 """Shared fixtures: the prepared embedded model and real servers started on it.
 
 Servers are expensive on 2 cores (20-40 s to start), so one plain server is shared by the
-whole session (by each pytest-xdist worker's session: `make test` runs two, one test file
-at a time each); tests that need other flags start their own.
+whole session; tests that need other flags start their own. (Two pytest-xdist workers
+made the default suite slower on 2 cores, 31 min against 21: it is CPU-bound.)
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ LAUNCHERS = {
 PORT_RANGE = (10000, 22000)
 
 
-def ephemeral_low() -> int:
+def _ephemeral_low() -> int:
     """The first port the kernel hands out for port 0 (and to outgoing connections)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -35,23 +35,11 @@ def ephemeral_low() -> int:
         return 32768
 
 
-def port_slice() -> tuple[int, int]:
-    """The ports this process draws from, ``[lo, hi)``: under pytest-xdist each worker has
-    a slice of its own, so that two workers' servers never pick the same port."""
-    lo, hi = PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_low())
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
-        return lo, hi
-    width = (hi - lo) // int(count)
-    index = int(worker[2:])
-    return lo + index * width, lo + (index + 1) * width
-
-
 def free_port() -> int:
-    """A port that is free now, in this process's slice of ``PORT_RANGE``."""
+    """A port that is free now, in ``PORT_RANGE`` (below the ephemeral range)."""
     import random
 
-    lo, hi = port_slice()
+    lo, hi = PORT_RANGE[0], min(PORT_RANGE[1], _ephemeral_low())
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(lo, hi)
@@ -86,10 +74,8 @@ class ServerProcess:
         timeout: float = 420.0,  # a start takes about 30 s on 2 idle cores
         env: Optional[dict] = None,
     ):
-        self.port, nccl_port = free_ports(2)
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        if "--nccl-port" not in args:  # SGLang's own pick may meet another test worker's
-            args = ["--nccl-port", str(nccl_port), *args]
         self.cmd = LAUNCHERS[launcher] + ["--port", str(self.port), "--host", "127.0.0.1", *args]
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-vc-{self.port}.log"
         self._log = open(self.log_path, "w")
