@@ -2,7 +2,7 @@
 
 Servers are expensive on 2 cores (20-40 s to start), so one plain server is shared by the
 whole session; tests that need other flags start their own. (Two pytest-xdist workers
-made the default suite slower on 2 cores, 31 min against 21: it is CPU-bound.)
+made the default suite slower on 2 cores, 30 min against 22: it is CPU-bound.)
 """
 
 from __future__ import annotations
