@@ -22,6 +22,7 @@ from sglang_vc import stats
 from sglang_vc.kvruntime import NULL_SLOT, kernels
 from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend
 
+from . import draft_view
 from .chain_attention import verify_lens
 
 if TYPE_CHECKING:
@@ -79,7 +80,10 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if any(lens[i] > 1 for i in drafting):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
-        exact = [i for i, e in enumerate(entries) if e is None and i not in unstaged]
+        in_pool = sorted(self.in_pool.budgets) if self.in_pool is not None else []
+        if any(lens[i] > 1 or entries[i] is not None or i in unstaged for i in in_pool):
+            raise RuntimeError("VERICACHE: an in-pool draft forwards one token over its own full rows")
+        exact = [i for i, e in enumerate(entries) if e is None and i not in unstaged and i not in self.in_pool_set]
         req_to_token = self.req_to_token_pool.req_to_token
         d_rows, d_starts = [rows[i] for i in drafting], [entries[i].row_start for i in drafting]
         d_ends = [starts[i] + lens[i] for i in drafting]
@@ -107,8 +111,29 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
+        views = self._in_pool_views(forward_batch, in_pool, offsets) if in_pool else None
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
-                             slots, positions, indptr, rows, sorted(unstaged))
+                             slots, positions, indptr, rows, sorted(unstaged), views)
+
+    in_pool: "Optional[InPoolDrafts]" = None  # set by the worker around a forward
+
+    @property
+    def in_pool_set(self) -> frozenset:
+        return frozenset(self.in_pool.budgets) if self.in_pool is not None else frozenset()
+
+    def _in_pool_views(self, forward_batch, in_pool: list[int], offsets: list[int]) -> "InPoolViews":
+        """The in-pool drafters' sparse views over their own pool rows: index lists
+        ``[n, width]`` built on the device once for every layer (:mod:`.draft_view`)."""
+        dev = forward_batch.seq_lens.device
+        idx = torch.tensor(in_pool, dtype=torch.int64).to(dev)
+        budgets = torch.tensor([self.in_pool.budgets[i] for i in in_pool], dtype=torch.int64).to(dev)
+        width = max(self.in_pool.budgets[i] for i in in_pool)
+        # a draft query sits at position seq_len (its own KV written there first)
+        lengths = forward_batch.seq_lens[idx].to(torch.int64) + 1
+        slots, valid = draft_view.view_slots(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[idx],
+                                             lengths, budgets, width)
+        stats.add("vericache", in_pool_draft_rows=len(in_pool) * width)
+        return InPoolViews(torch.tensor([offsets[i] for i in in_pool], dtype=torch.int64).to(dev), slots, valid)
 
     def _full_kv_backend(self):
         """SGLang's backend for full KV (``torch_native``: this class's own base)."""
@@ -173,6 +198,11 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 q_e, k_e, v_e = (None if t is None else t[vf.exact_q] for t in (q, k, v))
                 out = full.forward_extend(q_e, k_e, v_e, layer, vf.view, save_kv_cache=False)
                 o[vf.exact_q] = out.reshape(out.shape[0], -1)
+        if vf.in_pool is not None:  # in-pool drafters: their sparse views, one call for all
+            iv = vf.in_pool
+            q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[iv.q_rows]
+            out = draft_view.attend_view(q_, k_buf, v_buf, iv.slots, iv.valid, layer.scaling)
+            o[iv.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
         if vf.draft_index is not None:  # the Triton path: one launch for every drafter
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[vf.draft_index.q_rows]
             out = self.paged_decode(q_, layer, vf.draft_index.index, [vf.entries[i] for i in vf.drafting])
@@ -243,6 +273,23 @@ class VerifyForward:
     indptr: list[int]
     rows: list[int]  # req_pool_idx per request
     unstaged: list[int]  # verifying requests without pool room (verified outside the pool)
+    in_pool: "Optional[InPoolViews]" = None  # in-pool drafters' sparse views
+
+
+@dataclasses.dataclass(frozen=True)
+class InPoolDrafts:
+    """Which requests of the next forward draft in place, and each one's budget (rows)."""
+
+    budgets: dict  # request index in the forward -> budget
+
+
+@dataclasses.dataclass
+class InPoolViews:
+    """The in-pool drafters' views, built once per forward on the device."""
+
+    q_rows: torch.Tensor  # [n] their query rows in the forward
+    slots: torch.Tensor  # [n, width] pool slots of each view
+    valid: torch.Tensor  # [n, width]
 
 
 @dataclasses.dataclass

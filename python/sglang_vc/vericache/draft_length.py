@@ -99,20 +99,27 @@ class CostFit:
         minimum-norm solution: B.1's objective only needs their sums."""
         if len(self.rows) < MIN_ITERATIONS:
             return None
-        import numpy as np
+        terms = nonnegative_fit([r[0] for r in self.rows], [r[1:] for r in self.rows])
+        return None if terms is None else Costs(*terms)
 
-        y = np.array([r[0] for r in self.rows])
-        a = np.array([[1.0, *r[1:]] for r in self.rows])
-        active = list(range(a.shape[1]))
-        while active:
-            coef = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
-            if (coef >= -1e-9).all():
-                terms = [0.0] * a.shape[1]
-                for i, c in zip(active, coef):
-                    terms[i] = max(0.0, float(c))
-                return Costs(*terms)
-            active.pop(int(np.argmin(coef)))
-        return None
+
+def nonnegative_fit(seconds: list[float], columns: list[tuple]) -> Optional[list[float]]:
+    """Non-negative least squares of ``seconds`` on ``[1, *columns]`` (an active set: a
+    term the data would make negative is left out and refitted); the terms, or None."""
+    import numpy as np
+
+    y = np.array(seconds, dtype=float)
+    a = np.array([[1.0, *c] for c in columns], dtype=float)
+    active = list(range(a.shape[1]))
+    while active:
+        coef = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
+        if (coef >= -1e-9).all():
+            terms = [0.0] * a.shape[1]
+            for i, c in zip(active, coef):
+                terms[i] = max(0.0, float(c))
+            return terms
+        active.pop(int(np.argmin(coef)))
+    return None
 
 
 def throughput(acceptance: float, x: int, costs: Costs, batch: int) -> float:

@@ -11,6 +11,7 @@ from typing import Optional
 
 from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 
+from .draft_view import DEFAULT_BUDGET, DraftBudget
 from .names import ALGORITHM, ATTENTION_BACKEND
 from .remote_stream import RemotePath
 
@@ -28,6 +29,15 @@ class CompressWhen(str, enum.Enum):
 
     MEMORY_BINDS = "memory-binds"  # only once the pool could not hold the waiting ones and another in full
     ALWAYS = "always"  # every request with a compressor
+
+
+class InPool(str, enum.Enum):
+    """Whether a VERICACHE request whose full KV stays in the pool self-speculates over a
+    sparse view of its own rows (:mod:`.draft_view`, :mod:`.policy`)."""
+
+    AUTO = "auto"  # where the measured costs say drafting pays, else full-KV decoding
+    ALWAYS = "always"  # every request whose full KV is resident (for measurements)
+    NEVER = "never"  # full-KV decoding until memory binds (the behaviour before in-pool drafting)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +66,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "when the device KV pool (free plus evictable rows) could not hold the waiting "
         "requests' prompts and another request of its size at full KV; until then requests "
         "decode from full KV, as fast as the plain server. 'always' compresses every request.",
+    )
+    g.add_argument(
+        "--vc-in-pool",
+        choices=[c.value for c in InPool],
+        default=InPool.AUTO.value,
+        help="VERICACHE: a request whose full KV stays in the device pool may draft over a "
+        "sparse view of its own rows (attention sinks + a recent window, --vc-draft-budget) "
+        "and verify in place. 'auto' (default) drafts where the costs measured by the server "
+        "and the acceptance seen so far say it pays (long contexts), else decodes full KV; "
+        "'always' drafts for every such request; 'never' decodes them from full KV.",
+    )
+    g.add_argument(
+        "--vc-draft-budget",
+        default=str(DEFAULT_BUDGET),
+        metavar="N|R",
+        help=f"VERICACHE in-pool drafting: the rows a draft step attends to, a token count "
+        f"(default {DEFAULT_BUDGET}) or a ratio in (0, 1) of the request's length.",
     )
     g.add_argument(
         "--vc-schedule-trace",
@@ -113,7 +140,12 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
         raise ConfigError(f"--vc-remote-timeout must be > 0, got {args.vc_remote_timeout}")
     if args.vc_tiering_drafts < 0:
         raise ConfigError(f"--vc-tiering-drafts must be >= 0, got {args.vc_tiering_drafts}")
+    try:
+        DraftBudget.parse(args.vc_draft_budget)
+    except ValueError as exc:
+        raise ConfigError(str(exc))
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
+            "in_pool": args.vc_in_pool, "draft_budget": str(args.vc_draft_budget),
             "compress_when": args.vc_compress_when, "remote_verifier": url,
             "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path,
             "tiering_drafts": int(args.vc_tiering_drafts)}
@@ -137,6 +169,14 @@ def remote_timeout(settings: Optional[dict]) -> float:
 
 def compress_when(settings: Optional[dict]) -> CompressWhen:
     return CompressWhen((settings or {}).get("compress_when") or CompressWhen.MEMORY_BINDS.value)
+
+
+def in_pool(settings: Optional[dict]) -> InPool:
+    return InPool((settings or {}).get("in_pool") or InPool.AUTO.value)
+
+
+def draft_budget(settings: Optional[dict]) -> DraftBudget:
+    return DraftBudget.parse((settings or {}).get("draft_budget") or str(DEFAULT_BUDGET))
 
 
 def settings_of(server_args) -> Optional[dict]:

@@ -340,3 +340,45 @@ def _binding(o: Optimum, weights_bytes, kv_full_bytes, gpu_mem_bytes, max_reques
         out.append(Bound.REQUESTS)
     out.append(Bound.INTERCONNECT if o.t_xfer > o.t_gpu else Bound.HBM)
     return tuple(out)
+
+
+# ------------------------------------------------------------ in-pool self-speculation
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Seconds an iteration spends, fitted from the server's own iterations
+    (:class:`.policy.ModePolicy`): MagicDec's memory-bound analysis in measured units.
+    ``fixed`` is paid once per iteration (the weights read, launches), ``token`` per
+    forwarded query token (linear layers' compute), ``row`` per KV row a request's
+    attention reads (once per request: a verify of ``x + 1`` tokens reads its rows once),
+    ``verify`` per verifying request."""
+
+    fixed: float
+    token: float
+    row: float
+    verify: float
+
+
+def full_kv_token_time(costs: RowCosts, length: int, batch: int) -> float:
+    """Seconds per token of full-KV decoding for a request of ``length`` tokens, its
+    share of the iteration's fixed cost included."""
+    return costs.fixed / max(1, batch) + costs.token + costs.row * length
+
+
+def in_pool_cycle_time(costs: RowCosts, length: int, batch: int, draft_len: int, budget: int) -> float:
+    """Seconds of one in-pool cycle of one request: ``x`` draft steps over ``min(budget,
+    length)`` rows, then a verify of ``x + 1`` tokens over all ``length`` rows, each of the
+    ``x + 1`` iterations carrying its share of the fixed cost."""
+    x = draft_len
+    return ((x + 1) * costs.fixed / max(1, batch) + x * (costs.token + costs.row * min(budget, length))
+            + (x + 1) * costs.token + costs.row * length + costs.verify)
+
+
+def in_pool_speedup(costs: RowCosts, acceptance: float, length: int, batch: int, draft_len: int,
+                    budget: int) -> float:
+    """Committed tokens per second of in-pool self-speculation over full-KV decoding's,
+    for a batch of requests of ``length`` tokens: ``A(x)`` tokens per cycle against one
+    per full-KV token time."""
+    cycle = in_pool_cycle_time(costs, length, batch, draft_len, budget)
+    return acceptance * full_kv_token_time(costs, length, batch) / cycle if cycle > 0 else 0.0

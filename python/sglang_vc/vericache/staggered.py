@@ -124,7 +124,11 @@ class StaggeredSchedule:
                 if track is not None:
                     self.forget(rid)
                 track = self.tracks[rid] = Track(rid, row, length)
-            nbytes = None if track.full else kv_bytes(i)
+            nbytes = kv_bytes(i)
+            if track.full and nbytes != 0:
+                nbytes = None  # fell back: only in-pool drafting (its full KV resident) resumes it
+            elif track.full:
+                track.full = False  # full KV resident, and drafting pays again: in-pool
             if nbytes is None:  # not compressed (any more): nothing to verify against
                 if not track.full:
                     self.fall_back(track)

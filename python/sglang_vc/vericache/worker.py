@@ -74,6 +74,8 @@ from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .staging import PoolStaging, staged_layers
+from .attention import InPoolDrafts
+from .policy import Decision, IterationRows, Mode, ModePolicy
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
@@ -111,6 +113,17 @@ class VeriCacheWorker(ChainSpecWorker):
         # X fixed by --speculative-num-draft-tokens, or chosen from data up to it
         self.draft_length = DraftLength(None if flags.draft_len_auto(server_args) else num_drafts, num_drafts,
                                         DEFAULT_DRAFT_TOKENS)
+        # full KV resident: full-KV decoding or in-pool self-speculation, per request and cycle
+        self.budget = flags.draft_budget(settings)
+        in_pool = flags.in_pool(settings)
+        if schedule is flags.Schedule.LOCKSTEP and in_pool is not flags.InPool.NEVER:
+            logger.warning("VERICACHE: in-pool drafting runs under the staggered schedule only; under "
+                           "--vc-schedule lockstep requests whose full KV fits the pool decode from it")
+            in_pool = flags.InPool.NEVER
+        forced = {flags.InPool.ALWAYS: Mode.IN_POOL, flags.InPool.NEVER: Mode.FULL}.get(in_pool)
+        self.policy = ModePolicy(self.budget.rows, num_drafts, self.draft_length.fixed, forced,
+                                 default_x=self.draft_length.default)
+        self.modes: dict[str, Decision] = {}  # rid -> the mode of its current cycle
         self._runtime = None
         self._staggered: Optional[StaggeredSchedule] = None
         if schedule is flags.Schedule.STAGGERED:
@@ -180,6 +193,8 @@ class VeriCacheWorker(ChainSpecWorker):
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
+        for rid in [r for r in self.modes if r not in live]:
+            del self.modes[rid]
         self.drafter.forget(live)
         self.draft_length.forget(live)
         return result
@@ -279,17 +294,33 @@ class VeriCacheWorker(ChainSpecWorker):
 
     def _record(self, req, drafted: int, accepted: int, committed: int) -> None:
         """Per-request verify counters, returned in the request's ``meta_info``."""
-        info = self.per_request.setdefault(req.rid, {"verify_rounds": 0, "drafted": 0, "accepted": 0,
-                                                    "committed": 0, "draft_tokens": self.num_drafts,
-                                                    "draft_len_mode": "auto" if self.draft_length.auto else "fixed"})
+        info = self._info(req.rid)
         info["verify_rounds"] += 1
         info["drafted"] += drafted
         info["accepted"] += accepted
         info["committed"] += committed
         info["mean_acceptance_length"] = info["committed"] / info["verify_rounds"]
+        self._publish(req, info)
+
+    def _info(self, rid: str) -> dict:
+        return self.per_request.setdefault(rid, {"verify_rounds": 0, "drafted": 0, "accepted": 0, "committed": 0,
+                                                 "draft_tokens": self.num_drafts,
+                                                 "draft_len_mode": "auto" if self.draft_length.auto else "fixed"})
+
+    @staticmethod
+    def _publish(req, info: dict) -> None:
         if req.customized_info is None:
             req.customized_info = {}
         req.customized_info[META_INFO_KEY] = [info]
+
+    def _note_mode(self, req, decision: Decision) -> None:
+        """The mode serving the request now and why, in its reply (``mode``, ``mode_reason``)."""
+        info = self._info(req.rid)
+        if info.get("mode") != decision.mode.value or info.get("mode_reason") != decision.reason:
+            info["mode"], info["mode_reason"] = decision.mode.value, decision.reason
+            if decision.predicted_speedup is not None:
+                info["predicted_speedup"] = round(decision.predicted_speedup, 3)
+            self._publish(req, info)
 
     # ------------------------------------------------------------------ staggered
 
@@ -308,13 +339,20 @@ class VeriCacheWorker(ChainSpecWorker):
                         bandwidth / 1e9, staging / 1e6)
         return self._staggered
 
-    def _drafter_of(self, row: int) -> str:
+    def _drafter_of(self, row: int, rid: Optional[str] = None) -> str:
         entry = self.runtime.entry_for_row(row)
-        return entry.spec.compressor if entry is not None else "none"
+        if entry is not None:
+            return entry.spec.compressor
+        decision = self.modes.get(rid)
+        return self.budget.name if decision is not None and decision.mode is Mode.IN_POOL else "none"
 
     def _anchor(self, rid: str, batch: int) -> int:
         track = self._staggered.tracks.get(rid)
-        x = self.draft_length.anchor(self._drafter_of(track.row) if track else "none", rid, batch)
+        decision = self.modes.get(rid)
+        if decision is not None and decision.mode is Mode.IN_POOL and decision.draft_len:
+            x = decision.draft_len  # the policy chose it with the view's A(x) and the row costs
+        else:
+            x = self.draft_length.anchor(self._drafter_of(track.row, rid) if track else "none", rid, batch)
         stats.add("vericache", anchors=1, anchor_x_sum=x)  # their ratio: the mean X chosen
         info = self.per_request.get(rid)
         if info is not None:
@@ -338,10 +376,13 @@ class VeriCacheWorker(ChainSpecWorker):
         return int(free // 2)
 
     def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
-        """Bytes a verify of this request reloads; None if its KV is not compressed (it
-        decodes from its full device KV)."""
+        """Bytes a verify of this request reloads: 0 for an in-pool drafter (it verifies in
+        place); None if it decodes from its full device KV."""
         entry = self.host.get(rid, row)
         if entry is None or not entry.num_tokens or self.runtime.entry_for_row(row) is None:
+            decision = self.modes.get(rid)
+            if self.runtime.entry_for_row(row) is None and decision is not None and decision.mode is Mode.IN_POOL:
+                return 0
             return None
         return entry.nbytes()
 
@@ -385,6 +426,7 @@ class VeriCacheWorker(ChainSpecWorker):
             if entry is not None:
                 entry.keep_full_rows = True  # see _decode_round
 
+        self._decide_modes(batch, row_list, committed.tolist())
         plan = sched.plan([r.rid for r in batch.reqs], row_list, committed.tolist(),
                           lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]))
         for slot in plan.reloads_due:
@@ -439,6 +481,13 @@ class VeriCacheWorker(ChainSpecWorker):
                 lens.append(len(toks))
             idx = [s.index for s in part]
             verify_tokens = sum(n for s, n in zip(part, lens) if s.role is Role.VERIFY)
+            # in-pool drafters attend a sparse view of their own rows (:mod:`.draft_view`)
+            in_pool = {k: self.budget.rows(s.track.committed) for k, s in enumerate(part)
+                       if s.role is Role.DRAFT and self._in_pool(s.track)}
+            rows_read = sum(min(in_pool[k], st + 1) if k in in_pool else st + n
+                            for k, (s, st, n) in enumerate(zip(part, starts, lens))
+                            if k in in_pool or self.runtime.entry_for_row(s.track.row) is None)
+            offload_drafts = sum(1 for k, s in enumerate(part) if s.role is Role.DRAFT and k not in in_pool)
             q_req = torch.arange(len(part)).repeat_interleave(torch.tensor(lens))
             pos_t = torch.tensor(positions, dtype=torch.int64)
             req_to_token = self.req_to_token_pool.req_to_token
@@ -452,9 +501,11 @@ class VeriCacheWorker(ChainSpecWorker):
             sub = self.sub_batch(batch, idx)
             try:
                 self._verify_forward_with(staging)
+                self.model_runner.attn_backend.in_pool = InPoolDrafts(in_pool) if in_pool else None
                 logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
                                           slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
             finally:
+                self.model_runner.attn_backend.in_pool = None
                 self._verify_forward_done()
                 for r in reloads.values():
                     r.close()
@@ -487,9 +538,48 @@ class VeriCacheWorker(ChainSpecWorker):
         if part:
             self.draft_length.record_iteration(phases["forward_s"], len(drafters), len(full), verify_tokens,
                                                len(verifiers))
+            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, len(verifiers), offload_drafts))
+        self._count_modes(plan)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
         return plan, self.result(batch, accept_tokens, accept_lens), outcome, reloaded, phases
+
+    def _in_pool(self, track) -> bool:
+        decision = self.modes.get(track.rid)
+        return decision is not None and decision.mode is Mode.IN_POOL and not track.full
+
+    def _decide_modes(self, batch, rows: list[int], committed: list[int]) -> None:
+        """Each request whose full KV is resident gets full-KV decoding or in-pool drafting
+        for its next cycle (:class:`.policy.ModePolicy`), decided at a cycle boundary only
+        (no drafts outstanding); a compressed one is offload."""
+        tracks = self._staggered.tracks
+        for req, row, length in zip(batch.reqs, rows, committed):
+            if self.runtime.entry_for_row(row) is not None:
+                decision = self.modes.get(req.rid)
+                if decision is None or decision.mode is not Mode.OFFLOAD:
+                    self.modes[req.rid] = decision = Decision(
+                        Mode.OFFLOAD, None, "its KV was compressed after its prefill: the pool could not hold it "
+                        "and the waiting requests at full KV (--vc-compress-when)")
+                self._note_mode(req, decision)
+                continue
+            track = tracks.get(req.rid)
+            at_boundary = track is None or (not track.drafts and track.admission is None) or track.full
+            if req.rid in self.modes and self.modes[req.rid].mode is not Mode.OFFLOAD and not at_boundary:
+                continue
+            decision = self.policy.decide(length, len(batch.reqs), self.draft_length.curves[self.budget.name])
+            self.modes[req.rid] = decision
+            self._note_mode(req, decision)
+
+    def _count_modes(self, plan) -> None:
+        """Request-iterations per mode (``mode_iterations_*`` counters)."""
+        counts = {m: 0 for m in Mode}
+        for s in plan.slots:
+            decision = self.modes.get(s.track.rid)
+            mode = decision.mode if decision is not None else Mode.FULL
+            if mode is Mode.IN_POOL and s.track.full:
+                mode = Mode.FULL
+            counts[mode] += 1
+        stats.add("vericache", **{f"mode_iterations_{m.value.replace('-', '_')}": n for m, n in counts.items()})
 
     def _accept(self, batch, verifiers, targets, reloads, accept_tokens, accept_lens, outcome, reloaded) -> None:
         """Commit each verifier's accepted drafts and the verifier's correction or bonus
@@ -516,7 +606,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 reloaded[s.track.rid] = reloads[j].nbytes()
                 failures += reloads[j].failures
             self._record(batch.reqs[s.index], n_drafts[j], n_accepted[j], n)
-            self.draft_length.record_verify(self._drafter_of(s.track.row), s.track.rid, n_drafts[j], n_accepted[j])
+            self.draft_length.record_verify(self._drafter_of(s.track.row, s.track.rid), s.track.rid, n_drafts[j],
+                                            n_accepted[j])
             sched.verified(s.track, n)
         stats.add("vericache", verify_rounds=len(verifiers), drafted=sum(n_drafts), accepted=sum(n_accepted),
                   committed=sum(n_accepted) + len(verifiers), bytes_reloaded=sum(reloaded.values()))
