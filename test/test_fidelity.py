@@ -243,6 +243,9 @@ def test_cli_json_schema_and_plots(tmp_path, items, tiny_dir):
     (["--compressors", "kivi", "--compression-ratio", "0.5"], "no token-dropping method"),
     (["--draft-lengths", "0,4"], "positive integers"),
     (["--max-new-tokens", "1"], "max-new-tokens"),
+    (["--compressors", "window"], "needs a token budget"),
+    (["--compressors", "reselect@0"], "positive integer"),
+    (["--compressors", "window@512", "--compression-ratio", "0.5"], "only draft views"),
 ])
 def test_cli_errors_exit_2(argv, msg, tmp_path, capsys):
     inp = tmp_path / "p.txt"
@@ -285,3 +288,116 @@ def test_parse_compressors():
     assert parse_compressors("h2o", None, None)[0] == CompressorSpec("h2o", "token_dropping", 0.25, "online", "prefill")
     with pytest.raises(ValueError, match="twice"):
         parse_compressors("snapkv,snapkv:0.25", None, None)
+
+
+# ----------------------------------------------------------------------------- in-pool draft views
+
+
+def test_window_view_positions():
+    from sglang_vc.bench.draft_views import window_mask, window_positions
+
+    assert window_positions(10, 16).tolist() == list(range(10))  # T <= B: everything
+    assert window_positions(16, 16).tolist() == list(range(16))
+    # T > B: the 4 sinks + the last B - 4 positions, the query's own included
+    assert window_positions(100, 16).tolist() == [0, 1, 2, 3] + list(range(88, 100))
+    assert window_positions(17, 16).tolist() == [0, 1, 2, 3] + list(range(5, 17))
+    assert len(window_positions(3000, 512)) == 512
+    # the per-query mask slides: row i is the view of T = q_start + i + 1, causal
+    m = window_mask(10, 30, 45, 16)
+    for i in range(30):
+        assert m[i].nonzero()[:, 0].tolist() == window_positions(10 + i + 1, 16).tolist(), i
+
+
+def test_parse_draft_views():
+    from sglang_vc.bench.draft_views import ViewSpec
+
+    specs = parse_compressors("window@512,snapkv:0.25,reselect:256,streamingllm@0.25,kivi@2bit", None, None)
+    assert [s.label for s in specs] == ["window@512", "snapkv@0.25", "reselect@256", "streamingllm@0.25", "kivi@2bit"]
+    assert specs[0] == ViewSpec("window", 512) and specs[2] == ViewSpec("reselect", 256)
+    assert specs[0].key() == {"budget": 512} and specs[0].scenario == "draft_view"
+    assert [s.label for s in parse_compressors("reselect@1024", None, None)] == ["reselect@1024"]
+    assert not any(isinstance(s, ViewSpec) for s in parse_compressors("all", None, None))  # never added by all
+    for bad, msg in [("window", "needs a token budget"), ("reselect@", "needs a token budget"),
+                     ("window@0", "positive integer"), ("window@-8", "positive integer"),
+                     ("window@1.5", "positive integer"), ("reselect@abc", "positive integer"),
+                     ("window@512,window:512", "twice"), ("windo@512", "unknown compressor")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_compressors(bad, None, None)
+    with pytest.raises(ValueError, match="only draft views"):
+        parse_compressors("window@512", 0.25, None)
+
+
+def test_reselect_view_keeps_sinks_recent_and_top_scored():
+    from sglang_vc.bench.draft_views import reselect_visible, verify_scores
+
+    # B = 8: 4 sinks, the 2 most recent, the top 2 of the rest
+    scores = torch.zeros(2, 20)
+    scores[0, [7, 12, 9]] = torch.tensor([5.0, 3.0, 1.0])
+    scores[0, 1] = scores[0, 19] = 100.0  # sink / recent: kept anyway, no top slot spent on them
+    scores[1, [15, 5, 6]] = torch.tensor([2.0, 4.0, 0.5])
+    vis = reselect_visible(scores, 8)
+    assert vis[0].nonzero()[:, 0].tolist() == [0, 1, 2, 3, 7, 12, 18, 19]
+    assert vis[1].nonzero()[:, 0].tolist() == [0, 1, 2, 3, 5, 15, 18, 19]
+    assert reselect_visible(scores, 20) is None  # n <= B: all visible
+    assert int(reselect_visible(torch.rand(3, 3000), 512).sum(1).unique()) == 512
+    # scores: softmax mass, summed over the queries and each kv head's q heads
+    q, k = torch.randn(3, 4, 8), torch.randn(10, 2, 8)
+    sc = verify_scores(q, k, torch.tensor([7, 8, 9]), 10, 8 ** -0.5)
+    assert sc.shape == (2, 10) and torch.allclose(sc.sum(1), torch.full((2,), 3.0 * 2))
+    first = verify_scores(q[:1], k, torch.tensor([7]), 10, 8 ** -0.5)
+    assert float(first[:, 8:].abs().sum()) == 0.0  # causal
+
+
+def test_window_hook_equals_physically_windowed_cache(plain, tiny, tokenizer, items):
+    """window@B attention == plain attention over a cache holding only the view's rows
+    (sinks + the last B - S, at their original positions); and a multi-token forward under
+    the sliding view equals decoding the same tokens one by one (each row has its own view)."""
+    from transformers import DynamicCache
+
+    from sglang_vc.bench.draft_views import WindowAttention, window_positions
+
+    ids = _ids(tokenizer, items["code"])
+    T, B = len(ids), 64
+    cache, _, _, _ = tiny.prefill(ids)
+    base = cache_kv(cache)
+    toks = [int(t) for t in tokenizer(" return the lines", add_special_tokens=False)["input_ids"]]
+    tiny.ctl.specache = WindowAttention(B)
+    try:
+        stepped = build_cache(base, T)
+        one = [tiny.step(stepped, t) for t in toks]
+        batched = tiny.forward(build_cache(base, T), toks)
+    finally:
+        tiny.ctl.specache = None
+    for i, row in enumerate(batched):
+        assert torch.allclose(row, one[i], atol=2e-4, rtol=1e-4), i
+    kept = window_positions(T + 1, B)[:-1]  # the first query's view, less its own (new) row
+    physical = DynamicCache([(k[:, :, kept], v[:, :, kept]) for k, v in base])
+    with torch.no_grad():
+        ref = plain(input_ids=torch.tensor([[toks[0]]]), past_key_values=physical, use_cache=True,
+                    position_ids=torch.tensor([[T]])).logits[0, -1]
+    assert torch.allclose(one[0], ref, atol=2e-4, rtol=1e-4), float((one[0] - ref).abs().max())
+
+
+def test_draft_views_end_to_end(tiny, tokenizer, items):
+    """B >= the context: the view is full KV, every draft is accepted (A(x) = x + 1) and the
+    KL is 0; a small budget moves the model and is never above the ideal line."""
+    ids = _ids(tokenizer, items["needle"])
+    n_new, xs = 12, [1, 4, 8]
+    big = len(ids) + n_new + max(xs) + 1
+    specs = parse_compressors(f"window@{big},reselect@{big},window@32,reselect@32", None, None)
+    info, res = run_prompt(tiny, tokenizer, ids, specs, n_new, xs, log=lambda m: None)
+    assert tiny.ctl.specache is None and tiny.ctl.lossy is None  # the hooks are released
+    by = {r["label"]: r for r in res}
+    for lb in (f"window@{big}", f"reselect@{big}"):
+        r = by[lb]
+        assert r["acceptance_length"] == {str(x): float(x + 1) for x in xs}, lb
+        assert r["acceptance_rate"] == {str(x): 1.0 for x in xs}, lb
+        assert r["kl"] == [0.0] * n_new and r["first_divergence"] is None, lb
+        assert r["kept_fraction"] == 1.0 and r["budget"] == big
+    for lb in ("window@32", "reselect@32"):
+        r = by[lb]
+        assert r["cumulative_kl"][-1] > 0, lb
+        assert r["kept_fraction"] == pytest.approx(32 / (len(ids) + 1))
+        assert all(1.0 <= r["acceptance_length"][str(x)] <= x + 1 for x in xs), lb
+    out = fidelity_run.aggregate(specs[2], [{"id": "n", "workload": "w", **by["window@32"]}], n_new)
+    assert out["label"] == "window@32" and out["budget"] == 32 and out["scenario"] == "draft_view"

@@ -9,6 +9,10 @@ Offline, HF transformers, pure torch (no SGLang server). This module is the comm
 (prompts, ``--set`` workload options, JSON report, plots, summary table); the measurement,
 its steps and definitions, is :mod:`sglang_vc.bench.fidelity_run`.
 
+In-pool draft views (MagicDec / SparseSpec style, :mod:`sglang_vc.bench.draft_views`) are
+given to ``--compressors`` beside the compressors: ``window@B`` (sinks + sliding window) and
+``reselect@B`` (PillarAttn-style re-selection at every verify), B = token budget.
+
 Prompts: ``--input`` text/JSONL, or ``--workload``, with the model's chat template unless
 ``--no-chat-template``.
 
@@ -177,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="workload option, e.g. --set lengths=1536 --set needle.depths=0.25,0.5")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--compressors", default="all",
-                    help="comma-separated compressor names, NAME:VALUE for a per-method ratio/bits, 'all' "
-                         "for every registered method not listed (default %(default)s)")
+                    help="comma-separated compressor names, NAME:VALUE (or NAME@VALUE) for a per-method "
+                         "ratio/bits, 'all' for every registered method not listed, and in-pool draft views "
+                         "window@B / reselect@B (B = token budget; bench.draft_views) (default %(default)s)")
     ap.add_argument("--specache", default="", metavar="VARIANTS",
                     help="SpeCache configurations, comma-separated BITSb[/kK][/rR][/gG][/nonspec]: e.g. "
                          "'1b,2b,1b/nonspec,1b/k16,1b/k256,1b/k0/r128' (k0 = plain KIVI under the same "
@@ -349,6 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "teacher-forced pass reached; prefetch_hit: attention mass of the output token's "
                             "own top-k on the prefetched rows; needle_accuracy: free-running answer contains "
                             "the needle",
+                "draft_view": "window@B / reselect@B (bench.draft_views): the full KV stays resident, each draft "
+                              "query attends a view of B positions: window = 4 sinks + the last B-4, sliding with "
+                              "the query; reselect = 4 sinks + last B/4 + top-scored rest, chosen per layer and kv "
+                              "head at each round's start from the full-KV verify queries on committed tokens "
+                              "(first round: the prompt's last query), plus the round's own positions; drafted "
+                              "tokens' KV under the view, committed KV exact; kept_fraction = B / context at the "
+                              "first decode step; kl/first divergence: the view teacher-forced as one endless round",
             },
         },
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -40,6 +40,11 @@ the batched forwards round differently from token-by-token decoding, which could
 greedy token only at an exact near-tie (counted per prompt as ``reference_flips``).
 Online methods (H2O) evict after every token and run token by token throughout.
 
+In-pool draft views (``window@B``, ``reselect@B``): the full KV stays resident and each
+draft query attends a view of ``B`` positions; same rounds and fields, definitions in
+:mod:`sglang_vc.bench.draft_views` (their reselect memo is keyed by the previous round's
+start too, since the view is scored by that round's verify).
+
 Query inputs: SnapKV gets the last ``--snapkv-window`` prompt queries, H2O all prompt
 queries, KVzip the queries (and keys, ``recon_keys``) of a context-reconstruction pass: the
 model is run, on top of the prompt's full KV, on ``--kvzip-prompt`` followed by the
@@ -56,6 +61,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from .draft_views import VIEW_KINDS, ViewContext, ViewSpec, evaluate_view, parse_view
 
 DEFAULT_RATIO = 0.25
 KVZIP_PROMPT = "\n\nRepeat the previous context:\n"
@@ -90,12 +97,15 @@ def _fmt_ratio(r: float) -> str:
     return f"{float(r):g}"
 
 
-def parse_compressors(text: str, ratio: float | None, bits: int | None) -> list[CompressorSpec]:
-    """``"snapkv,kivi:4,all"`` -> specs. ``NAME:VALUE`` overrides the ratio/bits of one entry;
+def parse_compressors(text: str, ratio: float | None, bits: int | None) -> list[CompressorSpec | ViewSpec]:
+    """``"snapkv,kivi:4,all,window@512"`` -> specs. ``NAME:VALUE`` (or ``NAME@VALUE``, the
+    result label: ``snapkv@0.25``, ``kivi@2bit``) overrides the ratio/bits of one entry;
     ``all`` adds every registered method not listed explicitly. Token-dropping methods take
     ``ratio`` (default 0.25), quantization methods ``bits`` (default: the method's lowest
-    supported width). ``ValueError`` on an unknown name, a bad value, bits given where only
-    token-dropping methods are listed, or a ratio given where only quantization methods are.
+    supported width). The in-pool draft views (:mod:`sglang_vc.bench.draft_views`) take a
+    token budget, always given: ``window@B``, ``reselect@B`` (never added by ``all``).
+    ``ValueError`` on an unknown name, a bad value, bits given where no quantization method
+    is listed, or a ratio given where no token-dropping method is.
     """
     from sglang_vc.compress import check_bits, check_ratio, get_compressor, standalone_compressors
 
@@ -103,23 +113,41 @@ def parse_compressors(text: str, ratio: float | None, bits: int | None) -> list[
     classes = {n: type(get_compressor(n)) for n in standalone_compressors()}
 
     entries: list[tuple[str, str | None]] = []
+    order: list[tuple[str, int]] = []  # ("c", i): entries[i]; ("v", i): views[i]
+    views: list[ViewSpec] = []
     want_all = False
     for raw in [t.strip() for t in str(text).split(",") if t.strip()]:
         if raw.lower() == "all":
             want_all = True
             continue
-        name, _, val = raw.partition(":")
-        name = name.strip().lower()
+        sep = min((i for i in (raw.find(":"), raw.find("@")) if i >= 0), default=len(raw))
+        name, val = raw[:sep].strip().lower(), raw[sep + 1:].strip()
+        if name in VIEW_KINDS:
+            order.append(("v", len(views)))
+            views.append(parse_view(name, val or None))
+            continue
         if name not in classes:
             raise ValueError(f"unknown compressor {name!r}; known: {', '.join(classes)}, all "
-                             "(SpeCache: --specache VARIANTS)")
-        entries.append((name, val.strip() or None))
+                             f"(SpeCache: --specache VARIANTS; draft views: {', '.join(k + '@B' for k in VIEW_KINDS)})")
+        if raw[sep:sep + 1] == "@" and val.lower().endswith("bit"):  # a label: kivi@2bit
+            val = val[:-3].strip()
+        order.append(("c", len(entries)))
+        entries.append((name, val or None))
     if want_all:
         explicit = {n for n, _ in entries}
-        entries += [(n, None) for n in classes if n not in explicit]
-    if not entries:
+        for n in classes:
+            if n not in explicit:
+                order.append(("c", len(entries)))
+                entries.append((n, None))
+    if not entries and not views:
         raise ValueError("no compressor given")
     scenarios = {n: classes[n].scenario for n, _ in entries}
+    if views and not entries:
+        if bits is not None or ratio is not None:
+            flag = "--kv-bits" if bits is not None else "--compression-ratio"
+            raise ValueError(f"{flag} given but only draft views are listed ({', '.join(v.label for v in views)}), "
+                             "which take a token budget (KIND@B)")
+        return _no_duplicates(views)
     if bits is not None and "quantization" not in scenarios.values():
         raise ValueError(
             f"--kv-bits {bits} given but no quantization method is listed ({', '.join(scenarios)} "
@@ -156,6 +184,10 @@ def parse_compressors(text: str, ratio: float | None, bits: int | None) -> list[
             value = float(value)
         specs.append(CompressorSpec(name, cls.scenario, value, getattr(cls, "mode", "offline"),
                                     getattr(cls, "needs_queries", None)))
+    return _no_duplicates([specs[i] if kind == "c" else views[i] for kind, i in order])
+
+
+def _no_duplicates(specs: list) -> list:
     labels = [s.label for s in specs]
     dup = sorted({lb for lb in labels if labels.count(lb) > 1})
     if dup:
@@ -288,7 +320,18 @@ def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec],
         log(f"  kvzip reconstruction pass: {len(recon_ids)} tok {info['reconstruction_s']:.1f}s")
 
     results = []
+    view_ctx = ViewContext(sess, ids, prompt_base, traj_base, T, y, n_new) \
+        if any(isinstance(s, ViewSpec) for s in specs) else None
     for spec in specs:
+        if isinstance(spec, ViewSpec):  # in-pool draft view (bench.draft_views)
+            r = evaluate_view(sess, spec, view_ctx, lp_chunk, n_new, xs, near_ties, first_chunk=first_chunk)
+            results.append(r)
+            al = r["acceptance_length"]
+            log(f"  {spec.label:<20} view {r['kept_fraction']:.3f} of the context  cumKL {r['cumulative_kl'][-1]:.3f}"
+                f"  first div {r['first_divergence']}  acc " + " ".join(f"x={x}:{al[str(x)]:.2f}" for x in sorted(xs))
+                + f"  ({r['compress_s'] + r['teacher_forced_s'] + r['rounds_s']:.1f}s, "
+                  f"{r['draft_forwards']} draft forwards)")
+            continue
         t0 = time.perf_counter()
         comp = get_compressor(spec.name)
         lossy, stats = compress_prompt(comp, spec.value, cap, snapkv_window=snapkv_window, req_id=req_id)
