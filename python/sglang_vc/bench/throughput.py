@@ -54,6 +54,19 @@ def parse_config(spec: str) -> dict:
     kind, _, rest = spec.partition(":")
     if kind == "full" and not rest:
         return {"name": "full", "kind": "full", "flags": []}
+    if kind == "vericache" and not rest:  # the default flags: the mode policy decides
+        return {"name": "vericache", "kind": "vericache", "compressor": None, "kept": None, "draft_tokens": None,
+                "flags": ["--speculative-algorithm", "VERICACHE"]}
+    if kind == "inpool":  # forced in-pool self-speculation over a view: inpool:window@B[:X|:auto]
+        view, _, budget = rest.partition("@")
+        budget, _, x = budget.partition(":")
+        if view != "window" or not budget.isdigit() or (x and x != "auto" and not x.isdigit()):
+            raise ValueError(f"bad config {spec!r}: want inpool:window@BUDGET[:X|:auto], e.g. inpool:window@512")
+        flags = ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget", budget]
+        if x and x != "auto":
+            flags += ["--speculative-num-draft-tokens", x]
+        return {"name": spec, "kind": "vericache", "compressor": None, "kept": None, "budget": int(budget),
+                "draft_tokens": int(x) if x and x != "auto" else None, "flags": flags}
     if kind == "specache":
         bits, _, k = (rest or "2bit").partition(":")
         if not bits.endswith("bit") or not bits[:-3].isdigit() or (k and not (k[:1] == "k" and k[1:].isdigit())):
@@ -195,6 +208,9 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
         "finish_reasons": [o["finish_reason"] for o in outs],
     }
     vc = got.get("vericache", {})
+    if cfg["kind"] == "vericache":
+        row["mode_iterations"] = {m: vc.get(f"mode_iterations_{m.replace('-', '_')}", 0)
+                                  for m in ("full", "in-pool", "offload")}
     if vc.get("verify_rounds"):
         row["mean_acceptance_length"] = vc["committed"] / vc["verify_rounds"]
         row["bytes_reloaded"] = vc.get("bytes_reloaded", 0)
@@ -231,7 +247,8 @@ def trace_summary(records: list[dict]) -> dict:
                      "drafting": roles.count("draft"), "waiting": roles.count("wait"), "full": roles.count("full"),
                      "verify_tokens": sum((r["verified_drafts"] or 0) + 1 for r in rec["requests"]
                                           if r["role"] == "verify"),
-                     "forward_s": rec.get("phases", {}).get("forward_s")})
+                     "forward_s": rec.get("phases", {}).get("forward_s"),
+                     "regressors": [rec.get("phases", {}).get(k) for k in ("tokens", "rows", "offload_drafts")]})
     busy = [r for r in rows if r["verifies"] + r["drafting"] + r["full"] > 0]
 
     def ratio(num, den):
@@ -255,7 +272,23 @@ def trace_summary(records: list[dict]) -> dict:
         "mean_iteration_s": ratio(sum(r["seconds"] for r in rows), len(rows)) or 0.0,
         "mean_forward_s": ratio(sum(r["forward_s"] for r in timed), len(timed)),
         "cost": cost,
+        "row_costs": _row_costs(timed),
     }
+
+
+def _row_costs(timed: list[dict]):
+    """The mode policy's fit (:class:`sglang_vc.vericache.policy.ModePolicy`) over the
+    run's iterations: seconds = fixed + token * query tokens + row * KV rows read
+    + offload draft * offload drafters; None without the regressors."""
+    from sglang_vc.vericache.draft_length import nonnegative_fit
+
+    usable = [r for r in timed if None not in r["regressors"]]
+    if len(usable) < 8:
+        return None
+    terms = nonnegative_fit([r["forward_s"] for r in usable], [tuple(r["regressors"]) for r in usable])
+    if terms is None:
+        return None
+    return dict(zip(("fixed", "token", "row", "offload_draft"), terms), fit_iterations=len(usable))
 
 
 def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:
@@ -352,6 +385,43 @@ class Mode:
 LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:specache@2bit:auto,"
             "vericache:snapkv@0.25:auto,vericache:kivi@2bit:auto", "staggered")
 LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:auto", "staggered")
+# --long --fits: the pool holds every request's full KV (full_kv_batch = requests); prompts as
+# long as the model's context allows with the new tokens (0: from the model's config)
+FITS_CONFIGS = "full,vericache,inpool:window@512"
+LONG_FITS = Mode(8, 0, 128, 8, FITS_CONFIGS, "staggered")
+LONG_FITS_QUICK = Mode(8, 4096, 128, 8, FITS_CONFIGS, "staggered")
+
+
+def context_prompt_tokens(model_dir: str, max_new: int) -> int:
+    """The longest prompt the model's context holds with ``max_new`` tokens (and a few
+    spare)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config["max_position_embeddings"]) - max_new - 16
+
+
+def in_pool_predictions(rows: list[dict], cfgs: dict, ctx_tokens: int, prompt_tokens: int) -> dict:
+    """:func:`sglang_vc.vericache.perf_model.in_pool_speedup` per VERICACHE run that drafted
+    in place, from that run's own fitted row costs and its measured A at its mean X: the
+    model's ratio to full KV, to set beside the measured one. The request length is the
+    mean over the decode (prompt + half the new tokens)."""
+    from sglang_vc.vericache.draft_view import DEFAULT_BUDGET
+    from sglang_vc.vericache.perf_model import RowCosts, in_pool_speedup
+
+    out = {}
+    for row in rows:
+        costs = (row.get("trace") or {}).get("row_costs")
+        modes = row.get("mode_iterations") or {}
+        if not costs or not modes.get("in-pool") or not row.get("mean_acceptance_length"):
+            continue
+        budget = cfgs[row["config"]].get("budget") or DEFAULT_BUDGET
+        length = (prompt_tokens + ctx_tokens) // 2
+        rc = RowCosts(costs["fixed"], costs["token"], costs["row"])
+        out[row["config"]] = {
+            "ratio_to_full": in_pool_speedup(rc, row["mean_acceptance_length"], length, row["requests"],
+                                             row["draft_tokens"], budget),
+            "costs": costs, "length": length, "budget": budget, "draft_len": row["draft_tokens"],
+            "acceptance": row["mean_acceptance_length"]}
+    return out
 
 
 def main(argv=None) -> int:
@@ -372,6 +442,10 @@ def main(argv=None) -> int:
     parser.add_argument("--long", action="store_true",
                         help=f"the regime VeriCache exists for: {LONG.describe()}; with --quick: "
                         f"{LONG_QUICK.describe()}")
+    parser.add_argument("--fits", action="store_true",
+                        help="a pool that holds every request's full KV; with --long (in-pool self-speculation's "
+                        f"regime): {FITS_CONFIGS.replace(',', ', ')}; prompts as long as the model's context allows "
+                        "with 128 new tokens (4,096 tokens with --quick)")
     parser.add_argument("--predict-gpu", choices=sorted(GPUS), default=None,
                         help="also print appendix B.1's prediction on this GPU from the measured A(x)")
     parser.add_argument("--from-json", default=None,
@@ -397,7 +471,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
         return 0
     if args.long:
-        mode = LONG_QUICK if args.quick else LONG
+        mode = (LONG_FITS_QUICK if args.quick else LONG_FITS) if args.fits else (LONG_QUICK if args.quick else LONG)
         args.requests, args.prompt_tokens, args.max_new_tokens, args.full_kv_batch = (
             mode.requests, mode.prompt_tokens, mode.max_new_tokens, mode.full_kv_batch)
         if args.configs == parser.get_default("configs"):
@@ -409,12 +483,14 @@ def main(argv=None) -> int:
         args.full_kv_batch = 3
         if args.configs == parser.get_default("configs"):
             args.configs = "full,lossy:snapkv@0.25,vericache:snapkv@0.25:4"
+    if args.fits:  # the pool holds every request's full KV
+        args.full_kv_batch = args.requests
     schedules = [x for x in args.schedule.split(",") if x]
     if not schedules or any(x not in ("lockstep", "staggered") for x in schedules):
         parser.error("--schedule takes lockstep and/or staggered")
     if min(args.requests, args.prompt_tokens, args.max_new_tokens, args.full_kv_batch) <= 0:
         parser.error("--requests, --prompt-tokens, --max-new-tokens and --full-kv-batch must be positive")
-    if args.full_kv_batch >= args.requests:
+    if args.full_kv_batch >= args.requests and not args.fits:
         parser.error("--full-kv-batch must be below --requests (full KV must not batch them all)")
     try:
         cfgs = [parse_config(c) for c in args.configs.split(",") if c]
@@ -433,6 +509,8 @@ def main(argv=None) -> int:
         model_dir = models.resolve(args.model)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.prompt_tokens == 0:
+        args.prompt_tokens = context_prompt_tokens(model_dir, args.max_new_tokens)
     ctx = args.prompt_tokens + args.max_new_tokens
     budget = args.full_kv_batch * ctx + 64
     prompts = build_prompts(model_dir, args.requests, args.prompt_tokens)
@@ -470,6 +548,7 @@ def main(argv=None) -> int:
     bw = memory_bandwidth()
     pred = predictions(rows, cfgs_by_name, weights=weights, kv_per_token=kv_per_token,
                        budget_tokens=budget, ctx_tokens=ctx, bw=bw)
+    in_pool_pred = in_pool_predictions(rows, cfgs_by_name, ctx, args.prompt_tokens)
     report = {
         "benchmark": "throughput",
         "model": args.model,
@@ -481,6 +560,7 @@ def main(argv=None) -> int:
                                 "memory_bandwidth_bytes_per_s": bw},
         "results": [{k: v for k, v in r.items() if k not in ("output_ids", "finish_reasons")} for r in rows],
         "appendix_b1_prediction": pred,
+        "in_pool_prediction": in_pool_pred,
         "gpu_prediction": gpu_prediction(rows, args.predict_gpu) if args.predict_gpu else None,
         "definitions": {
             "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
@@ -515,6 +595,11 @@ def main(argv=None) -> int:
                 f"{t['full_kv_steps']} full-KV steps; forward cost fit over {t['cost']['fit_iterations']} "
                 "iterations: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t["cost"].items()
                                             if k != "fit_iterations" and v is not None))
+    for name, p in in_pool_pred.items():
+        measured = next(r["decode_ratio_to_full"] for r in report["results"] if r["config"] == name)
+        log(f"{name}: in-pool model predicts x{p['ratio_to_full']:.2f} full KV (A={p['acceptance']:.2f}, "
+            f"X={p['draft_len']}, budget {p['budget']}, {p['length']} tokens), measured decode "
+            + (f"x{measured:.2f}" if measured else "n/a"))
     if report["gpu_prediction"]:
         print_gpu_prediction(report["gpu_prediction"])
     log(f"wrote {out} and {out.with_suffix('.png')}")

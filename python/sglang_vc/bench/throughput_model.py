@@ -99,7 +99,7 @@ def predictions(rows: list[dict], cfgs: dict, *, weights: int, kv_per_token: int
     out = {"full": {"tokens_per_s": base_tps, "batch_size": base_b}}
     for row in rows:
         cfg = cfgs[row["config"]]
-        if cfg["kind"] != "vericache" or "mean_acceptance_length" not in row:
+        if cfg["kind"] != "vericache" or "mean_acceptance_length" not in row or cfg.get("kept") is None:
             continue
         x, a = row["draft_tokens"], row["mean_acceptance_length"]
         pred = pm.predict_from_hardware(weights_bytes=weights, kv_full_bytes=kv_full,

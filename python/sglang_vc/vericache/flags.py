@@ -63,9 +63,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=[c.value for c in CompressWhen],
         default=CompressWhen.MEMORY_BINDS.value,
         help="VERICACHE: 'memory-binds' (default) compresses a request after its prefill only "
-        "when the device KV pool (free plus evictable rows) could not hold the waiting "
-        "requests' prompts and another request of its size at full KV; until then requests "
-        "decode from full KV, as fast as the plain server. 'always' compresses every request.",
+        "when the device KV pool (free plus evictable rows) could not then hold the waiting "
+        "requests' prompts at full KV; until then requests keep their full KV in the pool "
+        "(full-KV decoding or in-pool drafting, --vc-in-pool). 'always' compresses every request.",
     )
     g.add_argument(
         "--vc-in-pool",

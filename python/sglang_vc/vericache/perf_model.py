@@ -350,14 +350,13 @@ class RowCosts:
     """Seconds an iteration spends, fitted from the server's own iterations
     (:class:`.policy.ModePolicy`): MagicDec's memory-bound analysis in measured units.
     ``fixed`` is paid once per iteration (the weights read, launches), ``token`` per
-    forwarded query token (linear layers' compute), ``row`` per KV row a request's
-    attention reads (once per request: a verify of ``x + 1`` tokens reads its rows once),
-    ``verify`` per verifying request."""
+    forwarded query token (the linear layers' compute), ``row`` per KV row a request's
+    attention reads (once per request: a verify of ``x + 1`` tokens reads its rows once,
+    so it costs about one full-KV step plus ``x`` tokens)."""
 
     fixed: float
     token: float
     row: float
-    verify: float
 
 
 def full_kv_token_time(costs: RowCosts, length: int, batch: int) -> float:
@@ -372,7 +371,7 @@ def in_pool_cycle_time(costs: RowCosts, length: int, batch: int, draft_len: int,
     ``x + 1`` iterations carrying its share of the fixed cost."""
     x = draft_len
     return ((x + 1) * costs.fixed / max(1, batch) + x * (costs.token + costs.row * min(budget, length))
-            + (x + 1) * costs.token + costs.row * length + costs.verify)
+            + (x + 1) * costs.token + costs.row * length)
 
 
 def in_pool_speedup(costs: RowCosts, acceptance: float, length: int, batch: int, draft_len: int,

@@ -159,14 +159,14 @@ class VeriCacheWorker(ChainSpecWorker):
 
     def _full_kv_while_memory_free(self, rid: str, own_rows: int) -> Optional[str]:
         """``--vc-compress-when memory-binds``: a request keeps its full KV when, after its
-        prefill, the pool still has room for the waiting requests' prompts and for one
-        more of its own size (drafting would only add work: device memory does not bind
-        the batch); otherwise it is compressed."""
+        prefill, the pool still has room for the waiting requests' prompts (device memory
+        does not bind the batch: the request decodes full KV or drafts in place, by the
+        mode policy); otherwise it is compressed (offload)."""
         room, waiting = self.runtime.free_room(), self.runtime.waiting_demand
-        if room >= own_rows + waiting:
+        if room >= waiting:
             stats.add("vericache", full_kv_memory_free=1)
-            return (f"the KV pool has room for its full KV ({room} free rows >= {own_rows} + {waiting} "
-                    "waiting; --vc-compress-when)")
+            return (f"the KV pool has room for its full KV ({room} free rows >= {waiting} waiting; "
+                    "--vc-compress-when)")
         return None
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
@@ -535,10 +535,12 @@ class VeriCacheWorker(ChainSpecWorker):
             staging.restore()  # nothing forwarded: the reserved slots go back
         phases["forward_s"] = time.perf_counter() - mark
         phases["forwards"] = self.forwards - forwards
+        if part:  # the mode policy's regressors (bench.throughput refits them from the trace)
+            phases.update(tokens=len(ids), rows=rows_read, offload_drafts=offload_drafts)
         if part:
             self.draft_length.record_iteration(phases["forward_s"], len(drafters), len(full), verify_tokens,
                                                len(verifiers))
-            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, len(verifiers), offload_drafts))
+            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, offload_drafts))
         self._count_modes(plan)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))

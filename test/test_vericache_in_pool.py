@@ -1,0 +1,270 @@
+"""In-pool self-speculation (``--vc-in-pool``): a VERICACHE request whose full KV stays in
+the pool drafts over a sink+window view of its own rows and verifies in place; a mode per
+request and cycle (full, in-pool, offload) from measured costs.
+
+In process: the view's positions and attention, the budget flag, the policy and the
+model. One server: identity with the plain server in batches that mix in-pool drafters,
+full-KV requests and offloaded (compressed) ones, in two orders, with drafts rejected.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+import torch
+import torch.utils._python_dispatch
+
+from conftest import real_text_passages
+from sglang_vc.testing.client import concurrently, generate
+from sglang_vc.testing.reference import compare, finish_type, greedy_reference
+from sglang_vc.testing.server import ServerProcess
+from sglang_vc.vericache import draft_view
+from sglang_vc.vericache.draft_length import AcceptanceCurve
+from sglang_vc.vericache.perf_model import RowCosts, full_kv_token_time, in_pool_cycle_time, in_pool_speedup
+from sglang_vc.vericache.policy import MIN_ITERATIONS, IterationRows, Mode, ModePolicy
+
+META = "sglang_vc_vericache"
+
+
+# ----------------------------------------------------------------------------- the view
+
+
+def test_view_is_sinks_plus_a_sliding_window_and_everything_when_short():
+    pos, valid = draft_view.view_positions(torch.tensor([3, 10, 20, 21]), torch.tensor([8, 8, 6, 6]), 8, sinks=4)
+    assert pos[0, :3].tolist() == [0, 1, 2] and valid[0].tolist() == [True] * 3 + [False] * 5
+    assert pos[1].tolist() == [0, 1, 2, 3, 6, 7, 8, 9] and valid[1].all()
+    assert pos[2, :6].tolist() == [0, 1, 2, 3, 18, 19] and valid[2].tolist() == [True] * 6 + [False] * 2
+    assert pos[3, :6].tolist() == [0, 1, 2, 3, 19, 20]  # the window slid by one with the length
+
+
+def test_view_attention_equals_attention_over_the_views_rows():
+    """One batched call for every drafter equals each request's softmax over exactly its
+    view's rows (GQA: 6 query heads on 2 KV heads); a view covering the request is full
+    attention."""
+    torch.manual_seed(0)
+    slots_total, hkv, hq, d = 64, 2, 6, 8
+    k_buf, v_buf = torch.randn(slots_total, hkv, d), torch.randn(slots_total, hkv, d)
+    req_to_token = torch.randperm(slots_total - 1)[:60].add(1).view(2, 30)
+    lengths, budgets = torch.tensor([30, 9]), torch.tensor([12, 12])
+    q = torch.randn(2, hq, d)
+    slots, valid = draft_view.view_slots(req_to_token, torch.tensor([0, 1]), lengths, budgets, 12)
+    out = draft_view.attend_view(q, k_buf, v_buf, slots, valid, scale=0.3)
+    for i, positions in enumerate([[0, 1, 2, 3, *range(22, 30)], list(range(9))]):
+        rows = req_to_token[i, positions]
+        k = k_buf[rows].repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+        v = v_buf[rows].repeat_interleave(hq // hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], k) * 0.3, dim=-1)
+        assert torch.allclose(out[i], torch.einsum("hn,nhd->hd", w, v), atol=1e-5)
+
+
+class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operators run: on CUDA each is at least one kernel launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_draft_view_launches_and_syncs_do_not_grow_with_the_batch():
+    """The in-pool draft's per-forward index build and per-layer attention run the same
+    operators for 2 drafters as for 8 (fixed shapes, no per-request loop), and read nothing
+    back on the host (the stand-in for CUDA launches and syncs: every aten operator is a
+    kernel on a GPU; :class:`~sglang_vc.kvruntime.syncs.SyncCounter` counts host reads)."""
+    from sglang_vc.kvruntime.syncs import SyncCounter
+
+    counts = {}
+    for n in (2, 8):
+        g = torch.Generator().manual_seed(n)
+        k_buf, v_buf = torch.randn(4096, 3, 64, generator=g), torch.randn(4096, 3, 64, generator=g)
+        req_to_token = torch.randint(1, 4096, (16, 1024), generator=g)
+        lengths = torch.randint(100, 1000, (n,), generator=g)
+        q = torch.randn(n, 9, 64, generator=g)
+        with SyncCounter() as syncs, _AtenCalls() as build:
+            slots, valid = draft_view.view_slots(req_to_token, torch.arange(n), lengths,
+                                                 torch.full((n,), 256), 256)
+        with SyncCounter() as layer_syncs, _AtenCalls() as layer:
+            draft_view.attend_view(q, k_buf, v_buf, slots, valid, scale=0.125)
+        assert syncs.total == 0 and layer_syncs.total == 0, (syncs.by_kind, layer_syncs.by_kind)
+        counts[n] = (build.calls, layer.calls)
+    assert counts[2] == counts[8], counts
+
+
+@pytest.mark.parametrize("text, tokens, ratio", [("512", 512, None), ("0.125", None, 0.125)])
+def test_draft_budget_takes_tokens_or_a_ratio(text, tokens, ratio):
+    b = draft_view.DraftBudget.parse(text)
+    assert (b.tokens, b.ratio) == (tokens, ratio)
+    assert b.rows(4096) == 512
+
+
+@pytest.mark.parametrize("text", ["0", "4", "1.5", "-3", "abc", "1"])
+def test_bad_draft_budget_is_a_cli_error(text, capsys):
+    from sglang_vc.launch_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--speculative-algorithm", "VERICACHE", "--vc-draft-budget", text])
+    assert exc.value.code == 2
+    assert "--vc-draft-budget" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- policy and model
+
+
+def test_in_pool_model_by_hand():
+    """fixed 10 ms, 1 ms a token, 1 us a row; 8 requests of 8,000 tokens, X = 4, budget
+    512, A = 4: full = 10/8 + 1 + 8 = 10.25 ms a token; a cycle = 5 * 1.25 + 4 * (1 +
+    0.512) + 5 * 1 + 8 = 25.298 ms for 4 tokens: 1.62x."""
+    c = RowCosts(fixed=0.010, token=0.001, row=1e-6)
+    assert full_kv_token_time(c, 8000, 8) == pytest.approx(0.01025)
+    assert in_pool_cycle_time(c, 8000, 8, 4, 512) == pytest.approx(0.025298)
+    assert in_pool_speedup(c, 4.0, 8000, 8, 4, 512) == pytest.approx(4 * 0.01025 / 0.025298)
+
+
+def _curve(drafts: int, accepted: int, n: int = 10) -> AcceptanceCurve:
+    curve = AcceptanceCurve()
+    for _ in range(n):
+        curve.record(drafts, accepted)
+    return curve
+
+
+def _fed(policy: ModePolicy, fixed: float, row: float) -> ModePolicy:
+    """Iterations timed by a known cost model (token 1 ms)."""
+    for i in range(2 * MIN_ITERATIONS):
+        it = IterationRows(tokens=8 + i % 5, rows=2000 * (1 + i % 7), offload_drafts=0)
+        policy.record(fixed + 0.001 * it.tokens + row * it.rows, it)
+    return policy
+
+
+def test_policy_fits_the_iterations_costs():
+    costs = _fed(ModePolicy(lambda n: 512, 8, None), fixed=0.005, row=2e-6).costs()
+    assert (costs.fixed, costs.token, costs.row) == pytest.approx((0.005, 0.001, 2e-6), rel=1e-6)
+
+
+def test_policy_drafts_where_rows_dominate_and_decodes_full_kv_where_the_weights_do():
+    curve = _curve(4, 4)  # every draft accepted: A(4) = 5
+    kv_bound = _fed(ModePolicy(lambda n: 512, 8, None), fixed=0.005, row=2e-6)
+    d = kv_bound.decide(8000, 8, curve)
+    assert d.mode is Mode.IN_POOL and d.predicted_speedup > 1.05 and 1 <= d.draft_len <= 8, d
+    weight_bound = _fed(ModePolicy(lambda n: 512, 8, None), fixed=0.5, row=1e-9)
+    d = weight_bound.decide(8000, 8, curve)
+    assert d.mode is Mode.FULL and d.predicted_speedup < 1.05, d
+    assert "below" in d.reason
+    # a view that rejects everything never pays
+    assert kv_bound.decide(8000, 8, _curve(4, 0)).mode is Mode.FULL
+
+
+def test_policy_before_data_forced_and_short_requests():
+    policy = ModePolicy(lambda n: 512, 8, 4)
+    assert policy.decide(4096, 8, AcceptanceCurve()).mode is Mode.IN_POOL  # 4096 >= 4 x 512
+    assert policy.decide(1500, 8, AcceptanceCurve()).mode is Mode.FULL
+    assert policy.decide(400, 8, _curve(4, 4)).mode is Mode.FULL  # fits the budget: nothing to skip
+    forced = ModePolicy(lambda n: 512, 8, 4, forced=Mode.IN_POOL)
+    assert forced.decide(1500, 8, AcceptanceCurve()) == forced.decide(1500, 1, AcceptanceCurve())
+    assert forced.decide(1500, 8, AcceptanceCurve()).mode is Mode.IN_POOL
+    assert ModePolicy(lambda n: 512, 8, 4, forced=Mode.FULL).decide(9000, 8, _curve(4, 4)).mode is Mode.FULL
+
+
+# ----------------------------------------------------------------------------- served
+
+NEW = 24
+BUDGET = 64  # a request of 40 + 24 tokens fits it: it decodes full KV
+
+
+@pytest.fixture(scope="module")
+def vc_in_pool(tmp_path_factory):
+    """A pool that holds two 600-token requests at full KV: requests with room stay
+    resident, later ones are compressed (offload). ``--vc-in-pool always``: a resident
+    request longer than the budget drafts in place whatever the cost fit says (the fit's
+    choice is the policy's test above; the default server's is the throughput bench's)."""
+    folder = tmp_path_factory.mktemp("vericache_in_pool")
+    proc = ServerProcess(
+        ["--dtype", "float32", "--max-total-tokens", str(2 * (600 + NEW) + 64), "--enable-metrics",
+         "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
+         "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25", "--vc-in-pool", "always",
+         "--vc-draft-budget", str(BUDGET),
+         "--skip-server-warmup"],
+        log_path=folder / "server.log")
+    yield proc
+    proc.stop()
+
+
+def _prompts(tokenizer, lengths) -> list[list[int]]:
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    return [stream[i * 700 : i * 700 + n] for i, n in enumerate(lengths)]
+
+
+def _identical(server, model_dir, ids_list, outs):
+    refs = concurrently(lambda ids: generate(server, ids, NEW), [(i,) for i in ids_list])
+    for ids, ref, out in zip(ids_list, refs, outs):
+        assert finish_type(out) == finish_type(ref) == "length"
+        assert len(out["output_ids"]) == len(ref["output_ids"]) == NEW
+        if out["output_ids"] != ref["output_ids"]:
+            result = compare(greedy_reference(model_dir, ids, NEW), out["output_ids"], finish_type(out))
+            assert result.identical, (len(ids), result)
+
+
+def _counters(proc) -> dict:
+    return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"].get("vericache", {})
+
+
+@pytest.mark.parametrize("order", ["long-first", "short-first"])
+def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, vc_in_pool,
+                                                                      order):
+    """A 600-token request alone has room: it drafts in place (its reply says in-pool and
+    why). While it decodes, two more 600-token requests arrive: the pool cannot hold them
+    at full KV, so they are compressed and draft from the compressed KV (offload), and a
+    40-token one decodes from full KV (it fits the draft budget). Every output equals the plain
+    server's, token for token, and drafts were rejected somewhere."""
+    first, *rest = _prompts(tokenizer, (600, 600, 600, 40))
+    rest = rest if order == "long-first" else rest[::-1]
+    before = _counters(vc_in_pool)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", generate(vc_in_pool, first, NEW)))
+    t.start()
+    deadline = time.time() + 120
+    while _counters(vc_in_pool).get("mode_iterations_in_pool", 0) <= before.get("mode_iterations_in_pool", 0):
+        assert time.time() < deadline and t.is_alive(), "the lone request never drafted in place"
+        time.sleep(0.05)
+    outs = concurrently(lambda ids: generate(vc_in_pool, ids, NEW), [(i,) for i in rest])
+    t.join()
+    outs = [box["out"], *outs]
+    after = _counters(vc_in_pool)
+    _identical(server, model_dir, [first, *rest], outs)
+    infos = [(o["meta_info"].get(META) or [{}])[-1] for o in outs]
+    assert infos[0]["mode"] == "in-pool" and infos[0]["mode_reason"] == "--vc-in-pool always", infos[0]
+    modes = {i.get("mode") for i in infos}
+    assert {"in-pool", "offload"} <= modes, infos
+    short = infos[[len(ids) for ids in [first, *rest]].index(40)]
+    assert short.get("mode") in ("full", "offload") and short.get("mode") != "in-pool", short
+    in_pool = [i for i in infos if i.get("mode") == "in-pool"]
+    drafted, accepted = sum(i["drafted"] for i in in_pool), sum(i["accepted"] for i in in_pool)
+    assert 0 < accepted < drafted, in_pool  # in-pool drafts accepted and rejected
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert grew["mode_iterations_in_pool"] > 0 and grew["mode_iterations_offload"] > 0, grew
+    assert grew["in_pool_draft_rows"] > 0, grew
+
+
+@pytest.mark.slow  # two more servers; the default suite covers never's behaviour through
+# test_vericache_serving::test_full_kv_until_memory_binds (auto's prior: nothing drafted)
+def test_in_pool_never_decodes_resident_requests_from_full_kv(server, model_dir, tokenizer, tmp_path_factory):
+    """``--vc-in-pool never`` (the behaviour before in-pool drafting): a long request with
+    room drafts nothing. ``always`` drafts for it. Both are the plain server's output."""
+    ids = _prompts(tokenizer, (600,))
+    for setting, drafts in (("never", False), ("always", True)):
+        folder = tmp_path_factory.mktemp(f"in_pool_{setting}")
+        with ServerProcess(["--dtype", "float32", "--max-total-tokens", "4000", "--speculative-algorithm",
+                            "VERICACHE", "--speculative-num-draft-tokens", "4", "--vc-in-pool", setting,
+                            "--vc-draft-budget", "512", "--skip-server-warmup"],
+                           log_path=folder / "server.log") as proc:
+            out = generate(proc, ids[0], NEW)
+            counters = _counters(proc)
+        _identical(server, model_dir, ids, [out])
+        info = (out["meta_info"].get(META) or [{}])[-1]
+        assert (counters.get("drafted", 0) > 0) is drafts, counters
+        assert info["mode"] == ("in-pool" if drafts else "full"), info
