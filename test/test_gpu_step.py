@@ -18,7 +18,8 @@ def test_measure_covers_every_cost_of_the_model():
     rows = gpu_step.measure(n=256, batch=2, x=4, keep=0.25, topk=16, repeats=1, dev="cpu")
     want = {"weights_decode", "weights_verify", "full_decode_sdpa", "full_decode_paged", "draft_snapkv",
             "verify_paged", "verify_sdpa", "verify_flash", "draft_kivi2", "draft_specache",
-            "draft_specache_device_only", "specache_scores_only", "specache_topk_only"}
+            "draft_specache_device_only", "specache_scores_only", "specache_topk_only", "draft_in_pool",
+            "in_pool_view_build"}
     assert want <= set(rows)
     assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in rows.values())
     assert rows["weights_verify"]["tokens"] == 2 * 5 and rows["draft_snapkv"]["kept"] == 64

@@ -9,6 +9,10 @@ the same tensors, per layer and for a batch of requests:
   ``snapkv`` (the paged kernel over the kept quarter), ``kivi2`` (2-bit payload, the fused
   kernel, one launch per request as the server does), ``specache`` (2-bit scores, top-k
   and the synchronous fetch of the top-k full rows from pinned host memory, per request);
+* ``draft_in_pool``: in-pool self-speculation's draft step, the server's own
+  ``vericache.draft_view`` functions: a sink+window view of ``--budget`` rows of each
+  request's own pool rows (``in_pool_view_build``, once per forward), then one gather and
+  one SDPA per layer for the batch; its ratio to ``full_decode_sdpa`` is reported;
 * ``verify``: a verify window of ``X + 1`` queries per request over the full prefix
   (torch SDPA with the chain mask, the stand-in for FlashInfer's prefill that SGLang runs
   on a GPU, and the project's paged kernel);
@@ -55,7 +59,8 @@ def _wall_us(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats * 1e6
 
 
-def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, dev: str = "cuda") -> dict:
+def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, dev: str = "cuda",
+            budget: int = 512) -> dict:
     import sgl_kernel_ext as ext
 
     from sglang_vc.compress.kivi import KIVI
@@ -109,6 +114,21 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
         return lambda: ext.paged_attention(qq, k_buf, v_buf, q_req, q_pos, indptr, indices, pos, scale)
 
     out["full_decode_paged"] = {"us": _time_us(paged(n, 1, 1), repeats)}
+
+    # in-pool self-speculation's draft step, the server's own functions (vericache.draft_view):
+    # each request's sink+window view over its own rows of the pool, built once per forward,
+    # then one gather + one SDPA per layer for the whole batch
+    from sglang_vc.vericache import draft_view
+
+    req_to_token = torch.arange(n, device=dev)[None, :] + 1 + (reqs * n)[:, None]
+    lengths = torch.full((batch,), n, device=dev)
+    budgets = torch.full((batch,), budget, device=dev)
+    out["in_pool_view_build"] = {"us": _time_us(
+        lambda: draft_view.view_slots(req_to_token, reqs, lengths, budgets, budget), repeats), "per": "forward"}
+    slots, valid = draft_view.view_slots(req_to_token, reqs, lengths, budgets, budget)
+    draft = _time_us(lambda: draft_view.attend_view(q1, k_buf, v_buf, slots, valid, scale), repeats)
+    out["draft_in_pool"] = {"us": draft, "budget": budget, "ratio_to_full_decode_sdpa": draft / sdpa}
+    del req_to_token, slots, valid
     kept = int(n * keep)
     out["draft_snapkv"] = {"us": _time_us(paged(kept, int(round(1 / keep)), 1), repeats), "kept": kept}
     out["verify_paged"] = {"us": _time_us(paged(n, 1, x + 1), repeats), "queries": x + 1,
@@ -225,13 +245,15 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-len", type=int, default=30, help="X: a verify window is X + 1 queries")
     parser.add_argument("--keep", type=float, default=0.25, help="snapkv's kept fraction")
     parser.add_argument("--topk", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=512, help="in-pool drafting's view: rows per request")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
-    if not 0 < args.keep <= 1 or args.tokens < 64 or args.batch < 1 or args.draft_len < 1:
-        parser.error("--keep in (0, 1], --tokens >= 64, --batch >= 1, --draft-len >= 1")
-    rows = measure(args.tokens, args.batch, args.draft_len, args.keep, args.topk, args.repeats)
+    if not 0 < args.keep <= 1 or args.tokens < 64 or args.batch < 1 or args.draft_len < 1 or args.budget < 5:
+        parser.error("--keep in (0, 1], --tokens >= 64, --batch >= 1, --draft-len >= 1, --budget >= 5")
+    rows = measure(args.tokens, args.batch, args.draft_len, args.keep, args.topk, args.repeats,
+                   budget=args.budget)
     for name, row in rows.items():
         print(f"[gpu_step] {name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in row.items()), file=sys.stderr)
