@@ -103,3 +103,30 @@ def test_decode_phase_is_the_span_outside_every_prefill_window():
     meta = {"forward_entry_time": 100.0, "prefill_finished_time": 100.5, "completion_tokens": 8}
     assert phases.RequestTimes.of(meta, 104.0) == phases.RequestTimes(100.0, 100.5, 104.0, 8)
     assert phases.RequestTimes.of({"completion_tokens": 8}, 104.0) is None
+
+
+def test_in_pool_config_flags_and_the_fits_regime():
+    cfg = tp.parse_config("inpool:reselect@256:6")
+    assert cfg["kind"] == "vericache" and cfg["budget"] == 256 and cfg["draft_tokens"] == 6
+    assert cfg["flags"] == ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget",
+                            "256", "--vc-draft-view", "reselect", "--speculative-num-draft-tokens", "6"]
+    assert tp.parse_config("vericache")["flags"] == ["--speculative-algorithm", "VERICACHE"]
+    for bad in ("inpool:window", "inpool:sparse@512", "inpool:window@x", "inpool:window@512:y"):
+        with pytest.raises(ValueError, match="inpool"):
+            tp.parse_config(bad)
+
+
+def test_in_pool_prediction_refits_the_policy_costs_from_the_trace():
+    """Iterations timed by fixed 50 ms + 2 ms a token + 10 us a row: the trace's fit finds
+    those costs, and the prediction is perf_model's in-pool speedup at them."""
+    from sglang_vc.vericache.perf_model import RowCosts, in_pool_speedup
+
+    timed = [{"forward_s": 0.05 + 0.002 * t + 1e-5 * r, "regressors": [t, r, 0]}
+             for t, r in [(8, 5000 + 900 * i) if i % 2 else (12 + i % 3, 9000 + 700 * i) for i in range(12)]]
+    costs = tp._row_costs(timed)
+    assert (costs["fixed"], costs["token"], costs["row"]) == pytest.approx((0.05, 0.002, 1e-5), rel=1e-5)
+    row = {"config": "c", "trace": {"row_costs": costs}, "mode_iterations": {"in-pool": 40},
+           "mean_acceptance_length": 3.0, "requests": 8, "draft_tokens": 4}
+    pred = tp.in_pool_predictions([row], {"c": {"budget": 256}}, ctx_tokens=4224, prompt_tokens=4096)
+    assert pred["c"]["ratio_to_full"] == pytest.approx(in_pool_speedup(RowCosts(0.05, 0.002, 1e-5), 3.0, 4160, 8, 4, 256),
+                                                       rel=1e-4)

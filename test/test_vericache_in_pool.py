@@ -96,6 +96,47 @@ def test_draft_view_launches_and_syncs_do_not_grow_with_the_batch():
     assert counts[2] == counts[8], counts
 
 
+def test_reselected_view_is_sinks_selection_and_recent_rows_per_head():
+    """Head 0 and 1 keep their own selected positions (below the recent window: nothing
+    twice); a request without a selection yet gets the window view (recent = budget -
+    sinks); a request within its budget sees everything."""
+    selected = torch.tensor([[[10, 5], [7, 12]], [[0, 0], [0, 0]], [[0, 0], [0, 0]]])
+    pos, valid = draft_view.reselect_positions(torch.tensor([30, 30, 5]), selected, torch.tensor([2, 0, 0]),
+                                               torch.tensor([3, 8, 3]), 8, sinks=2)
+    seen = [[sorted(p for p, ok in zip(pos[i, h].tolist(), valid[i, h].tolist()) if ok) for h in range(2)]
+            for i in range(3)]
+    assert seen[0] == [[0, 1, 5, 10, 27, 28, 29], [0, 1, 7, 12, 27, 28, 29]]
+    assert seen[1] == [[0, 1, *range(22, 30)]] * 2  # the window view: 2 sinks + the last 8
+    assert seen[2] == [list(range(5))] * 2  # 5 <= 2 sinks + 3 recent: everything
+
+
+def test_selection_takes_the_rows_the_verify_attends_most():
+    """Two KV heads, two query heads each, two verify queries: head 0's queries point at
+    candidate rows 3 and 6, head 1's at row 1; the selection returns their positions."""
+    d = 4
+    k_rows = torch.zeros(8, 2, d)
+    k_rows[3, 0, 0] = k_rows[6, 0, 0] = 5.0
+    k_rows[1, 1, 1] = 5.0
+    q = torch.zeros(2, 4, d)
+    q[:, :2, 0] = 1.0  # query heads 0-1: KV head 0
+    q[:, 2:, 1] = 1.0  # query heads 2-3: KV head 1
+    top = draft_view.select_positions(q, k_rows, first=100, count=2, scale=1.0)
+    assert sorted(top[0].tolist()) == [103, 106] and top[1, 0].item() == 101
+
+
+def test_per_head_view_attention_equals_each_heads_own_rows():
+    torch.manual_seed(1)
+    k_buf, v_buf = torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    slots = torch.tensor([[[1, 2, 3, 0], [4, 5, 6, 7]]])  # one request, head 0 sees 3 rows (last masked)
+    valid = torch.tensor([[[True, True, True, False], [True, True, True, True]]])
+    q = torch.randn(1, 4, 8)
+    out = draft_view.attend_view(q, k_buf, v_buf, slots, valid, scale=0.5)
+    for h, rows in ((0, [1, 2, 3]), (1, [4, 5, 6, 7])):
+        for qh in (2 * h, 2 * h + 1):
+            w = torch.softmax(k_buf[rows, h] @ q[0, qh] * 0.5, dim=0)
+            assert torch.allclose(out[0, qh], w @ v_buf[rows, h], atol=1e-5)
+
+
 @pytest.mark.parametrize("text, tokens, ratio", [("512", 512, None), ("0.125", None, 0.125)])
 def test_draft_budget_takes_tokens_or_a_ratio(text, tokens, ratio):
     b = draft_view.DraftBudget.parse(text)
@@ -176,22 +217,35 @@ NEW = 24
 BUDGET = 64  # a request of 40 + 24 tokens fits it: it decodes full KV
 
 
+_SERVERS: dict = {}
+
+
 @pytest.fixture(scope="module")
-def vc_in_pool(tmp_path_factory):
+def vc_in_pool_servers():
+    yield _SERVERS
+    for proc in _SERVERS.values():
+        proc.stop()
+    _SERVERS.clear()
+
+
+def _vc_in_pool(tmp_path_factory, view: str):
+    if view not in _SERVERS:
+        _SERVERS[view] = _in_pool_server(tmp_path_factory, view)
+    return _SERVERS[view]
+
+
+def _in_pool_server(tmp_path_factory, view: str):
     """A pool that holds two 600-token requests at full KV: requests with room stay
     resident, later ones are compressed (offload). ``--vc-in-pool always``: a resident
     request longer than the budget drafts in place whatever the cost fit says (the fit's
     choice is the policy's test above; the default server's is the throughput bench's)."""
-    folder = tmp_path_factory.mktemp("vericache_in_pool")
-    proc = ServerProcess(
+    folder = tmp_path_factory.mktemp(f"vericache_in_pool_{view}")
+    return ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", str(2 * (600 + NEW) + 64), "--enable-metrics",
          "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
          "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25", "--vc-in-pool", "always",
-         "--vc-draft-budget", str(BUDGET),
-         "--skip-server-warmup"],
+         "--vc-draft-budget", str(BUDGET), "--vc-draft-view", view, "--skip-server-warmup"],
         log_path=folder / "server.log")
-    yield proc
-    proc.stop()
 
 
 def _prompts(tokenizer, lengths) -> list[list[int]]:
@@ -213,14 +267,17 @@ def _counters(proc) -> dict:
     return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"].get("vericache", {})
 
 
-@pytest.mark.parametrize("order", ["long-first", "short-first"])
-def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, vc_in_pool,
-                                                                      order):
+@pytest.mark.parametrize("view, order", [("window", "long-first"), ("window", "short-first"),
+                                         ("reselect", "long-first")])
+def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, tmp_path_factory,
+                                                                      vc_in_pool_servers, view, order):
     """A 600-token request alone has room: it drafts in place (its reply says in-pool and
     why). While it decodes, two more 600-token requests arrive: the pool cannot hold them
     at full KV, so they are compressed and draft from the compressed KV (offload), and a
     40-token one decodes from full KV (it fits the draft budget). Every output equals the plain
-    server's, token for token, and drafts were rejected somewhere."""
+    server's, token for token, and drafts were rejected somewhere. With the re-selected
+    view, its verifies re-selected the view."""
+    vc_in_pool = _vc_in_pool(tmp_path_factory, view)
     first, *rest = _prompts(tokenizer, (600, 600, 600, 40))
     rest = rest if order == "long-first" else rest[::-1]
     before = _counters(vc_in_pool)
@@ -248,6 +305,7 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert grew["mode_iterations_in_pool"] > 0 and grew["mode_iterations_offload"] > 0, grew
     assert grew["in_pool_draft_rows"] > 0, grew
+    assert (grew.get("in_pool_reselections", 0) > 0) is (view == "reselect"), grew
 
 
 @pytest.mark.slow  # two more servers; the default suite covers never's behaviour through

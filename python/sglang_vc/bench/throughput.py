@@ -57,12 +57,14 @@ def parse_config(spec: str) -> dict:
     if kind == "vericache" and not rest:  # the default flags: the mode policy decides
         return {"name": "vericache", "kind": "vericache", "compressor": None, "kept": None, "draft_tokens": None,
                 "flags": ["--speculative-algorithm", "VERICACHE"]}
-    if kind == "inpool":  # forced in-pool self-speculation over a view: inpool:window@B[:X|:auto]
+    if kind == "inpool":  # forced in-pool self-speculation over a view: inpool:VIEW@B[:X|:auto]
         view, _, budget = rest.partition("@")
         budget, _, x = budget.partition(":")
-        if view != "window" or not budget.isdigit() or (x and x != "auto" and not x.isdigit()):
-            raise ValueError(f"bad config {spec!r}: want inpool:window@BUDGET[:X|:auto], e.g. inpool:window@512")
-        flags = ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget", budget]
+        if view not in ("window", "reselect") or not budget.isdigit() or (x and x != "auto" and not x.isdigit()):
+            raise ValueError(f"bad config {spec!r}: want inpool:window|reselect@BUDGET[:X|:auto], "
+                             "e.g. inpool:window@512")
+        flags = ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget", budget,
+                 "--vc-draft-view", view]
         if x and x != "auto":
             flags += ["--speculative-num-draft-tokens", x]
         return {"name": spec, "kind": "vericache", "compressor": None, "kept": None, "budget": int(budget),
@@ -387,7 +389,7 @@ LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:s
 LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:auto", "staggered")
 # --long --fits: the pool holds every request's full KV (full_kv_batch = requests); prompts as
 # long as the model's context allows with the new tokens (0: from the model's config)
-FITS_CONFIGS = "full,vericache,inpool:window@512"
+FITS_CONFIGS = "full,vericache,inpool:window@512,inpool:reselect@512"
 LONG_FITS = Mode(8, 0, 128, 8, FITS_CONFIGS, "staggered")
 LONG_FITS_QUICK = Mode(8, 4096, 128, 8, FITS_CONFIGS, "staggered")
 

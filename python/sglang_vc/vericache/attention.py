@@ -81,6 +81,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
         in_pool = sorted(self.in_pool.budgets) if self.in_pool is not None else []
+        if any(lens[i] < 2 for i in (self.in_pool.verifiers if self.in_pool is not None else ())):
+            raise RuntimeError("VERICACHE: an in-pool verify forwards its drafts")
         if any(lens[i] > 1 or entries[i] is not None or i in unstaged for i in in_pool):
             raise RuntimeError("VERICACHE: an in-pool draft forwards one token over its own full rows")
         exact = [i for i, e in enumerate(entries) if e is None and i not in unstaged and i not in self.in_pool_set]
@@ -116,6 +118,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                              slots, positions, indptr, rows, sorted(unstaged), views)
 
     in_pool: "Optional[InPoolDrafts]" = None  # set by the worker around a forward
+    # the re-selected view's positions per request: rid -> [layers, Hkv, K], from its last verify
+    selections: "Optional[dict[str, torch.Tensor]]" = None
 
     @property
     def in_pool_set(self) -> frozenset:
@@ -125,15 +129,32 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         """The in-pool drafters' sparse views over their own pool rows: index lists
         ``[n, width]`` built on the device once for every layer (:mod:`.draft_view`)."""
         dev = forward_batch.seq_lens.device
+        ip = self.in_pool
         idx = torch.tensor(in_pool, dtype=torch.int64).to(dev)
-        budgets = torch.tensor([self.in_pool.budgets[i] for i in in_pool], dtype=torch.int64).to(dev)
-        width = max(self.in_pool.budgets[i] for i in in_pool)
+        q_rows = torch.tensor([offsets[i] for i in in_pool], dtype=torch.int64).to(dev)
         # a draft query sits at position seq_len (its own KV written there first)
         lengths = forward_batch.seq_lens[idx].to(torch.int64) + 1
-        slots, valid = draft_view.view_slots(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices[idx],
-                                             lengths, budgets, width)
+        rows = forward_batch.req_pool_indices[idx]
+        if ip.view is draft_view.View.RESELECT:
+            # per request: its last verify's selection, or (none yet) the window view
+            sels = [(self.selections or {}).get(ip.rids[i]) for i in in_pool]
+            k_max = max([s.shape[-1] for s in sels if s is not None], default=0)
+            layers, heads = self.runtime.kv_pool.layer_num, self.token_to_kv_pool.head_num
+            selected = torch.zeros(len(in_pool), layers, heads, k_max, dtype=torch.int64, device=dev)
+            n_sel, recent = [], []
+            for b, (i, sel) in enumerate(zip(in_pool, sels)):
+                if sel is not None:
+                    selected[b, :, :, : sel.shape[-1]] = sel
+                n_sel.append(0 if sel is None else sel.shape[-1])
+                recent.append(ip.budgets[i] - draft_view.SINKS if sel is None else ip.recent[i])
+            stats.add("vericache", in_pool_draft_rows=sum(draft_view.SINKS + a + b for a, b in zip(n_sel, recent)))
+            return InPoolViews(q_rows, None, None, lengths, rows, selected,
+                               torch.tensor(n_sel).to(dev), torch.tensor(recent).to(dev), max(recent))
+        budgets = torch.tensor([ip.budgets[i] for i in in_pool], dtype=torch.int64).to(dev)
+        width = max(ip.budgets[i] for i in in_pool)
+        slots, valid = draft_view.view_slots(self.req_to_token_pool.req_to_token, rows, lengths, budgets, width)
         stats.add("vericache", in_pool_draft_rows=len(in_pool) * width)
-        return InPoolViews(torch.tensor([offsets[i] for i in in_pool], dtype=torch.int64).to(dev), slots, valid)
+        return InPoolViews(q_rows, slots, valid)
 
     def _full_kv_backend(self):
         """SGLang's backend for full KV (``torch_native``: this class's own base)."""
@@ -201,8 +222,16 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if vf.in_pool is not None:  # in-pool drafters: their sparse views, one call for all
             iv = vf.in_pool
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[iv.q_rows]
-            out = draft_view.attend_view(q_, k_buf, v_buf, iv.slots, iv.valid, layer.scaling)
+            slots, valid = iv.slots, iv.valid
+            if slots is None:  # the re-selected view: this layer's positions per KV head
+                pos, valid = draft_view.reselect_positions(
+                    iv.lengths, iv.selected[:, lid - self.runtime.kv_pool.start_layer], iv.n_selected, iv.recent,
+                    iv.recent_width)
+                slots = self.req_to_token_pool.req_to_token[iv.rows.to(torch.int64)[:, None, None], pos].to(torch.int64)
+            out = draft_view.attend_view(q_, k_buf, v_buf, slots, valid, layer.scaling)
             o[iv.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
+        if self.in_pool is not None and self.in_pool.verifiers:
+            self._reselect(q, layer, vf, k_buf)
         if vf.draft_index is not None:  # the Triton path: one launch for every drafter
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[vf.draft_index.q_rows]
             out = self.paged_decode(q_, layer, vf.draft_index.index, [vf.entries[i] for i in vf.drafting])
@@ -218,6 +247,33 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if self.runtime.batch is not None:
             self._after_layer(layer)
         return o
+
+    def _reselect(self, q, layer, vf, k_buf) -> None:
+        """The re-selected view (SparseSpec's PillarAttn): each in-pool verifier's queries
+        score the rows below its recent window (:func:`.draft_view.select_positions`); the
+        top ones are its next drafts' view at this layer. Per verifying request (about
+        B / (X + 1) of the batch an iteration); on a GPU this belongs in the verify's
+        attention kernel (not built)."""
+        lid = layer.layer_id
+        layer_idx = lid - self.runtime.kv_pool.start_layer
+        req_to_token = self.req_to_token_pool.req_to_token
+        if self.selections is None:
+            self.selections = {}
+        for i, (rid, count, recent) in self.in_pool.verifiers.items():
+            first, last = draft_view.SINKS, vf.starts[i] - recent
+            if last - first < count:
+                continue  # too short to leave anything out: the window view serves it
+            lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
+            k_rows = k_buf[req_to_token[vf.rows[i], first:last].to(torch.int64)]
+            top = draft_view.select_positions(q[lo:hi].reshape(hi - lo, layer.tp_q_head_num, layer.qk_head_dim),
+                                              k_rows, first, count, layer.scaling)
+            sel = self.selections.get(rid)
+            if sel is None or sel.shape[-1] != count:
+                sel = self.selections[rid] = torch.zeros(self.runtime.kv_pool.layer_num, *top.shape,
+                                                         dtype=torch.int64, device=top.device)
+            sel[layer_idx] = top
+            if layer_idx == 0:
+                stats.add("vericache", in_pool_reselections=1)
 
     def _verify_outside_pool(self, q, layer, row: int, committed: int, w: int, span, k_buf, v_buf):
         """A verifier whose full KV the pool had no room for: its row's rows with the
@@ -281,6 +337,11 @@ class InPoolDrafts:
     """Which requests of the next forward draft in place, and each one's budget (rows)."""
 
     budgets: dict  # request index in the forward -> budget
+    view: "draft_view.View" = draft_view.View.WINDOW
+    rids: dict = dataclasses.field(default_factory=dict)  # drafter index -> rid (re-selected view)
+    recent: dict = dataclasses.field(default_factory=dict)  # drafter index -> recent rows (re-selected view)
+    # in-pool verifiers whose verify re-selects their view: index -> (rid, selected rows, recent rows)
+    verifiers: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -288,8 +349,15 @@ class InPoolViews:
     """The in-pool drafters' views, built once per forward on the device."""
 
     q_rows: torch.Tensor  # [n] their query rows in the forward
-    slots: torch.Tensor  # [n, width] pool slots of each view
-    valid: torch.Tensor  # [n, width]
+    slots: Optional[torch.Tensor]  # [n, width] pool slots of each view (window view), or:
+    valid: Optional[torch.Tensor]  # [n, width]
+    # the re-selected view, whose positions differ per layer and KV head
+    lengths: Optional[torch.Tensor] = None  # [n] attendable positions
+    rows: Optional[torch.Tensor] = None  # [n] req_pool_idx
+    selected: Optional[torch.Tensor] = None  # [n, layers, Hkv, K]
+    n_selected: Optional[torch.Tensor] = None  # [n]
+    recent: Optional[torch.Tensor] = None  # [n]
+    recent_width: int = 0
 
 
 @dataclasses.dataclass

@@ -6,12 +6,13 @@ SGLang way (``--speculative-algorithm VERICACHE --speculative-num-draft-tokens X
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 from typing import Optional
 
 from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 
-from .draft_view import DEFAULT_BUDGET, DraftBudget
+from .draft_view import DEFAULT_BUDGET, DraftBudget, View
 from .names import ALGORITHM, ATTENTION_BACKEND
 from .remote_stream import RemotePath
 
@@ -85,6 +86,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_BUDGET}) or a ratio in (0, 1) of the request's length.",
     )
     g.add_argument(
+        "--vc-draft-view",
+        choices=[v.value for v in View],
+        default=View.WINDOW.value,
+        help="VERICACHE in-pool drafting: 'window' (default) attends the sinks and the most "
+        "recent rows; 'reselect' (SparseSpec's PillarAttn) keeps a quarter of the budget "
+        "recent and fills the rest, per layer and KV head, with the rows the last verify "
+        "attended most.",
+    )
+    g.add_argument(
         "--vc-schedule-trace",
         default=None,
         metavar="PATH",
@@ -145,7 +155,7 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
     except ValueError as exc:
         raise ConfigError(str(exc))
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
-            "in_pool": args.vc_in_pool, "draft_budget": str(args.vc_draft_budget),
+            "in_pool": args.vc_in_pool, "draft_budget": str(args.vc_draft_budget), "draft_view": args.vc_draft_view,
             "compress_when": args.vc_compress_when, "remote_verifier": url,
             "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path,
             "tiering_drafts": int(args.vc_tiering_drafts)}
@@ -176,7 +186,8 @@ def in_pool(settings: Optional[dict]) -> InPool:
 
 
 def draft_budget(settings: Optional[dict]) -> DraftBudget:
-    return DraftBudget.parse((settings or {}).get("draft_budget") or str(DEFAULT_BUDGET))
+    budget = DraftBudget.parse((settings or {}).get("draft_budget") or str(DEFAULT_BUDGET))
+    return dataclasses.replace(budget, view=View((settings or {}).get("draft_view") or View.WINDOW.value))
 
 
 def settings_of(server_args) -> Optional[dict]:

@@ -75,6 +75,7 @@ from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .staging import PoolStaging, staged_layers
 from .attention import InPoolDrafts
+from .draft_view import View
 from .policy import Decision, IterationRows, Mode, ModePolicy
 from .sampling import greedy_verify_ids
 from .scheduler import ReloadScheduler
@@ -195,6 +196,9 @@ class VeriCacheWorker(ChainSpecWorker):
             del self.per_request[rid]
         for rid in [r for r in self.modes if r not in live]:
             del self.modes[rid]
+        selections = self.model_runner.attn_backend.selections
+        for rid in [r for r in (selections or {}) if r not in live]:
+            del selections[rid]
         self.drafter.forget(live)
         self.draft_length.forget(live)
         return result
@@ -484,6 +488,7 @@ class VeriCacheWorker(ChainSpecWorker):
             # in-pool drafters attend a sparse view of their own rows (:mod:`.draft_view`)
             in_pool = {k: self.budget.rows(s.track.committed) for k, s in enumerate(part)
                        if s.role is Role.DRAFT and self._in_pool(s.track)}
+            in_pool_drafts = self._in_pool_drafts(part, in_pool)
             rows_read = sum(min(in_pool[k], st + 1) if k in in_pool else st + n
                             for k, (s, st, n) in enumerate(zip(part, starts, lens))
                             if k in in_pool or self.runtime.entry_for_row(s.track.row) is None)
@@ -501,7 +506,7 @@ class VeriCacheWorker(ChainSpecWorker):
             sub = self.sub_batch(batch, idx)
             try:
                 self._verify_forward_with(staging)
-                self.model_runner.attn_backend.in_pool = InPoolDrafts(in_pool) if in_pool else None
+                self.model_runner.attn_backend.in_pool = in_pool_drafts
                 logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
                                           slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
             finally:
@@ -545,6 +550,22 @@ class VeriCacheWorker(ChainSpecWorker):
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
         return plan, self.result(batch, accept_tokens, accept_lens), outcome, reloaded, phases
+
+    def _in_pool_drafts(self, part, in_pool: dict) -> Optional[InPoolDrafts]:
+        """What the attention backend needs of this forward's in-pool requests: the
+        drafters' budgets and, for the re-selected view, their ids and the verifiers that
+        re-select (:mod:`.draft_view`)."""
+        if self.budget.view is not View.RESELECT:
+            return InPoolDrafts(in_pool) if in_pool else None
+        verifiers = {}
+        for k, s in enumerate(part):
+            if s.role is Role.VERIFY and self._in_pool(s.track):
+                count, recent = self.budget.split(s.track.committed)
+                verifiers[k] = (s.track.rid, count, recent)
+        if not in_pool and not verifiers:
+            return None
+        return InPoolDrafts(in_pool, View.RESELECT, {k: part[k].track.rid for k in in_pool},
+                            {k: self.budget.split(part[k].track.committed)[1] for k in in_pool}, verifiers)
 
     def _in_pool(self, track) -> bool:
         decision = self.modes.get(track.rid)
