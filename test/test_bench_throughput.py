@@ -121,12 +121,14 @@ def test_in_pool_prediction_refits_the_policy_costs_from_the_trace():
     those costs, and the prediction is perf_model's in-pool speedup at them."""
     from sglang_vc.vericache.perf_model import RowCosts, in_pool_speedup
 
-    timed = [{"forward_s": 0.05 + 0.002 * t + 1e-5 * r, "regressors": [t, r, 0]}
-             for t, r in [(8, 5000 + 900 * i) if i % 2 else (12 + i % 3, 9000 + 700 * i) for i in range(12)]]
+    timed = [{"forward_s": 0.05 + 0.002 * t + 1e-5 * r + 1e-6 * qr, "regressors": [t, r, qr, 0]}
+             for t, r, qr in [(8, 5000 + 900 * i, 7000 + 500 * i * i) if i % 2 else (12 + i % 3, 9000 + 700 * i, 30000 - i)
+                              for i in range(12)]]
     costs = tp._row_costs(timed)
-    assert (costs["fixed"], costs["token"], costs["row"]) == pytest.approx((0.05, 0.002, 1e-5), rel=1e-5)
+    assert (costs["fixed"], costs["token"], costs["row"], costs["query_row"]) == pytest.approx(
+        (0.05, 0.002, 1e-5, 1e-6), rel=1e-5)
     row = {"config": "c", "trace": {"row_costs": costs}, "mode_iterations": {"in-pool": 40},
            "mean_acceptance_length": 3.0, "requests": 8, "draft_tokens": 4}
     pred = tp.in_pool_predictions([row], {"c": {"budget": 256}}, ctx_tokens=4224, prompt_tokens=4096)
-    assert pred["c"]["ratio_to_full"] == pytest.approx(in_pool_speedup(RowCosts(0.05, 0.002, 1e-5), 3.0, 4160, 8, 4, 256),
+    assert pred["c"]["ratio_to_full"] == pytest.approx(in_pool_speedup(RowCosts(0.05, 0.002, 1e-5, 1e-6), 3.0, 4160, 8, 4, 256),
                                                        rel=1e-4)

@@ -177,7 +177,8 @@ def _curve(drafts: int, accepted: int, n: int = 10) -> AcceptanceCurve:
 def _fed(policy: ModePolicy, fixed: float, row: float) -> ModePolicy:
     """Iterations timed by a known cost model (token 1 ms)."""
     for i in range(2 * MIN_ITERATIONS):
-        it = IterationRows(tokens=8 + i % 5, rows=2000 * (1 + i % 7), offload_drafts=0)
+        it = IterationRows(tokens=8 + i % 5, rows=2000 * (1 + i % 7), query_rows=2000 * (1 + i % 7) * (1 + i % 4),
+                           offload_drafts=0)
         policy.record(fixed + 0.001 * it.tokens + row * it.rows, it)
     return policy
 

@@ -250,7 +250,7 @@ def trace_summary(records: list[dict]) -> dict:
                      "verify_tokens": sum((r["verified_drafts"] or 0) + 1 for r in rec["requests"]
                                           if r["role"] == "verify"),
                      "forward_s": rec.get("phases", {}).get("forward_s"),
-                     "regressors": [rec.get("phases", {}).get(k) for k in ("tokens", "rows", "offload_drafts")]})
+                     "regressors": [rec.get("phases", {}).get(k) for k in ("tokens", "rows", "query_rows", "offload_drafts")]})
     busy = [r for r in rows if r["verifies"] + r["drafting"] + r["full"] > 0]
 
     def ratio(num, den):
@@ -280,7 +280,8 @@ def trace_summary(records: list[dict]) -> dict:
 
 def _row_costs(timed: list[dict]):
     """The mode policy's fit (:class:`sglang_vc.vericache.policy.ModePolicy`) over the
-    run's iterations: seconds = fixed + token * query tokens + row * KV rows read
+    run's iterations: seconds = fixed + token * query tokens + row * KV rows read + query_row
+    * (queries x rows)
     + offload draft * offload drafters; None without the regressors."""
     from sglang_vc.vericache.draft_length import nonnegative_fit
 
@@ -290,7 +291,7 @@ def _row_costs(timed: list[dict]):
     terms = nonnegative_fit([r["forward_s"] for r in usable], [tuple(r["regressors"]) for r in usable])
     if terms is None:
         return None
-    return dict(zip(("fixed", "token", "row", "offload_draft"), terms), fit_iterations=len(usable))
+    return dict(zip(("fixed", "token", "row", "query_row", "offload_draft"), terms), fit_iterations=len(usable))
 
 
 def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:
@@ -417,7 +418,7 @@ def in_pool_predictions(rows: list[dict], cfgs: dict, ctx_tokens: int, prompt_to
             continue
         budget = cfgs[row["config"]].get("budget") or DEFAULT_BUDGET
         length = (prompt_tokens + ctx_tokens) // 2
-        rc = RowCosts(costs["fixed"], costs["token"], costs["row"])
+        rc = RowCosts(costs["fixed"], costs["token"], costs["row"], costs["query_row"])
         out[row["config"]] = {
             "ratio_to_full": in_pool_speedup(rc, row["mean_acceptance_length"], length, row["requests"],
                                              row["draft_tokens"], budget),

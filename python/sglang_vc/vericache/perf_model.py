@@ -352,17 +352,20 @@ class RowCosts:
     ``fixed`` is paid once per iteration (the weights read, launches), ``token`` per
     forwarded query token (the linear layers' compute), ``row`` per KV row a request's
     attention reads (once per request: a verify of ``x + 1`` tokens reads its rows once,
-    so it costs about one full-KV step plus ``x`` tokens)."""
+    so on a GPU it costs about one full-KV step plus ``x`` tokens), ``query_row`` per
+    query and row (the scores' compute: what makes a verify dearer than a decode step
+    where attention is not purely memory-bound, as on a CPU)."""
 
     fixed: float
     token: float
     row: float
+    query_row: float = 0.0
 
 
 def full_kv_token_time(costs: RowCosts, length: int, batch: int) -> float:
     """Seconds per token of full-KV decoding for a request of ``length`` tokens, its
     share of the iteration's fixed cost included."""
-    return costs.fixed / max(1, batch) + costs.token + costs.row * length
+    return costs.fixed / max(1, batch) + costs.token + (costs.row + costs.query_row) * length
 
 
 def in_pool_cycle_time(costs: RowCosts, length: int, batch: int, draft_len: int, budget: int) -> float:
@@ -370,8 +373,9 @@ def in_pool_cycle_time(costs: RowCosts, length: int, batch: int, draft_len: int,
     length)`` rows, then a verify of ``x + 1`` tokens over all ``length`` rows, each of the
     ``x + 1`` iterations carrying its share of the fixed cost."""
     x = draft_len
-    return ((x + 1) * costs.fixed / max(1, batch) + x * (costs.token + costs.row * min(budget, length))
-            + (x + 1) * costs.token + costs.row * length)
+    view = min(budget, length)
+    return ((x + 1) * costs.fixed / max(1, batch) + x * (costs.token + (costs.row + costs.query_row) * view)
+            + (x + 1) * costs.token + (costs.row + (x + 1) * costs.query_row) * length)
 
 
 def in_pool_speedup(costs: RowCosts, acceptance: float, length: int, batch: int, draft_len: int,

@@ -52,6 +52,7 @@ class IterationRows:
 
     tokens: int  # query tokens
     rows: int  # KV rows attended, once per request (full, verifying, in-pool drafting)
+    query_rows: int  # the same, times the request's queries (a verify's x + 1 score every row)
     offload_drafts: int  # drafters over compressed KV (their own term: bytes differ by method)
 
 
@@ -66,13 +67,13 @@ class ModePolicy:
         self.history: collections.deque = collections.deque(maxlen=COST_WINDOW)
 
     def record(self, seconds: float, it: IterationRows) -> None:
-        self.history.append((seconds, it.tokens, it.rows, it.offload_drafts))
+        self.history.append((seconds, it.tokens, it.rows, it.query_rows, it.offload_drafts))
 
     def costs(self) -> Optional[RowCosts]:
         if len(self.history) < MIN_ITERATIONS:
             return None
         terms = nonnegative_fit([h[0] for h in self.history], [h[1:] for h in self.history])
-        return None if terms is None else RowCosts(*terms[:3])
+        return None if terms is None else RowCosts(*terms[:4])
 
     def decide(self, length: int, batch: int, curve: AcceptanceCurve) -> Decision:
         budget = self.budget_rows(length)

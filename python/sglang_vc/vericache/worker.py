@@ -492,6 +492,11 @@ class VeriCacheWorker(ChainSpecWorker):
             rows_read = sum(min(in_pool[k], st + 1) if k in in_pool else st + n
                             for k, (s, st, n) in enumerate(zip(part, starts, lens))
                             if k in in_pool or self.runtime.entry_for_row(s.track.row) is None)
+            # query x row products: a verify's queries each score every row (on this CPU the
+            # extend path's compute grows with them)
+            query_rows = sum(min(in_pool[k], st + 1) if k in in_pool else n * (st + n)
+                             for k, (s, st, n) in enumerate(zip(part, starts, lens))
+                             if k in in_pool or self.runtime.entry_for_row(s.track.row) is None)
             offload_drafts = sum(1 for k, s in enumerate(part) if s.role is Role.DRAFT and k not in in_pool)
             q_req = torch.arange(len(part)).repeat_interleave(torch.tensor(lens))
             pos_t = torch.tensor(positions, dtype=torch.int64)
@@ -541,11 +546,11 @@ class VeriCacheWorker(ChainSpecWorker):
         phases["forward_s"] = time.perf_counter() - mark
         phases["forwards"] = self.forwards - forwards
         if part:  # the mode policy's regressors (bench.throughput refits them from the trace)
-            phases.update(tokens=len(ids), rows=rows_read, offload_drafts=offload_drafts)
+            phases.update(tokens=len(ids), rows=rows_read, query_rows=query_rows, offload_drafts=offload_drafts)
         if part:
             self.draft_length.record_iteration(phases["forward_s"], len(drafters), len(full), verify_tokens,
                                                len(verifiers))
-            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, offload_drafts))
+            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, query_rows, offload_drafts))
         self._count_modes(plan)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
