@@ -239,7 +239,7 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
     """One view on one prompt: a result row with the compressors' fields (see the module
     docstring for the definitions). ``lp_ref[t]``: the full model's log-probs of step ``t``
     run the same way (one teacher-forced forward)."""
-    from .fidelity_run import _cumsum, _kl
+    from .fidelity_run import _cumsum, kl_along
     from .lossy_hf import build_cache
 
     T, y = ctx.T, ctx.y
@@ -267,12 +267,7 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
         rows = list(sess.forward(build_cache(ctx.prompt_base, T, first_view), y[: n_new - 1]).unbind(0))
     finally:
         release()
-    kls = [0.0]
-    first_div = None
-    for t, lg in enumerate(rows, start=1):
-        kls.append(_kl(lp_ref[t], torch.log_softmax(lg.double(), -1)))
-        if first_div is None and int(lg.argmax()) != y[t]:
-            first_div = t
+    kls, first_div = kl_along(rows, lp_ref, y)
     del rows
     tf_s = time.perf_counter() - t0
 

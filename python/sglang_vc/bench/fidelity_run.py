@@ -60,7 +60,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .draft_views import VIEW_KINDS, ViewContext, ViewSpec, evaluate_view, parse_view
 
@@ -226,6 +226,20 @@ def _kl(lp_full, lp_lossy) -> float:
     return float((lp_full.exp() * (lp_full - lp_lossy)).sum())
 
 
+def kl_along(rows, lp_ref, y) -> tuple[list[float], Optional[int]]:
+    """Per-step KL of the lossy logits ``rows`` (step ``t`` at ``rows[t - 1]``) from the
+    full-KV log-probs ``lp_ref`` along the trajectory ``y``, from a 0 at step 0; and the
+    first step whose lossy argmax leaves it (None if none)."""
+    import torch
+
+    kl, first_div = [0.0], None
+    for t, lg in enumerate(rows, start=1):
+        kl.append(_kl(lp_ref[t], torch.log_softmax(lg.double(), -1)))
+        if first_div is None and int(lg.argmax()) != y[t]:
+            first_div = t
+    return kl, first_div
+
+
 def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec], n_new: int,
                draft_lengths: Sequence[int], *, snapkv_window: int = 32, kvzip_prompt: str = KVZIP_PROMPT,
                req_id: Any = 0, first_chunk: int = FIRST_CHUNK, specache: Sequence[Any] = (),
@@ -353,12 +367,7 @@ def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec],
             rows = list(sess.forward(c, y[: n_new - 1]).unbind(0))
             lp_ref = lp_chunk
         del c
-        kl = [0.0]
-        first_div = None
-        for t, lg in enumerate(rows, start=1):
-            kl.append(_kl(lp_ref[t], torch.log_softmax(lg.double(), -1)))
-            if first_div is None and int(lg.argmax()) != y[t]:
-                first_div = t
+        kl, first_div = kl_along(rows, lp_ref, y)
         del rows
         tf_s = time.perf_counter() - t0
 

@@ -65,15 +65,18 @@ class ModePolicy:
         self.default_x = fixed_x or min(default_x, max_x)  # X before A(x) is known
         self.forced = forced  # IN_POOL (--vc-in-pool always) or FULL (never); None: auto
         self.history: collections.deque = collections.deque(maxlen=COST_WINDOW)
+        self._costs: Optional[RowCosts] = None  # the fit of the history as it is (None: refit)
 
     def record(self, seconds: float, it: IterationRows) -> None:
         self.history.append((seconds, it.tokens, it.rows, it.query_rows, it.offload_drafts))
+        self._costs = None
 
     def costs(self) -> Optional[RowCosts]:
-        if len(self.history) < MIN_ITERATIONS:
-            return None
-        terms = nonnegative_fit([h[0] for h in self.history], [h[1:] for h in self.history])
-        return None if terms is None else RowCosts(*terms[:4])
+        """The costs fitted on the last ``COST_WINDOW`` iterations (once per iteration)."""
+        if self._costs is None and len(self.history) >= MIN_ITERATIONS:
+            terms = nonnegative_fit([h[0] for h in self.history], [h[1:] for h in self.history])
+            self._costs = None if terms is None else RowCosts(*terms[:4])
+        return self._costs
 
     def decide(self, length: int, batch: int, curve: AcceptanceCurve) -> Decision:
         budget = self.budget_rows(length)
