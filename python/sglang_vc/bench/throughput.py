@@ -454,7 +454,8 @@ def main(argv=None) -> int:
     parser.add_argument("--from-json", default=None,
                         help="with --predict-gpu: read the measured A(x) from this report, run nothing")
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--prompt-tokens", type=int, default=2048,
+                        help="0: as long as the model's context allows with the new tokens")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--full-kv-batch", type=int, default=4,
                         help="size the KV pool (--max-total-tokens) to hold this many full-KV requests")
@@ -491,8 +492,9 @@ def main(argv=None) -> int:
     schedules = [x for x in args.schedule.split(",") if x]
     if not schedules or any(x not in ("lockstep", "staggered") for x in schedules):
         parser.error("--schedule takes lockstep and/or staggered")
-    if min(args.requests, args.prompt_tokens, args.max_new_tokens, args.full_kv_batch) <= 0:
-        parser.error("--requests, --prompt-tokens, --max-new-tokens and --full-kv-batch must be positive")
+    # --prompt-tokens 0 (the --long --fits preset): as long as the model's context allows
+    if min(args.requests, args.max_new_tokens, args.full_kv_batch) <= 0 or args.prompt_tokens < 0:
+        parser.error("--requests, --max-new-tokens and --full-kv-batch must be positive, --prompt-tokens >= 0")
     if args.full_kv_batch >= args.requests and not args.fits:
         parser.error("--full-kv-batch must be below --requests (full KV must not batch them all)")
     try:
