@@ -309,6 +309,23 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     assert (grew.get("in_pool_reselections", 0) > 0) is (view == "reselect"), grew
 
 
+def test_a_request_at_the_end_of_the_context_stays_inside_its_row(server, model_dir, tokenizer, tmp_path):
+    """A decode round reserves 2X slots past the committed length (X = 32 when chosen from
+    data): a request whose prompt and new tokens end at the context length must not write
+    past its ``req_to_token`` row (it crashed the scheduler: SGLang's headroom was X + 4)."""
+    ids = _prompts(tokenizer, (490,))[0]  # 490 + 2 * 32 > 512 + 4 + 32: past the old row
+    with ServerProcess(["--dtype", "float32", "--context-length", "512", "--max-total-tokens", "4000",
+                        "--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget", "64",
+                        "--skip-server-warmup"], log_path=tmp_path / "server.log") as proc:
+        out = generate(proc, ids, 12)
+        assert requests.get(proc.url + "/health", timeout=30).status_code == 200
+    assert len(out["output_ids"]) == 12 and finish_type(out) == "length"
+    ref = generate(server, ids, 12)
+    assert out["output_ids"] == ref["output_ids"] or compare(greedy_reference(model_dir, ids, 12), out["output_ids"],
+                                                             finish_type(out)).identical
+    assert (out["meta_info"].get(META) or [{}])[-1].get("drafted", 0) > 0
+
+
 @pytest.mark.slow  # two more servers; the default suite covers never's behaviour through
 # test_vericache_serving::test_full_kv_until_memory_binds (auto's prior: nothing drafted)
 def test_in_pool_never_decodes_resident_requests_from_full_kv(server, model_dir, tokenizer, tmp_path_factory):

@@ -282,6 +282,24 @@ def _host_memory_budget_bytes(original, requested_bytes: int = 0, *, auto_size: 
         base.HICACHE_HOST_MEMORY_RESERVE_BYTES = saved
 
 
+def _row_headroom_for_chain_workers(result, *args, **kwargs):
+    """SGLang widens each ``req_to_token`` row beyond the context by ``4 + X`` only, while
+    a speculative decode round reserves ``2 * X`` slots past the committed length: the
+    project's chain workers (VERICACHE, VERICACHE_REMOTE, SPECACHE: up to 2X - 1 drafts
+    between verifies) would write past the row of a request within X tokens of the end of
+    the context (an IndexError on the CPU, an out-of-bounds write on a GPU). SGLang widens
+    the row to the reserve for its own page>1 and UNO paths only; no seam for ours."""
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_vc.speculative import PROJECT_ALGORITHMS
+
+    algorithm = get_spec().speculative_algorithm
+    if algorithm is not None and str(algorithm).upper() in PROJECT_ALGORITHMS:
+        return max(result, get_alloc_reserve_per_decode())
+    return None
+
+
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
                              out_cache_loc, batch_size):
     """Pure-torch ``assign_req_to_token_pool_func``: write the freshly allocated slots
@@ -392,6 +410,11 @@ def install() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         _switch_remote_requests_to_local,
         HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len",
+        _row_headroom_for_chain_workers,
+        HookType.AFTER,
     )
     HookRegistry.register(
         "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend",

@@ -23,11 +23,15 @@ def worker_cls_for(algorithm: str):
     return pkgutil.resolve_name(path) if path else None
 
 
+PROJECT_ALGORITHMS: set[str] = set()  # the names registered below
+
+
 def register_algorithm(name: str, attention_backend: Optional[str], create_backend: Optional[Callable],
                        validate_server_args: Callable, handle_server_args: Callable) -> None:
     """Register algorithm ``name`` (synchronous, no overlap schedule) and the attention
     backend its worker forwards with (None: SGLang's own), unless already registered.
     The worker class is imported only when SGLang builds it."""
+    PROJECT_ALGORITHMS.add(name.upper())
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
