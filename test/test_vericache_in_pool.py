@@ -268,8 +268,10 @@ def _counters(proc) -> dict:
     return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"].get("vericache", {})
 
 
-@pytest.mark.parametrize("view, order", [("window", "long-first"), ("window", "short-first"),
-                                         ("reselect", "long-first")])
+@pytest.mark.parametrize("view, order", [
+    ("window", "long-first"),
+    pytest.param("window", "short-first", marks=pytest.mark.slow),  # the 15-min default budget
+    ("reselect", "long-first")])
 def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, tmp_path_factory,
                                                                       vc_in_pool_servers, view, order):
     """A 600-token request alone has room: it drafts in place (its reply says in-pool and
