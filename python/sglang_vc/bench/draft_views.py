@@ -239,7 +239,7 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
     """One view on one prompt: a result row with the compressors' fields (see the module
     docstring for the definitions). ``lp_ref[t]``: the full model's log-probs of step ``t``
     run the same way (one teacher-forced forward)."""
-    from .fidelity_run import _cumsum, kl_along
+    from .fidelity_metrics import _cumsum, kl_along
     from .lossy_hf import build_cache
 
     T, y = ctx.T, ctx.y

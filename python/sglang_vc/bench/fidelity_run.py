@@ -60,9 +60,10 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from .draft_views import VIEW_KINDS, ViewContext, ViewSpec, evaluate_view, parse_view
+from .fidelity_metrics import _cumsum, kl_along
 
 DEFAULT_RATIO = 0.25
 KVZIP_PROMPT = "\n\nRepeat the previous context:\n"
@@ -219,25 +220,6 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _kl(lp_full, lp_lossy) -> float:
-    """KL(p_full || p_lossy) in nats from float64 log-probabilities."""
-    return float((lp_full.exp() * (lp_full - lp_lossy)).sum())
-
-
-def kl_along(rows, lp_ref, y) -> tuple[list[float], Optional[int]]:
-    """Per-step KL of the lossy logits ``rows`` (step ``t`` at ``rows[t - 1]``) from the
-    full-KV log-probs ``lp_ref`` along the trajectory ``y``, from a 0 at step 0; and the
-    first step whose lossy argmax leaves it (None if none)."""
-    import torch
-
-    kl, first_div = [0.0], None
-    for t, lg in enumerate(rows, start=1):
-        kl.append(_kl(lp_ref[t], torch.log_softmax(lg.double(), -1)))
-        if first_div is None and int(lg.argmax()) != y[t]:
-            first_div = t
-    return kl, first_div
 
 
 def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec], n_new: int,
@@ -461,14 +443,6 @@ def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec],
                 + (f"  needle {r['needle_found']}" if "needle_found" in r else "")
                 + "  acc " + " ".join(f"x={x}:{al[str(x)]:.2f}" for x in sorted(xs)) + f"  ({r['seconds']:.1f}s)")
     return info, results
-
-
-def _cumsum(xs: Sequence[float]) -> list[float]:
-    out, s = [], 0.0
-    for x in xs:
-        s += x
-        out.append(s)
-    return out
 
 
 def aggregate(spec: CompressorSpec, per_prompt: list[dict], n_new: int) -> dict:
