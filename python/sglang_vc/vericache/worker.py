@@ -430,8 +430,9 @@ class VeriCacheWorker(ChainSpecWorker):
             if entry is not None:
                 entry.keep_full_rows = True  # see _decode_round
 
-        self._decide_modes(batch, row_list, committed.tolist())
-        plan = sched.plan([r.rid for r in batch.reqs], row_list, committed.tolist(),
+        committed_list = committed.tolist()  # a host tensor already (read once above): no device sync
+        self._decide_modes(batch, row_list, committed_list)
+        plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
                           lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]))
         for slot in plan.reloads_due:
             slot.track.reload = self._reload_one(slot.track)
