@@ -497,10 +497,6 @@ def test_failed_reload_and_full_host_store_keep_output_identical(server, model_d
 # What the verifier cannot apply as full-KV decoding does: each is refused with a 400
 # that names it (sglang_vc/vericache/requests.py).
 UNSUPPORTED = {
-    "frequency_penalty": ({"frequency_penalty": 0.5}, {}),
-    "presence_penalty": ({"presence_penalty": 0.5}, {}),
-    "repetition_penalty": ({"repetition_penalty": 1.2}, {}),
-    "min_new_tokens": ({"min_new_tokens": 1}, {}),
     "json_schema": ({"json_schema": '{"type": "object"}'}, {}),
     "regex": ({"regex": "[a-z]+"}, {}),
     "ebnf": ({"ebnf": 'root ::= "a"'}, {}),
@@ -516,7 +512,7 @@ def test_unsupported_parameter_is_http_400(server, vc4, name):
     r = requests.post(vc4.url + "/generate", json=body, timeout=120)
     assert r.status_code == 400, r.text
     assert name in r.text and "VERICACHE" in r.text, r.text
-    if name in ("frequency_penalty", "return_logprob"):  # VERICACHE's refusal, not SGLang's
+    if name == "return_logprob":  # VERICACHE's refusal, not SGLang's
         assert requests.post(server.url + "/generate", json=body, timeout=120).status_code == 200
 
 
@@ -539,9 +535,54 @@ def test_switched_off_capabilities_are_warnings_users_see(vc4):
 
 def test_unsupported_parameter_is_http_400_on_the_openai_api(vc4):
     r = requests.post(vc4.url + "/v1/completions", json={
-        "model": "default", "prompt": "Hello", "max_tokens": 2, "presence_penalty": 0.3}, timeout=120)
+        "model": "default", "prompt": "Hello", "max_tokens": 2, "logprobs": 2}, timeout=120)
     assert r.status_code == 400, r.text
-    assert "presence_penalty" in r.text, r.text
+    assert "return_logprob" in r.text, r.text
+
+
+# per request: (sampling parameters, custom_params); every one decodes 24 tokens unless a
+# stop token ends it
+PENALISED = [
+    ({"frequency_penalty": 0.6}, None),
+    ({"presence_penalty": 0.8, "repetition_penalty": 1.3}, None),
+    ({"frequency_penalty": 0.4, "repetition_penalty": 0.9}, {"vc_compressor": "none"}),  # full KV, opted out
+    ({}, None),  # no penalty, drafting beside the penalised ones
+]
+
+
+def test_penalties_and_min_new_tokens_identical_to_full_kv(server, tokenizer, vc4):
+    """Frequency, presence and repetition penalties and ``min_new_tokens`` under
+    VERICACHE, in one concurrent batch of compressed (drafting and verifying), opted-out
+    (full-KV) and unpenalised requests, give the plain server's tokens, length and finish
+    reason for the same parameters. The penalties change the output (so they were
+    applied), drafts were rejected somewhere (the compressed path ran), and
+    ``min_new_tokens`` holds back a stop token the plain output emits early."""
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    ids_list = [stream[500 + 1000 * i : 800 + 1000 * i] for i in range(len(PENALISED) + 1)]
+    assert all(len(ids) == 300 for ids in ids_list)
+    unpenalised = generate(server, ids_list[0], 24)["output_ids"]
+    # min_new_tokens: the 3rd token of the plain output is a stop token; 12 outputs first
+    stop = {"stop_token_ids": [generate(server, ids_list[-1], 24)["output_ids"][2]], "ignore_eos": False}
+    cases = [*PENALISED, ({**stop, "min_new_tokens": 12}, None)]
+
+    def run(srv, k):
+        params, custom = cases[k]
+        return generate(srv, ids_list[k], 24, custom if srv is vc4 else None, **params)
+
+    for order in (range(len(cases)), reversed(range(len(cases)))):
+        order = list(order)
+        outs = dict(zip(order, concurrently(lambda k: run(vc4, k), [(k,) for k in order])))
+        refs = dict(zip(order, concurrently(lambda k: run(server, k), [(k,) for k in order])))
+        for k in order:
+            assert outs[k]["output_ids"] == refs[k]["output_ids"], (k, cases[k], outs[k]["output_ids"],
+                                                                    refs[k]["output_ids"])
+            assert finish_type(outs[k]) == finish_type(refs[k]), (k, outs[k]["meta_info"])
+    assert refs[0]["output_ids"] != unpenalised  # the frequency penalty changed the output
+    assert len(refs[len(cases) - 1]["output_ids"]) >= 12
+    assert generate(server, ids_list[-1], 24, **stop)["output_ids"] != refs[len(cases) - 1]["output_ids"]
+    infos = [outs[k]["meta_info"][META][-1] for k in (0, 1, 4)]
+    assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos  # drafts rejected
+    assert outs[2]["meta_info"][META][-1]["drafted"] == 0  # the opted-out one decoded full KV
 
 
 @pytest.mark.slow  # 15-min default budget: logit_bias and min_p are served only here
@@ -657,3 +698,35 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
         assert resolved["draft_len_auto"] and resolved["draft_tokens"] == 32, resolved
     finally:
         proc.stop()
+
+
+def test_sglang_spec_fields_count_vericache(tokenizer, vc4):
+    """SGLang's own ``spec_*`` reply fields count what VERICACHE drafted, accepted and
+    verified (the worker's own per-request counts), a request that drafted nothing (opted
+    out, full KV) reports none, and the server's decode log line reports an acceptance
+    rate in [0, 1] and at least one token per verify."""
+    import re
+
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    ids_list = [stream[4000:4300], stream[4300:4600]]
+    customs = [None, {"vc_compressor": "none"}]
+    outs = concurrently(lambda ids, c: generate(vc4, ids, 48, c), list(zip(ids_list, customs)))
+    drafted, opted_out = (out["meta_info"] for out in outs)
+    info = drafted[META][-1]
+    assert info["verify_rounds"] > 0 and info["drafted"] > 0, info
+    assert drafted["spec_verify_ct"] == info["verify_rounds"]
+    assert drafted["spec_num_proposed_drafts"] == info["drafted"]
+    assert drafted["spec_num_correct_drafts"] == info["accepted"]
+    assert drafted["spec_accept_rate"] == pytest.approx(info["accepted"] / info["drafted"])
+    assert 0 <= drafted["spec_accept_rate"] <= 1
+    assert drafted["spec_accept_length"] == pytest.approx(info["committed"] / info["verify_rounds"])
+    assert sum(drafted.get("spec_correct_drafts_histogram") or []) == info["verify_rounds"], drafted
+    assert opted_out[META][-1]["drafted"] == 0
+    assert not [k for k in opted_out if k.startswith("spec_")], opted_out
+    log = vc4.log_path.read_text(errors="replace")
+    lines = re.findall(r"accept len: ([-0-9.]+), accept rate: ([-0-9.]+)", log)
+    assert lines, "no decode log line"
+    assert all(0 <= float(rate) <= 1 and float(length) >= 0 for length, rate in lines), lines
+    metrics = requests.get(vc4.url + "/metrics", timeout=60).text
+    rates = [float(v) for v in re.findall(r"^sglang:spec_accept_rate\{[^}]*\} ([-0-9.e+]+)$", metrics, re.M)]
+    assert rates and all(0 <= r <= 1 for r in rates), rates

@@ -214,12 +214,80 @@ def _correct_drafts_histogram(original, req, num_correct_drafts: int):
     (``spec_verify_ct += 1``, ``accept_len - 1`` correct drafts into a histogram). An
     iteration in which a VERICACHE request only drafted commits 0 tokens, i.e. -1
     "correct drafts", which would index the histogram at -1 (an IndexError on its first
-    iteration). Such an iteration is not a verify: it is taken out of the counts."""
-    if num_correct_drafts < 0:
+    iteration); one in which it decoded a token from its full KV (``vc_verified`` False,
+    set by the worker) is no verify either. Both are taken out of the counts, so
+    ``spec_verify_ct`` and ``spec_num_correct_drafts`` count VERICACHE's verifies and
+    accepted drafts. The output path has no seam for a worker's per-request counts."""
+    if num_correct_drafts < 0 or getattr(req, "vc_verified", None) is False:
         req.spec_verify_ct -= 1
         req.spec_num_correct_drafts -= num_correct_drafts
         return None
     return original(req, num_correct_drafts)
+
+
+_SPEC_FIELDS = ("spec_accept_rate", "spec_accept_length", "spec_num_correct_drafts", "spec_num_proposed_drafts",
+                "spec_verify_ct", "spec_correct_drafts_histogram")
+
+
+def _spec_fields_of_vericache(result, *args, **kwargs):
+    """A finished request's ``spec_*`` fields: SGLang prices every verify at
+    ``speculative_num_draft_tokens - 1`` proposed drafts, but a VERICACHE request drafts
+    X (up to ``--speculative-num-draft-tokens``, chosen per cycle) and verifies only some
+    iterations. The worker's own per-request counts (the reply's ``sglang_vc_vericache``
+    block) are the truth: proposed = drafted, correct = accepted, verify count = verify
+    rounds, accept length = committed tokens per verify; a request that never verified
+    (full KV, opted out) reports none."""
+    from sglang_vc.vericache.names import META_INFO_KEY
+
+    meta_info = args[1]
+    block = meta_info.get(META_INFO_KEY)
+    info = block[-1] if isinstance(block, list) and block else block
+    if not isinstance(info, dict) or "verify_rounds" not in info:
+        return result
+    rounds, drafted, accepted = info["verify_rounds"], info["drafted"], info["accepted"]
+    if not rounds:
+        for key in _SPEC_FIELDS:
+            meta_info.pop(key, None)
+        return result
+    meta_info.update(spec_verify_ct=rounds, spec_num_proposed_drafts=drafted, spec_num_correct_drafts=accepted,
+                     spec_accept_rate=accepted / drafted if drafted else 0.0,
+                     spec_accept_length=info["committed"] / rounds)
+    return result
+
+
+def _spec_decode_stats(original, reporter, *args, **kwargs):
+    """SGLang's decode log line (``accept len``, ``accept rate``) and its acceptance
+    gauges on ``/metrics`` divide counters fed once per request and iteration: a VERICACHE
+    request that only drafted in an iteration adds -1 correct drafts and one "verify",
+    and the rate's denominator assumes ``speculative_num_draft_tokens - 1`` drafts per
+    verify. Before SGLang reads them, the counters are set from VERICACHE's own since the
+    last log line: verifies, the tokens they committed, and accepted drafts scaled so
+    that SGLang's rate is accepted / drafted. No seam exists for a worker's counts."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_vc import stats
+    from sglang_vc.vericache.names import ALGORITHM
+
+    if str(get_spec().speculative_algorithm or "").upper() != ALGORITHM:
+        return original(reporter, *args, **kwargs)
+    now = stats.snapshot().get("vericache", {})
+    last = getattr(reporter, "_vc_spec_last", {})
+    delta = {k: now.get(k, 0) - last.get(k, 0) for k in ("verify_rounds", "drafted", "accepted", "committed",
+                                                          "full_kv_steps")}
+    if delta["verify_rounds"]:
+        per_round = max(int(get_spec().speculative_num_draft_tokens or 1) - 1, 1)
+        reporter.spec_num_forward_ct = delta["verify_rounds"]
+        reporter.spec_num_accept_tokens = delta["committed"]
+        reporter.spec_num_correct_drafts = (delta["accepted"] * delta["verify_rounds"] * per_round
+                                            / delta["drafted"] if delta["drafted"] else 0)
+    else:  # no verify since the last line: one token per full-KV step, no drafts
+        reporter.spec_num_forward_ct = max(delta["full_kv_steps"], 1)
+        reporter.spec_num_accept_tokens = delta["full_kv_steps"]
+        reporter.spec_num_correct_drafts = 0
+    out = original(reporter, *args, **kwargs)
+    if reporter.spec_num_forward_ct == 0:  # this call logged and reset them
+        reporter._vc_spec_last = now
+    return out
 
 
 def _readmit_after_compression(*args, **kwargs):
@@ -394,6 +462,16 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.Req.update_spec_correct_drafts_histogram",
         _correct_drafts_histogram,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._calculate_spec_decoding_metrics",
+        _spec_fields_of_vericache,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats",
+        _spec_decode_stats,
         HookType.AROUND,
     )
     HookRegistry.register(

@@ -17,6 +17,8 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from sglang_vc.penalties import apply_penalties, penalty_rows
+
 
 class ChainSpecWorker(BaseSpecWorker):
     """``stride``: the tokens per request SGLang's output path reserves per iteration."""
@@ -105,9 +107,10 @@ class ChainSpecWorker(BaseSpecWorker):
             raise ValueError(f"sub_batch indices must be strictly increasing batch indices, got {indices}")
         sub = copy.copy(batch)
         sub.sampling_info = copy.copy(batch.sampling_info)
-        if sub.sampling_info is not None and sub.sampling_info.penalizer_orchestrator is None:
-            # the forward's copy of the batch carries no penalizers (the algorithms
-            # refuse penalties at the API), so there is nothing to filter there
+        if sub.sampling_info is not None:
+            # the workers apply penalties from each request's output ids
+            # (:meth:`penalize`), not from SGLang's penalizer state, which filter_batch
+            # would otherwise filter in place under the batch it belongs to
             sub.sampling_info.penalizer_orchestrator = _NoPenalties()
         sub.spec_info = None
         sub.filter_batch(keep_indices=indices)
@@ -187,6 +190,15 @@ class ChainSpecWorker(BaseSpecWorker):
         spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
         return spec_info
 
+    @staticmethod
+    def penalize(logits: torch.Tensor, reqs, runs, row_req, row_drafts) -> torch.Tensor:
+        """``logits`` with each request's penalties and ``min_new_tokens`` applied at each
+        row's own position (:mod:`sglang_vc.penalties`): row ``j`` is request
+        ``row_req[j]``'s, after ``row_drafts[j]`` of the tokens ``runs[i]`` it drafted
+        past its committed output. Unchanged when no request has a penalty."""
+        return apply_penalties(logits, penalty_rows(reqs, runs, row_req, row_drafts, logits.shape[-1],
+                                                    logits.device))
+
     def targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
         """The verifier's token at each of the W positions ``[bs, W]`` of every request
         (:meth:`targets_flat` on a uniform layout)."""
@@ -200,8 +212,8 @@ class ChainSpecWorker(BaseSpecWorker):
         SGLang's sampler chooses in full-KV decoding: ``logit_bias`` added; argmax for
         greedy requests; otherwise softmax at the request's temperature, then SGLang's own
         top-k / top-p / min-p sampling, seeded per request and position under
-        deterministic inference. Penalties and grammars are refused at the API
-        (:mod:`.requests`)."""
+        deterministic inference. Penalties are applied before (:meth:`penalize`);
+        grammars are refused at the API (:mod:`.requests`)."""
         from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 
         vocab = logits.shape[-1]
@@ -233,5 +245,7 @@ class ChainSpecWorker(BaseSpecWorker):
 
 
 class _NoPenalties:
+    is_required = False
+
     def filter(self, keep_indices) -> None:
         pass

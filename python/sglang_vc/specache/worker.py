@@ -148,7 +148,8 @@ class SpeCacheWorker(ChainSpecWorker):
         finally:
             attn.step = None
         logits = res.logits_output.next_token_logits.view(bs, width, -1)
-        out = self.targets(logits[:, :1], batch, positions[:, :1])[:, 0].to("cpu", torch.int64)
+        first = self.penalize(logits[:, 0], batch.reqs, [()] * bs, range(bs), [0] * bs)
+        out = self.targets(first[:, None], batch, positions[:, :1])[:, 0].to("cpu", torch.int64)
         guesses = logits.argmax(-1).to("cpu", torch.int64)  # [bs, width]
 
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)

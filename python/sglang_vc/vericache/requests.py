@@ -1,18 +1,16 @@
 """What a VERICACHE request may ask for: honoured exactly, or refused with HTTP 400.
 
 The verifier picks each committed token from the full-KV logits the way SGLang's own
-sampler would in full-KV decoding (see ``worker.VeriCacheWorker._targets``):
-temperature, ``top_k``, ``top_p``, ``min_p``, ``logit_bias`` and, under
-``--enable-deterministic-inference``, the per-request ``sampling_seed``.
+sampler would in full-KV decoding (``spec_worker.ChainSpecWorker.targets_flat``):
+temperature, ``top_k``, ``top_p``, ``min_p``, ``logit_bias``, under
+``--enable-deterministic-inference`` the per-request ``sampling_seed``, and the
+penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``) and
+``min_new_tokens`` at each position of a verify window from the output before it, the
+window's earlier drafts included (:mod:`sglang_vc.penalties`).
 
 Refused, because the verifier would silently produce something else than full-KV
 decoding:
 
-* penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``) and
-  ``min_new_tokens``: SGLang applies them from a per-request state that changes with
-  every output token, so position ``k`` of a verify window needs the state after the
-  ``k-1`` drafts before it; SGLang's own speculative workers apply the window's first
-  state to all positions, which is not full-KV decoding;
 * grammar constraints (``json_schema``, ``regex``, ``ebnf``, ``structural_tag``): the
   grammar's vocabulary mask also depends on the tokens before each position;
 * ``watermark`` and custom logit processors (arbitrary per-step logits transforms);
@@ -35,10 +33,6 @@ __all__ = ["check_sampling_params", "check_request", "unsupported_sampling", "un
 
 # (parameter, is it set to something the verifier cannot honour)
 _SAMPLING: tuple[tuple[str, Callable[[Any], bool]], ...] = (
-    ("frequency_penalty", lambda sp: float(sp.frequency_penalty or 0.0) != 0.0),
-    ("presence_penalty", lambda sp: float(sp.presence_penalty or 0.0) != 0.0),
-    ("repetition_penalty", lambda sp: float(1.0 if sp.repetition_penalty is None else sp.repetition_penalty) != 1.0),
-    ("min_new_tokens", lambda sp: int(sp.min_new_tokens or 0) > 0),
     ("json_schema", lambda sp: sp.json_schema is not None),
     ("regex", lambda sp: sp.regex is not None),
     ("ebnf", lambda sp: sp.ebnf is not None),
@@ -95,7 +89,8 @@ def _refuse(names: list[str], algorithm: str = ALGORITHM) -> None:
             f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not supported with "
             f"--speculative-algorithm {algorithm}: its worker cannot apply "
             f"{'it' if len(names) == 1 else 'them'} exactly as full-KV decoding does "
-            "(supported: temperature, top_k, top_p, min_p, logit_bias, sampling_seed)")
+            "(supported: temperature, top_k, top_p, min_p, logit_bias, sampling_seed, "
+            "frequency_penalty, presence_penalty, repetition_penalty, min_new_tokens)")
 
 
 def check_sampling_params(sampling_params: Any) -> None:
@@ -109,11 +104,14 @@ def check_sampling_params(sampling_params: Any) -> None:
 
 
 def _refuse_remote(sp: Any) -> None:
-    """The remote verifier returns its greedy tokens only: sampling (and a logit bias,
-    which it would not see) is not built for ``VERICACHE_REMOTE``."""
+    """The remote verifier returns its greedy tokens only: sampling (and a logit bias or
+    penalties, which it would not see) is not built for ``VERICACHE_REMOTE``."""
+    from sglang_vc.penalties import has_penalties
+
     greedy = float(sp.temperature) == 0.0 or int(sp.top_k) == 1
     problems = ([] if greedy else ["sampling (temperature > 0 with top_k != 1)"]) + (
-        ["logit_bias"] if getattr(sp, "logit_bias", None) else [])
+        ["logit_bias"] if getattr(sp, "logit_bias", None) else []) + (
+        ["penalties and min_new_tokens"] if has_penalties(sp) else [])
     if problems:
         raise ValueError(f"{', '.join(problems)}: not built for --speculative-algorithm {REMOTE_ALGORITHM}, "
                          "whose verifier returns greedy tokens only (use temperature 0)")

@@ -34,7 +34,9 @@ argmax given committed tokens only. A sampling request commits drafts while they
 the verifier's own sample at that position (a lossless rule: each committed token is a
 sample of the full-KV distribution), then that sample. The verifier applies a request's
 ``logit_bias``, temperature, top-k, top-p, min-p and (deterministic inference) seed as
-SGLang's sampler does; what it cannot apply exactly (penalties, grammars, logprobs) is
+SGLang's sampler does, and the frequency, presence and repetition penalties and
+``min_new_tokens`` at each position from the output before it, drafts included
+(:mod:`sglang_vc.penalties`); what it cannot apply exactly (grammars, logprobs) is
 refused with HTTP 400 (:mod:`.requests`).
 
 Fallbacks: a request whose full KV does not fit the host store (``--vc-host-kv-gb``) is
@@ -49,8 +51,7 @@ Under the staggered schedule an iteration is ONE forward (SGLang's ragged
 full-KV request its next token, each verifying request its whole drafted run, with
 per-request query lengths.
 
-Not built: logprobs of speculative tokens, penalties and grammar-constrained requests
-(refused).
+Not built: logprobs of speculative tokens and grammar-constrained requests (refused).
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 lens = committed + j + 1
                 self.set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
                 res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                draft_logits = res.logits_output.next_token_logits
+                draft_logits = self.penalize(res.logits_output.next_token_logits, batch.reqs,
+                                             drafts[:, :j].tolist(), range(bs), [j] * bs)
                 if bias is not None:
                     draft_logits = draft_logits.float() + bias[:, : draft_logits.shape[-1]].to(draft_logits.device)
                 cur = draft_logits.argmax(-1).to("cpu", torch.int64)
@@ -267,7 +269,8 @@ class VeriCacheWorker(ChainSpecWorker):
         reloaded = reload.nbytes() if reload is not None else 0
         if reload is not None and reload.failures:
             stats.add("vericache", reload_failures=reload.failures)
-        logits = res.logits_output.next_token_logits.view(bs, w, -1)
+        logits = self.penalize(res.logits_output.next_token_logits, batch.reqs, drafts.tolist(),
+                               [i for i in range(bs) for _ in range(w)], list(range(w)) * bs).view(bs, w, -1)
 
         # 4. accept
         targets = self.targets(logits, batch, positions).to("cpu", torch.int64)
@@ -281,6 +284,7 @@ class VeriCacheWorker(ChainSpecWorker):
         stats.add("vericache", verify_rounds=bs, drafted=bs * x, accepted=n_acc,
                   committed=n_acc + bs, bytes_reloaded=reloaded)
         for i, req in enumerate(batch.reqs):
+            req.vc_verified = True
             self._record(req, x, int(accepted[i]), int(accept_lens[i]))
 
         accept_tokens_dev = accept_tokens.to(dev).flatten()
@@ -431,6 +435,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 entry.keep_full_rows = True  # see _decode_round
 
         committed_list = committed.tolist()  # a host tensor already (read once above): no device sync
+        for req in batch.reqs:
+            req.vc_verified = False  # SGLang's spec_* counts take only verifies (hooks.py)
         self._decide_modes(batch, row_list, committed_list)
         plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
                           lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]))
@@ -472,14 +478,19 @@ class VeriCacheWorker(ChainSpecWorker):
         mark, forwards = time.perf_counter(), self.forwards
         if part:
             ids, positions, starts, lens = [], [], [], []
+            runs, row_drafts = [], []  # per request its drafts, per row the drafts before it
             for s in part:
                 tr = s.track
                 if s.role is Role.VERIFY:
                     toks, start = [t0[s.index], *tr.drafts], tr.committed
+                    row_drafts += range(len(toks))
                 elif s.role is Role.DRAFT:
                     toks, start = [tr.drafts[-1] if tr.drafts else t0[s.index]], tr.committed + len(tr.drafts)
+                    row_drafts.append(len(tr.drafts))
                 else:
                     toks, start = [t0[s.index]], tr.committed
+                    row_drafts.append(0)
+                runs.append(tr.drafts if s.role is not Role.FULL else ())
                 ids += toks
                 positions += range(start, start + len(toks))
                 starts.append(start)
@@ -520,6 +531,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 self._verify_forward_done()
                 for r in reloads.values():
                     r.close()
+            # penalties at each row's own position: verified rows and drafts alike
+            logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts)
             exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
             bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
             # drafts are greedy (with the request's logit_bias: fewer rejections)
@@ -634,6 +647,7 @@ class VeriCacheWorker(ChainSpecWorker):
             if j in reloads:
                 reloaded[s.track.rid] = reloads[j].nbytes()
                 failures += reloads[j].failures
+            batch.reqs[s.index].vc_verified = True
             self._record(batch.reqs[s.index], n_drafts[j], n_accepted[j], n)
             self.draft_length.record_verify(self._drafter_of(s.track.row, s.track.rid), s.track.rid, n_drafts[j],
                                             n_accepted[j])
