@@ -539,12 +539,17 @@ def test_unsupported_parameters_are_named():
     assert unsupported_sampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1,
                                                logit_bias={"3": -1.0}, sampling_seed=7)) == []
     sp = SamplingParams(frequency_penalty=0.1, repetition_penalty=1.1, regex="a+", min_new_tokens=2)
-    assert unsupported_sampling(sp) == ["regex"]  # penalties are applied (sglang_vc.penalties)
+    assert unsupported_sampling(sp) == []  # penalties and grammars are applied per position
+    assert unsupported_sampling(sp, "SPECACHE") == ["regex"]
     assert unsupported_request(GenerateReqInput(input_ids=[1, 2])) == []
-    assert unsupported_request(GenerateReqInput(input_ids=[1, 2], return_logprob=True)) == ["return_logprob"]
-    assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], return_logprob=[False, True])) == ["return_logprob"]
-    assert unsupported_request(GenerateReqInput(input_ids=[1], token_ids_logprob=[0])) == ["token_ids_logprob"]
-    assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], token_ids_logprob=[None, None])) == []
+    # VERICACHE returns logprobs from its verify; SPECACHE and the remote verifier do not
+    assert unsupported_request(GenerateReqInput(input_ids=[1, 2], return_logprob=True, top_logprobs_num=2)) == []
+    assert unsupported_request(GenerateReqInput(input_ids=[1], custom_logit_processor="{}")) == ["custom_logit_processor"]
+    assert unsupported_request(GenerateReqInput(input_ids=[1, 2], return_logprob=True), "SPECACHE") == ["return_logprob"]
+    assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], return_logprob=[False, True]),
+                               "VERICACHE_REMOTE") == ["return_logprob"]
+    assert unsupported_request(GenerateReqInput(input_ids=[1], token_ids_logprob=[0]), "SPECACHE") == ["token_ids_logprob"]
+    assert unsupported_request(GenerateReqInput(input_ids=[[1], [2]], token_ids_logprob=[None, None]), "SPECACHE") == []
 
 
 # ----------------------------------------------------------------------------- staggered

@@ -17,6 +17,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from sglang_vc.grammar_masks import apply_grammars
 from sglang_vc.penalties import apply_penalties, penalty_rows
 
 
@@ -191,13 +192,40 @@ class ChainSpecWorker(BaseSpecWorker):
         return spec_info
 
     @staticmethod
-    def penalize(logits: torch.Tensor, reqs, runs, row_req, row_drafts) -> torch.Tensor:
-        """``logits`` with each request's penalties and ``min_new_tokens`` applied at each
-        row's own position (:mod:`sglang_vc.penalties`): row ``j`` is request
-        ``row_req[j]``'s, after ``row_drafts[j]`` of the tokens ``runs[i]`` it drafted
-        past its committed output. Unchanged when no request has a penalty."""
-        return apply_penalties(logits, penalty_rows(reqs, runs, row_req, row_drafts, logits.shape[-1],
-                                                    logits.device))
+    def penalize(logits: torch.Tensor, reqs, runs, row_req, row_drafts, last_tokens=None) -> torch.Tensor:
+        """``logits`` with what SGLang's sampler applies before ``logit_bias``, at each
+        row's own position: each request's penalties and ``min_new_tokens``
+        (:mod:`sglang_vc.penalties`), then, given ``last_tokens`` (each request's last
+        committed token), its grammar's vocabulary mask (:mod:`sglang_vc.grammar_masks`).
+        Row ``j`` is request ``row_req[j]``'s, after ``row_drafts[j]`` of the tokens
+        ``runs[i]`` it drafted past its committed output. Unchanged when no request has
+        a penalty or a grammar."""
+        logits = apply_penalties(logits, penalty_rows(reqs, runs, row_req, row_drafts, logits.shape[-1],
+                                                      logits.device))
+        if last_tokens is not None:
+            logits = apply_grammars(logits, reqs, last_tokens, runs, row_req, row_drafts)
+        return logits
+
+    @staticmethod
+    def committed_logprobs(batch, logits: torch.Tensor, first_row: list, accept_tokens: torch.Tensor,
+                           accept_lens: torch.Tensor):
+        """SGLang's logprob outputs (``return_logprob``, ``top_logprobs_num``,
+        ``token_ids_logprob``) for the tokens an iteration commits, from the full-KV
+        logits that chose them: committed token ``j`` of request ``i`` came from row
+        ``first_row[i] + j`` of ``logits`` (penalties and ``logit_bias`` applied, as
+        SGLang's sampler computes logprobs); ``first_row[i]`` is None where it committed
+        nothing. Laid out as SGLang's chain-verify workers lay them out
+        (``compute_spec_logprobs``, ``accept_tokens [bs, stride]``)."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+        bs, stride = accept_tokens.shape
+        first = torch.tensor([0 if r is None else r for r in first_row], dtype=torch.int64)
+        last = (accept_lens.to(torch.int64) - 1).clamp(min=0)
+        rows = first[:, None] + torch.minimum(torch.arange(stride)[None, :], last[:, None])
+        out = LogitsProcessorOutput(next_token_logits=logits[rows.flatten().to(logits.device)])
+        compute_spec_logprobs(batch, out, accept_tokens.flatten().to(logits.device), chain_stride=stride)
+        return out
 
     def targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
         """The verifier's token at each of the W positions ``[bs, W]`` of every request
@@ -212,8 +240,8 @@ class ChainSpecWorker(BaseSpecWorker):
         SGLang's sampler chooses in full-KV decoding: ``logit_bias`` added; argmax for
         greedy requests; otherwise softmax at the request's temperature, then SGLang's own
         top-k / top-p / min-p sampling, seeded per request and position under
-        deterministic inference. Penalties are applied before (:meth:`penalize`);
-        grammars are refused at the API (:mod:`.requests`)."""
+        deterministic inference. Penalties and grammar masks are applied before
+        (:meth:`penalize`)."""
         from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 
         vocab = logits.shape[-1]

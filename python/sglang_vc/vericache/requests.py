@@ -6,17 +6,22 @@ temperature, ``top_k``, ``top_p``, ``min_p``, ``logit_bias``, under
 ``--enable-deterministic-inference`` the per-request ``sampling_seed``, and the
 penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``) and
 ``min_new_tokens`` at each position of a verify window from the output before it, the
-window's earlier drafts included (:mod:`sglang_vc.penalties`).
+window's earlier drafts included (:mod:`sglang_vc.penalties`); a grammar
+(``json_schema``, ``regex``, ``ebnf``, ``structural_tag``) masks each position after the
+drafts before it (:mod:`sglang_vc.grammar_masks`); logprobs come from the same full-KV
+logits.
 
 Refused, because the verifier would silently produce something else than full-KV
 decoding:
 
-* grammar constraints (``json_schema``, ``regex``, ``ebnf``, ``structural_tag``): the
-  grammar's vocabulary mask also depends on the tokens before each position;
+* on SPECACHE and VERICACHE_REMOTE servers, grammar constraints (``json_schema``,
+  ``regex``, ``ebnf``, ``structural_tag``);
 * ``watermark`` and custom logit processors (arbitrary per-step logits transforms);
 * ``beam_width`` (beam search is another decoding algorithm);
-* ``return_logprob`` (``top_logprobs_num``, ``token_ids_logprob``): not built for the
-  committed tokens of a verify window.
+* on SPECACHE and VERICACHE_REMOTE servers, ``return_logprob`` (``top_logprobs_num``,
+  ``token_ids_logprob``): SpeCache's logits are its lossy attention's, and the remote
+  verifier returns tokens only. (VERICACHE returns them from the verify's full-KV
+  logits, ``spec_worker.ChainSpecWorker.committed_logprobs``.)
 
 SGLang validates a request in the tokenizer manager, where a ``ValueError`` is the
 client's HTTP 400; ``hooks.py`` calls :func:`check_sampling_params` after
@@ -56,15 +61,27 @@ _REQUEST: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 )
 
 
-def unsupported_sampling(sampling_params: Any) -> list[str]:
-    """The parameters of a normalized ``SamplingParams`` VERICACHE cannot honour."""
-    return [name for name, is_set in _SAMPLING if is_set(sampling_params)]
+_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
-def unsupported_request(req: Any) -> list[str]:
-    """The request-level options (``GenerateReqInput``) VERICACHE cannot honour; a
-    batched field (one value per prompt) counts when any of its values is set."""
-    return [name for name, is_set in _REQUEST if is_set(getattr(req, name, None))]
+def unsupported_sampling(sampling_params: Any, algorithm: str = ALGORITHM) -> list[str]:
+    """The parameters of a normalized ``SamplingParams`` ``algorithm`` cannot honour:
+    VERICACHE masks each verify position with the request's grammar; SPECACHE and
+    VERICACHE_REMOTE do not apply grammars."""
+    return [name for name, is_set in _SAMPLING if is_set(sampling_params)
+            and not (algorithm == ALGORITHM and name in _GRAMMARS)]
+
+
+_LOGPROBS = ("return_logprob", "top_logprobs_num", "token_ids_logprob")
+
+
+def unsupported_request(req: Any, algorithm: str = ALGORITHM) -> list[str]:
+    """The request-level options (``GenerateReqInput``) ``algorithm`` cannot honour; a
+    batched field (one value per prompt) counts when any of its values is set. VERICACHE
+    returns logprobs from its verify's full-KV logits; SPECACHE (lossy logits) and
+    VERICACHE_REMOTE (greedy tokens only) do not."""
+    return [name for name, is_set in _REQUEST if is_set(getattr(req, name, None))
+            and not (algorithm == ALGORITHM and name in _LOGPROBS)]
 
 
 def _serving() -> Optional[str]:
@@ -90,7 +107,8 @@ def _refuse(names: list[str], algorithm: str = ALGORITHM) -> None:
             f"--speculative-algorithm {algorithm}: its worker cannot apply "
             f"{'it' if len(names) == 1 else 'them'} exactly as full-KV decoding does "
             "(supported: temperature, top_k, top_p, min_p, logit_bias, sampling_seed, "
-            "frequency_penalty, presence_penalty, repetition_penalty, min_new_tokens)")
+            "frequency_penalty, presence_penalty, repetition_penalty, min_new_tokens"
+            f"{', logprobs, json_schema, regex, ebnf, structural_tag' if algorithm == ALGORITHM else ''})")
 
 
 def check_sampling_params(sampling_params: Any) -> None:
@@ -98,7 +116,7 @@ def check_sampling_params(sampling_params: Any) -> None:
     cannot honour; nothing on any other server."""
     algorithm = _serving()
     if algorithm:
-        _refuse(unsupported_sampling(sampling_params), algorithm)
+        _refuse(unsupported_sampling(sampling_params, algorithm), algorithm)
     if algorithm == REMOTE_ALGORITHM:
         _refuse_remote(sampling_params)
 
@@ -122,7 +140,7 @@ def check_request(req: Any) -> None:
     honour; nothing on any other server."""
     algorithm = _serving()
     if algorithm:
-        names = unsupported_request(req)
+        names = unsupported_request(req, algorithm)
         if algorithm == REMOTE_ALGORITHM and any(x is not None for x in _each(getattr(req, "cache_salt", None))):
             # a salted request's lossy copy is a device copy of its own; the full copy
             # replaces the context's unsalted one (remote_worker), so it is not built

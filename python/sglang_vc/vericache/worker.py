@@ -36,8 +36,11 @@ sample of the full-KV distribution), then that sample. The verifier applies a re
 ``logit_bias``, temperature, top-k, top-p, min-p and (deterministic inference) seed as
 SGLang's sampler does, and the frequency, presence and repetition penalties and
 ``min_new_tokens`` at each position from the output before it, drafts included
-(:mod:`sglang_vc.penalties`); what it cannot apply exactly (grammars, logprobs) is
-refused with HTTP 400 (:mod:`.requests`).
+(:mod:`sglang_vc.penalties`), and a grammar's vocabulary mask after the drafts before each
+position (:mod:`sglang_vc.grammar_masks`). Logprobs of the committed tokens come from the
+same full-KV rows (``ChainSpecWorker.committed_logprobs``). What it cannot apply exactly
+(watermarks, custom logit processors, beam search) is refused with HTTP 400
+(:mod:`.requests`).
 
 Fallbacks: a request whose full KV does not fit the host store (``--vc-host-kv-gb``) is
 not compressed and decodes from its full device KV; a failed staged copy is retried
@@ -51,7 +54,6 @@ Under the staggered schedule an iteration is ONE forward (SGLang's ragged
 full-KV request its next token, each verifying request its whole drafted run, with
 per-request query lengths.
 
-Not built: logprobs of speculative tokens and grammar-constrained requests (refused).
 """
 
 from __future__ import annotations
@@ -245,7 +247,7 @@ class VeriCacheWorker(ChainSpecWorker):
                 self.set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
                 res = self.target_worker.forward_batch_generation(batch, is_verify=True)
                 draft_logits = self.penalize(res.logits_output.next_token_logits, batch.reqs,
-                                             drafts[:, :j].tolist(), range(bs), [j] * bs)
+                                             drafts[:, :j].tolist(), range(bs), [j] * bs, t0.tolist())
                 if bias is not None:
                     draft_logits = draft_logits.float() + bias[:, : draft_logits.shape[-1]].to(draft_logits.device)
                 cur = draft_logits.argmax(-1).to("cpu", torch.int64)
@@ -270,7 +272,8 @@ class VeriCacheWorker(ChainSpecWorker):
         if reload is not None and reload.failures:
             stats.add("vericache", reload_failures=reload.failures)
         logits = self.penalize(res.logits_output.next_token_logits, batch.reqs, drafts.tolist(),
-                               [i for i in range(bs) for _ in range(w)], list(range(w)) * bs).view(bs, w, -1)
+                               [i for i in range(bs) for _ in range(w)], list(range(w)) * bs,
+                               t0.tolist()).view(bs, w, -1)
 
         # 4. accept
         targets = self.targets(logits, batch, positions).to("cpu", torch.int64)
@@ -289,8 +292,15 @@ class VeriCacheWorker(ChainSpecWorker):
 
         accept_tokens_dev = accept_tokens.to(dev).flatten()
         accept_lens_dev = accept_lens.to(dev)
+        logits_output = res.logits_output
+        if batch.return_logprob:
+            chosen = logits.reshape(bs * w, -1)
+            if bias is not None:
+                chosen = chosen + bias[:, : chosen.shape[-1]].to(chosen.device).repeat_interleave(w, dim=0)
+            logits_output = self.committed_logprobs(batch, chosen, [i * w for i in range(bs)], accept_tokens,
+                                                    accept_lens)
         return GenerationBatchResult(
-            logits_output=res.logits_output,
+            logits_output=logits_output,
             next_token_ids=accept_tokens_dev,
             can_run_cuda_graph=False,
             accept_lens=accept_lens_dev,
@@ -465,6 +475,7 @@ class VeriCacheWorker(ChainSpecWorker):
             verifiers.append(s)
 
         phases = {"plan_s": time.perf_counter() - started}
+        logits_output = None  # SGLang's logprob outputs, where the batch asks for them
         accept_tokens = torch.zeros(bs, self.stride, dtype=torch.int64)
         accept_lens = torch.zeros(bs, dtype=torch.int64)
         outcome: dict[str, Outcome] = {}
@@ -531,8 +542,8 @@ class VeriCacheWorker(ChainSpecWorker):
                 self._verify_forward_done()
                 for r in reloads.values():
                     r.close()
-            # penalties at each row's own position: verified rows and drafts alike
-            logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts)
+            # penalties and grammar masks at each row's own position: verified rows and drafts alike
+            logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts, [t0[s.index] for s in part])
             exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
             bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
             # drafts are greedy (with the request's logit_bias: fewer rejections)
@@ -555,6 +566,12 @@ class VeriCacheWorker(ChainSpecWorker):
                 self._accept(batch, [part[k] for k in vs], [exact[offsets[k] : offsets[k + 1]] for k in vs],
                              {j: reloads[k] for j, k in enumerate(vs) if k in reloads},
                              accept_tokens, accept_lens, outcome, reloaded)
+            if batch.return_logprob:  # from the rows that chose the committed tokens
+                first_row = [None] * bs
+                for k, s in enumerate(part):
+                    if s.role is not Role.DRAFT:
+                        first_row[s.index] = offsets[k]
+                logits_output = self.committed_logprobs(batch, drafted, first_row, accept_tokens, accept_lens)
         else:
             staging.restore()  # nothing forwarded: the reserved slots go back
         phases["forward_s"] = time.perf_counter() - mark
@@ -568,7 +585,7 @@ class VeriCacheWorker(ChainSpecWorker):
         self._count_modes(plan)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
-        return plan, self.result(batch, accept_tokens, accept_lens), outcome, reloaded, phases
+        return plan, self.result(batch, accept_tokens, accept_lens, logits_output), outcome, reloaded, phases
 
     def _in_pool_drafts(self, part, in_pool: dict) -> Optional[InPoolDrafts]:
         """What the attention backend needs of this forward's in-pool requests: the
