@@ -311,6 +311,40 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     assert (grew.get("in_pool_reselections", 0) > 0) is (view == "reselect"), grew
 
 
+def test_in_pool_requests_apply_penalties_grammars_and_logprobs(server, tokenizer, tmp_path_factory,
+                                                               vc_in_pool_servers):
+    """The request features of an in-pool drafter (one request at a time: the pool has
+    room, so it drafts over its window view): frequency and presence penalties give the
+    plain server's tokens; a regex-constrained request with logprobs gives its tokens,
+    a matching text, and logprobs within 2e-3; drafts were rejected somewhere."""
+    import re
+
+    vc_in_pool = _vc_in_pool(tmp_path_factory, "window")
+    penalised, constrained = _prompts(tokenizer, (600, 600, 600))[1:]
+    pattern = r"[A-Z][a-z]+( [a-z]+)+"
+    cases = [(penalised, {"sampling_params": {"frequency_penalty": 0.5, "presence_penalty": 0.3}}),
+             (constrained, {"sampling_params": {"regex": pattern}, "return_logprob": True, "top_logprobs_num": 2})]
+    infos = []
+    for ids, extra in cases:
+        outs = []
+        for srv in (vc_in_pool, server):
+            body = {"input_ids": ids, **extra, "sampling_params": {
+                "temperature": 0, "max_new_tokens": NEW, "ignore_eos": True, **extra["sampling_params"]}}
+            r = requests.post(srv.url + "/generate", json=body, timeout=900)
+            assert r.status_code == 200, r.text
+            outs.append(r.json())
+        got, want = outs
+        assert got["output_ids"] == want["output_ids"] and finish_type(got) == finish_type(want), extra
+        info = got["meta_info"][META][-1]
+        assert info["mode"] == "in-pool" and info["verify_rounds"] > 0, info
+        infos.append(info)
+        if "return_logprob" in extra:
+            assert re.fullmatch(pattern, got["text"]), got["text"]
+            lp = [t[0] for t in got["meta_info"]["output_token_logprobs"]]
+            assert lp == pytest.approx([t[0] for t in want["meta_info"]["output_token_logprobs"]], abs=2e-3)
+    assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos
+
+
 def test_a_request_at_the_end_of_the_context_stays_inside_its_row(server, model_dir, tokenizer, tmp_path):
     """A decode round reserves 2X slots past the committed length (X = 32 when chosen from
     data): a request whose prompt and new tokens end at the context length must not write
