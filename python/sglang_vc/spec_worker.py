@@ -18,7 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vc.grammar_masks import apply_grammars
-from sglang_vc.penalties import apply_penalties, penalty_rows
+from sglang_vc.penalties import apply_penalties, has_penalties, penalty_rows
 
 
 class ChainSpecWorker(BaseSpecWorker):
@@ -190,6 +190,13 @@ class ChainSpecWorker(BaseSpecWorker):
             qo_indptr_device=indptr.to(dev), verify_lens_cpu=list(lens), total_verify_tokens=total)
         spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
         return spec_info
+
+    @staticmethod
+    def constrained(reqs) -> bool:
+        """Whether any request has a penalty, ``min_new_tokens`` or a live grammar: the
+        callers of :meth:`penalize` build its per-row inputs only then."""
+        return any(has_penalties(req.sampling_params) or getattr(req, "grammar", None) is not None
+                   for req in reqs)
 
     @staticmethod
     def penalize(logits: torch.Tensor, reqs, runs, row_req, row_drafts, last_tokens=None) -> torch.Tensor:

@@ -239,6 +239,7 @@ class VeriCacheWorker(ChainSpecWorker):
         attn = self.model_runner.attn_backend
         info = batch.sampling_info
         bias = None if info is None else info.logit_bias  # drafts honour it too: fewer rejections
+        constrained = self.constrained(batch.reqs)  # penalties or grammars: per-position logits
         try:
             drafts = torch.empty(bs, x, dtype=torch.int64)
             cur = t0
@@ -246,8 +247,10 @@ class VeriCacheWorker(ChainSpecWorker):
                 lens = committed + j + 1
                 self.set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
                 res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                draft_logits = self.penalize(res.logits_output.next_token_logits, batch.reqs,
-                                             drafts[:, :j].tolist(), range(bs), [j] * bs, t0.tolist())
+                draft_logits = res.logits_output.next_token_logits
+                if constrained:
+                    draft_logits = self.penalize(draft_logits, batch.reqs, drafts[:, :j].tolist(), range(bs),
+                                                 [j] * bs, t0.tolist())
                 if bias is not None:
                     draft_logits = draft_logits.float() + bias[:, : draft_logits.shape[-1]].to(draft_logits.device)
                 cur = draft_logits.argmax(-1).to("cpu", torch.int64)
@@ -271,9 +274,11 @@ class VeriCacheWorker(ChainSpecWorker):
         reloaded = reload.nbytes() if reload is not None else 0
         if reload is not None and reload.failures:
             stats.add("vericache", reload_failures=reload.failures)
-        logits = self.penalize(res.logits_output.next_token_logits, batch.reqs, drafts.tolist(),
-                               [i for i in range(bs) for _ in range(w)], list(range(w)) * bs,
-                               t0.tolist()).view(bs, w, -1)
+        logits = res.logits_output.next_token_logits
+        if constrained:
+            logits = self.penalize(logits, batch.reqs, drafts.tolist(), [i for i in range(bs) for _ in range(w)],
+                                   list(range(w)) * bs, t0.tolist())
+        logits = logits.view(bs, w, -1)
 
         # 4. accept
         targets = self.targets(logits, batch, positions).to("cpu", torch.int64)
@@ -543,7 +548,9 @@ class VeriCacheWorker(ChainSpecWorker):
                 for r in reloads.values():
                     r.close()
             # penalties and grammar masks at each row's own position: verified rows and drafts alike
-            logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts, [t0[s.index] for s in part])
+            if self.constrained(sub.reqs):
+                logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts,
+                                       [t0[s.index] for s in part])
             exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
             bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
             # drafts are greedy (with the request's logit_bias: fewer rejections)
