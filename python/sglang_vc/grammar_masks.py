@@ -17,7 +17,7 @@ accepted more often.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -39,18 +39,21 @@ def _chain_masks(grammar, chain: Sequence[int], vocab_size: int) -> torch.Tensor
 
 
 def apply_grammars(logits: torch.Tensor, reqs: Sequence, last_tokens: Sequence[int], runs: Sequence[Sequence[int]],
-                   row_req: Sequence[int], row_drafts: Sequence[int]) -> torch.Tensor:
+                   row_req: Sequence[int], row_drafts: Sequence[int],
+                   masked_rows: Optional[Sequence[bool]] = None) -> torch.Tensor:
     """``logits`` [N, V] with each grammar-constrained request's vocabulary mask applied
     at each of its rows (a new tensor where any request has a grammar; ``logits``
     itself otherwise). Row ``j`` is request ``row_req[j]``'s after ``row_drafts[j]`` of
-    its drafts ``runs[i]``; ``last_tokens[i]`` is its last committed token."""
+    its drafts ``runs[i]``; ``last_tokens[i]`` is its last committed token. Given
+    ``masked_rows``, only the rows where it is true are masked (``--vc-draft-grammar
+    off`` leaves the drafting rows unmasked)."""
     constrained = [i for i, req in enumerate(reqs) if getattr(req, "grammar", None) is not None
                    and not req.grammar.finished and not req.grammar.is_terminated()]
     if not constrained:
         return logits
     vocab = logits.shape[-1]
     masks = {i: _chain_masks(reqs[i].grammar, [last_tokens[i], *runs[i]], vocab) for i in constrained}
-    rows = [j for j, i in enumerate(row_req) if i in masks]
+    rows = [j for j, i in enumerate(row_req) if i in masks and (masked_rows is None or masked_rows[j])]
     if not rows:
         return logits
     bitmask = torch.stack([masks[row_req[j]][row_drafts[j]] for j in rows])

@@ -199,18 +199,20 @@ class ChainSpecWorker(BaseSpecWorker):
                    for req in reqs)
 
     @staticmethod
-    def penalize(logits: torch.Tensor, reqs, runs, row_req, row_drafts, last_tokens=None) -> torch.Tensor:
+    def penalize(logits: torch.Tensor, reqs, runs, row_req, row_drafts, last_tokens=None,
+                 masked_rows=None) -> torch.Tensor:
         """``logits`` with what SGLang's sampler applies before ``logit_bias``, at each
         row's own position: each request's penalties and ``min_new_tokens``
         (:mod:`sglang_vc.penalties`), then, given ``last_tokens`` (each request's last
         committed token), its grammar's vocabulary mask (:mod:`sglang_vc.grammar_masks`).
         Row ``j`` is request ``row_req[j]``'s, after ``row_drafts[j]`` of the tokens
-        ``runs[i]`` it drafted past its committed output. Unchanged when no request has
-        a penalty or a grammar."""
+        ``runs[i]`` it drafted past its committed output; ``masked_rows`` (all by default)
+        are the rows the grammar masks. Unchanged when no request has a penalty or a
+        grammar."""
         logits = apply_penalties(logits, penalty_rows(reqs, runs, row_req, row_drafts, logits.shape[-1],
                                                       logits.device))
         if last_tokens is not None:
-            logits = apply_grammars(logits, reqs, last_tokens, runs, row_req, row_drafts)
+            logits = apply_grammars(logits, reqs, last_tokens, runs, row_req, row_drafts, masked_rows)
         return logits
 
     @staticmethod

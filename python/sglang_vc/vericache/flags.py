@@ -95,6 +95,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "attended most.",
     )
     g.add_argument(
+        "--vc-draft-grammar",
+        choices=["on", "off"],
+        default="on",
+        help="VERICACHE: with a request's grammar (JSON schema, regex, EBNF), 'on' (default) "
+        "draws its drafts under the grammar's mask too, so they stay inside the grammar and "
+        "are accepted more often; 'off' masks only the verify (the output is the same).",
+    )
+    g.add_argument(
         "--vc-schedule-trace",
         default=None,
         metavar="PATH",
@@ -156,6 +164,7 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
         raise ConfigError(str(exc))
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
             "in_pool": args.vc_in_pool, "draft_budget": str(args.vc_draft_budget), "draft_view": args.vc_draft_view,
+            "draft_grammar": args.vc_draft_grammar == "on",
             "compress_when": args.vc_compress_when, "remote_verifier": url,
             "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path,
             "tiering_drafts": int(args.vc_tiering_drafts)}
@@ -183,6 +192,10 @@ def compress_when(settings: Optional[dict]) -> CompressWhen:
 
 def in_pool(settings: Optional[dict]) -> InPool:
     return InPool((settings or {}).get("in_pool") or InPool.AUTO.value)
+
+
+def draft_grammar(settings: Optional[dict]) -> bool:
+    return bool((settings or {}).get("draft_grammar", True))
 
 
 def draft_budget(settings: Optional[dict]) -> DraftBudget:

@@ -119,6 +119,7 @@ class VeriCacheWorker(ChainSpecWorker):
                                         DEFAULT_DRAFT_TOKENS)
         # full KV resident: full-KV decoding or in-pool self-speculation, per request and cycle
         self.budget = flags.draft_budget(settings)
+        self.draft_grammar = flags.draft_grammar(settings)  # grammar masks on drafting rows too
         in_pool = flags.in_pool(settings)
         if schedule is flags.Schedule.LOCKSTEP and in_pool is not flags.InPool.NEVER:
             logger.warning("VERICACHE: in-pool drafting runs under the staggered schedule only; under "
@@ -250,7 +251,7 @@ class VeriCacheWorker(ChainSpecWorker):
                 draft_logits = res.logits_output.next_token_logits
                 if constrained:
                     draft_logits = self.penalize(draft_logits, batch.reqs, drafts[:, :j].tolist(), range(bs),
-                                                 [j] * bs, t0.tolist())
+                                                 [j] * bs, t0.tolist() if self.draft_grammar else None)
                 if bias is not None:
                     draft_logits = draft_logits.float() + bias[:, : draft_logits.shape[-1]].to(draft_logits.device)
                 cur = draft_logits.argmax(-1).to("cpu", torch.int64)
@@ -549,8 +550,10 @@ class VeriCacheWorker(ChainSpecWorker):
                     r.close()
             # penalties and grammar masks at each row's own position: verified rows and drafts alike
             if self.constrained(sub.reqs):
+                masked = None if self.draft_grammar else [s.role is not Role.DRAFT for s, n in zip(part, lens)
+                                                          for _ in range(n)]
                 logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts,
-                                       [t0[s.index] for s in part])
+                                       [t0[s.index] for s in part], masked)
             exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
             bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
             # drafts are greedy (with the request's logit_bias: fewer rejections)
