@@ -59,6 +59,7 @@ def _exercise(dtype, d: int) -> None:
     pos = torch.stack([torch.randperm(40, generator=gen)[:8] for _ in range(hkv)])
     ext.scatter_head_rows(torch.zeros(40, hkv, d, dtype=dtype), pos, torch.randn(8, hkv, d, generator=gen).to(dtype))
     ext.position_mask(torch.tensor([3, 11, 20]), torch.tensor([0, 2, 9, 15]), num_prefix=2)
+    ext.gather_head_rows(torch.randn(40, hkv, d, generator=gen).to(dtype), pos)
 
 
 @pytest.fixture(scope="module")

@@ -307,6 +307,11 @@ def test_copy_rows_and_reload_scatter(triton_backend):
     span = Span(0, n, dropped_rows, dropped_rows, kept, dropped)
     assert torch.equal(span.full(pool, pool, torch.arange(5, 40))[0], full)
 
+    # SpeCache's fetch: each head's own rows, gathered by index lists that stay where they are
+    rows = ext.gather_head_rows(full, kept)
+    assert triton_backend["gather_head_rows"] == 1
+    assert torch.equal(rows, kept_rows)
+
 
 def test_position_mask(triton_backend):
     q_pos, k_pos = torch.tensor([3, 11, 20, 7]), torch.tensor([0, 2, 3, 9, 11, 15, 20, 21])

@@ -127,7 +127,10 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
         lambda: draft_view.view_slots(req_to_token, reqs, lengths, budgets, budget), repeats), "per": "forward"}
     slots, valid = draft_view.view_slots(req_to_token, reqs, lengths, budgets, budget)
     draft = _time_us(lambda: draft_view.attend_view(q1, k_buf, v_buf, slots, valid, scale), repeats)
-    out["draft_in_pool"] = {"us": draft, "budget": budget, "ratio_to_full_decode_sdpa": draft / sdpa}
+    out["draft_in_pool"] = {"us": draft, "budget": budget, "ratio_to_full_decode_sdpa": draft / sdpa,
+                            **_runtime_calls(lambda: draft_view.attend_view(q1, k_buf, v_buf, slots, valid, scale))}
+    out["in_pool_view_build"].update(_runtime_calls(
+        lambda: draft_view.view_slots(req_to_token, reqs, lengths, budgets, budget)))
     del req_to_token, slots, valid
     kept = int(n * keep)
     out["draft_snapkv"] = {"us": _time_us(paged(kept, int(round(1 / keep)), 1), repeats), "kept": kept}
@@ -202,6 +205,11 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
     sc = ext.payload_scores(qr[0], lse0, p1, scale)
     out["specache_topk_only"] = {"us": _time_us(lambda: [ext.select_topk(sc, topk) for _ in range(batch)], repeats)}
 
+    worker_step = _specache_worker_step(kr, vr, c2, p2, q1, batch, topk, scale, dev)
+    out["draft_specache_worker"] = {"us": _wall_us(worker_step, max(3, repeats // 5)), "topk": topk,
+                                    "note": "the server's SpeCacheDrafter.attend, per request as the worker calls it",
+                                    **_runtime_calls(worker_step)}
+
     # reload: one layer of one request's full KV from pinned host memory on a copy stream
     if dev != "cuda":
         return out
@@ -235,6 +243,63 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
     out["overlap"] = {"us": _time_us(both, repeats), "compute_alone_us": out["verify_paged"]["us"],
                       "copy_alone_us": r_us}
     return out
+
+
+def _runtime_calls(fn) -> dict:
+    """CUDA kernels launched and host-blocking CUDA runtime calls made by one ``fn()``
+    (``torch.profiler``); empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    blocking = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpy2D")
+    return {"launches": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+                            for n in names),
+            "host_syncs": sum(n in blocking for n in names),  # (the closing synchronize is cudaDeviceSynchronize)
+            "memcpy_async": sum(n == "cudaMemcpyAsync" for n in names)}
+
+
+def _specache_worker_step(kr, vr, compressed, packed, q1, batch: int, topk: int, scale: float, dev: str):
+    """One layer of SpeCache drafting for ``batch`` requests through the server's own code
+    (``vericache.specache_drafter.SpeCacheDrafter.attend``, called per request as
+    ``vericache.attention`` calls it): the payload of ``compressed``, the full rows in the
+    server's ``HostKVStore`` (pinned on a GPU), a pool holding each request's new row."""
+    import types
+
+    from sglang_vc.compress.kivi import KIVI
+    from sglang_vc.vericache.reload import HostKVStore
+    from sglang_vc.vericache.specache_drafter import SpeCacheDrafter
+
+    n = kr.shape[0]
+    host = HostKVStore(pin=dev == "cuda")
+    gen = torch.Generator().manual_seed(batch)  # on the host: the same rows whatever the device
+    k_buf = torch.randn(batch + 1, *kr.shape[1:], generator=gen).to(dev, kr.dtype)  # slot i + 1: request i's new row
+    v_buf = torch.randn(k_buf.shape, generator=gen).to(dev, kr.dtype)
+    req_to_token = torch.zeros(batch, n + 1, dtype=torch.int32, device=dev)
+    req_to_token[:, n] = torch.arange(1, batch + 1, dtype=torch.int32, device=dev)
+    entries = []
+    for i in range(batch):
+        rid = f"r{i}"
+        host.sink(rid, i, 0, 0, kr, vr)
+        entries.append(types.SimpleNamespace(rid=rid, req_pool_idx=i, payload=compressed, num_payload_rows=n))
+    host.flush()
+    pool = types.SimpleNamespace(get_key_buffer=lambda layer_id: k_buf, get_value_buffer=lambda layer_id: v_buf)
+    runtime = types.SimpleNamespace(kv_pool=pool, req_to_token=req_to_token,
+                                    packed_payload=lambda entry, layer_id: packed,
+                                    payload_kv=lambda entry, layer_id: KIVI.dequantize(compressed))
+    drafter = SpeCacheDrafter(host, runtime, topk)
+    layer = types.SimpleNamespace(layer_id=0, scaling=scale)
+
+    def step() -> list:
+        return [drafter.attend(q1[i : i + 1], entry, layer, n + 1) for i, entry in enumerate(entries)]
+
+    return step
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,10 @@ Cases (one decode query row per request, ``--batch`` requests, Llama-like heads)
 
 * ``paged``: decode attention over a compressed node's kept rows through its index list;
 * ``kivi2``/``kivi1``: the payload dequantized inside the attention vs dequantize + attend;
-* ``specache_topk``: payload scores from the 1-bit keys and the top-k vs the eager path.
+* ``specache_topk``: payload scores from the 1-bit keys and the top-k vs the eager path;
+* ``host_gather``: SpeCache's fetch of 64 rows per KV head and request from a pinned host
+  copy at indices on the device, read by the GPU itself (``gather_head_rows``) vs the torch
+  path (indices to the host, a gather there, the rows back: a host round trip).
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ def run_case(case: str, n: int, batch: int, hq: int, hkv: int, d: int, repeats: 
             timings["flashinfer_dense"] = None
         row["us"] = timings
         return row
+    if case == "host_gather":
+        src = [torch.randn(n, hkv, d, dtype=dtype).pin_memory() for _ in range(batch)]
+        idx = [torch.randint(0, n, (hkv, 64), device=dev) for _ in range(batch)]
+        timings, outs = {}, {}
+        for name in ("triton", "torch"):
+            _backend(name)
+            outs[name] = torch.stack([ext.gather_head_rows(s, i) for s, i in zip(src, idx)])
+            timings[name] = time_us(lambda: [ext.gather_head_rows(s, i) for s, i in zip(src, idx)], repeats)
+        row["max_abs_err"] = _err(outs["triton"], outs["torch"])
+        row["us"] = timings
+        return row
     quantizer = {"kivi2": KIVI(), "kivi1": KIVI1(), "specache_topk": KIVI1()}[case]
     bits = quantizer.supported_bits[0]
     k = torch.randn(n, hkv, d, device=dev, dtype=dtype)
@@ -137,12 +151,19 @@ def main(argv=None) -> None:
     except ValueError:
         parser.error("--lengths and --heads take comma-separated integers")
     rows = []
-    for case in ("paged", "kivi2", "kivi1", "specache_topk"):
-        for n in lengths:
-            row = run_case(case, n, args.batch, hq, hkv, d, args.repeats)
-            print(f"[kernels] {case} n={n}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row["us"].items() if v)
-                  + f", max abs error vs torch {row['max_abs_err']:.2e}", file=sys.stderr)
-            rows.append(row)
+    chosen = os.environ.get("SGL_KERNEL_EXT_BACKEND")  # each case switches it; restored after
+    try:
+        for case in ("paged", "kivi2", "kivi1", "specache_topk", "host_gather"):
+            for n in lengths:
+                row = run_case(case, n, args.batch, hq, hkv, d, args.repeats)
+                print(f"[kernels] {case} n={n}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row["us"].items() if v)
+                      + f", max abs error vs torch {row['max_abs_err']:.2e}", file=sys.stderr)
+                rows.append(row)
+    finally:
+        if chosen is None:
+            os.environ.pop("SGL_KERNEL_EXT_BACKEND", None)
+        else:
+            os.environ["SGL_KERNEL_EXT_BACKEND"] = chosen
     report = {"benchmark": "kernels", "device": torch.cuda.get_device_name(), "settings": vars(args), "rows": rows,
               "command": " ".join(["python -m sglang_vc.bench.kernels", *(argv or sys.argv[1:])])}
     out = Path(args.json)

@@ -26,20 +26,16 @@ from .core import Attended, Rows
 
 
 def _rows_attention(q: Tensor, rows: Rows, scale: float) -> tuple[Tensor, Tensor]:
-    """Each KV head's query heads over that head's own full-precision rows (all visible)."""
-    t, hq, _ = q.shape
-    h, k = rows.positions.shape
-    g = hq // h
-    dev = q.device
-    outs, lses = [], []
-    for head in range(h):
-        o, lse = ext.paged_attention(
-            q[:, head * g : (head + 1) * g], rows.k[:, head : head + 1], rows.v[:, head : head + 1],
-            torch.zeros(t, dtype=torch.int64, device=dev), torch.zeros(t, dtype=torch.int64, device=dev),
-            torch.tensor([0, k], device=dev), torch.arange(k, device=dev), torch.full((k,), -1, device=dev), scale)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+    """Each KV head's query heads over that head's own full-precision rows (all visible):
+    float32 ``(out [T, Hq, Dv], lse [T, Hq])``. A few batched torch ops for every head (the
+    rows are few, SpeCache's top-k), nothing sent from the host."""
+    t, hq, d = q.shape
+    h = rows.positions.shape[0]
+    qg = q.float().view(t, h, hq // h, d)
+    s = torch.einsum("thgd,khd->thgk", qg, rows.k.float()) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("thgk,khd->thgd", torch.exp(s - lse.unsqueeze(-1)), rows.v.float())
+    return out.reshape(t, hq, -1), lse.reshape(t, hq)
 
 
 def attend(q: Tensor, payload: ext.Payload, k_buf: Tensor, v_buf: Tensor, tail_slots: Tensor, *, q_start: int,
@@ -57,9 +53,10 @@ def attend(q: Tensor, payload: ext.Payload, k_buf: Tensor, v_buf: Tensor, tail_s
     if exclude is not None:
         out, lse = ext.merge_state(out, lse, *_rows_attention(q, rows, scale))
     m = tail_slots.numel()
+    indptr = torch.arange(2, device=dev) * m  # [0, m], built on the device
     tail_out, tail_lse = ext.paged_attention(
         q, k_buf, v_buf, torch.zeros(t, dtype=torch.int64, device=dev),
-        torch.arange(q_start, q_start + t, device=dev), torch.tensor([0, m], device=dev), tail_slots.to(torch.int64),
+        torch.arange(q_start, q_start + t, device=dev), indptr, tail_slots.to(torch.int64),
         torch.arange(n_q, n_q + m, device=dev), scale)
     out, lse = ext.merge_state(out, lse, tail_out, tail_lse)
 

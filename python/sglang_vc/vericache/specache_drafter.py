@@ -95,15 +95,17 @@ class SpeCacheDrafter:
     def _rows(host_entry, layer_id: int, positions: torch.Tensor, row: torch.Tensor,
               k_buf: torch.Tensor, v_buf: torch.Tensor) -> core.Rows:
         """Full-precision rows ``positions [H, k]``: from the host copy (``[p, n)``), or
-        from the pool for a tree-shared prefix ``[0, p)``."""
-        host_entry.wait()  # its copies to the host have landed
+        from the pool for a tree-shared prefix ``[0, p)``. On CUDA the GPU reads the
+        pinned host copy itself at indices that never leave the device
+        (``sgl_kernel_ext.gather_head_rows``): no host round trip per request and layer."""
+        host_entry.wait()  # its copies to the host have landed (blocks once per request)
         span = host_entry.span(layer_id)
         p = span.p
         dev = k_buf.device
-        rel = (positions.to("cpu") - p).clamp(min=0)
-        host = core.gather_rows(span.k, span.v, rel)
-        k, v = host.k.to(dev, k_buf.dtype), host.v.to(dev, v_buf.dtype)
-        if p > 0 and bool((positions < p).any()):
+        rel = (positions - p).clamp(min=0)
+        k = ext.gather_head_rows(span.k, rel).to(dev, k_buf.dtype)
+        v = ext.gather_head_rows(span.v, rel).to(dev, v_buf.dtype)
+        if p > 0:  # rows of a tree-shared prefix come from the pool (no host read to test for them)
             shared = positions.clamp(max=p - 1).to(row.device)
             slots = row[:p].to(torch.int64)
             dev_rows = core.gather_rows(k_buf[slots], v_buf[slots], shared)

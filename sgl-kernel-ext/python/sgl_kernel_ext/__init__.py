@@ -8,11 +8,12 @@ on CUDA tensors and the torch reference elsewhere (:mod:`.dispatch`).
 * :func:`payload_scores`, :func:`select_topk` -- SpeCache's top-k over the low-bit keys;
 * :func:`merge_state` -- two partial attentions into one (torch);
 * :func:`copy_rows`, :func:`scatter_head_rows` -- SpecCache's gather/scatter and
-  VeriCache's reload scatter;
+  VeriCache's reload scatter; :func:`gather_head_rows` -- SpeCache's top-k rows read
+  from pinned host memory by the GPU;
 * :func:`position_mask` -- the selective prefill's mask.
 """
 
-from .copy_rows import copy_rows, scatter_head_rows
+from .copy_rows import copy_rows, gather_head_rows, scatter_head_rows
 from .dispatch import Backend, backend_for, launches
 from .kivi_attention import Payload, kivi_attention
 from .kv_indices import KVIndices, build_kv_indices
@@ -22,7 +23,8 @@ from .position_mask import position_mask
 from .specache_topk import payload_scores, select_topk
 
 __all__ = [
-    "Backend", "KVIndices", "Payload", "backend_for", "build_kv_indices", "copy_rows", "kivi_attention",
+    "Backend", "KVIndices", "Payload", "backend_for", "build_kv_indices", "copy_rows", "gather_head_rows",
+    "kivi_attention",
     "launches", "merge_state", "paged_attention", "payload_scores", "position_mask", "scatter_head_rows",
     "select_topk",
 ]

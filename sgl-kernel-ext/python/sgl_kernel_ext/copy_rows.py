@@ -6,7 +6,11 @@
 * :func:`scatter_head_rows` ``out[pos[h, j], h] = rows[j, h]``: VeriCache's reload
   scatter, layer by layer: the rows compression dropped (per KV head, each head its own
   positions), staged from the host, put back beside the kept ones into the verify's
-  staging buffer.
+  staging buffer;
+* :func:`gather_head_rows` ``out[j, h] = src[idx[h, j], h]``: SpeCache's fetch of each KV
+  head's top-k full-precision rows, read by the GPU straight from pinned host memory
+  (mapped under unified addressing) at indices that stay on the device: no host round
+  trip.
 
 On CUDA the caller runs them on its copy stream (``torch.cuda.stream``): the kernels
 take no stream of their own.
@@ -88,4 +92,45 @@ def scatter_head_rows(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
     d = out.shape[2]
     launch("scatter_head_rows", _scatter_kernel, (n, h), out, pos, rows, out.stride(0), out.stride(1),
            pos.stride(0), rows.stride(0), rows.stride(1), D=d, BLOCK_D=block(d))
+    return out
+
+
+def gather_head_rows_reference(src: Tensor, idx: Tensor) -> Tensor:
+    rows = src.gather(0, idx.t().to(src.device, torch.int64).unsqueeze(-1).expand(-1, -1, src.shape[2]))
+    return rows.to(idx.device)
+
+
+@triton.jit
+def _gather_kernel(out, src, idx, so0, so1, ss0, ss1, si0, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    r = tl.load(idx + h * si0 + j).to(tl.int64)
+    x = tl.load(src + r * ss0 + h * ss1 + d, mask=d < D)
+    tl.store(out + j * so0 + h * so1 + d, x, mask=d < D)
+
+
+def host_readable(src: Tensor) -> bool:
+    """Whether a CUDA kernel can read ``src`` where it lies: a CUDA tensor, or pinned host
+    memory (mapped into the device's address space under unified addressing)."""
+    return src.is_cuda or (src.device.type == "cpu" and src.is_pinned() and torch.cuda.is_available())
+
+
+def gather_head_rows(src: Tensor, idx: Tensor) -> Tensor:
+    """``out[j, h, :] = src[idx[h, j], h, :]``: ``src [N, H, D]`` (on the device or in
+    pinned host memory), ``idx [H, k]`` on the device; ``out [k, H, D]`` on ``idx``'s
+    device. With CUDA indices and a pinned source the kernel reads the host rows over the
+    bus itself, in stream order, and nothing waits on the host; elsewhere the torch path
+    (which on CUDA would copy the indices to the host)."""
+    if (backend_for(idx) is Backend.TORCH or src.stride(2) != 1
+            or (idx.is_cuda and not host_readable(src)) or (not idx.is_cuda and src.is_cuda)):
+        return gather_head_rows_reference(src, idx)
+    h, k = idx.shape
+    out = torch.empty(k, h, src.shape[2], dtype=src.dtype, device=idx.device)
+    if k == 0:
+        return out
+    idx = idx.to(torch.int64).contiguous()
+    d = src.shape[2]
+    launch("gather_head_rows", _gather_kernel, (k, h), out, src, idx, out.stride(0), out.stride(1), src.stride(0),
+           src.stride(1), idx.stride(0), D=d, BLOCK_D=block(d))
     return out

@@ -1,0 +1,75 @@
+"""``python -m sglang_vc.bench.gpu_check --out DIR``: the prepared GPU check, one command
+(about a minute on an H200), for a lent CUDA machine with PyTorch and Triton only (no
+SGLang, no network):
+
+1. the server's SpeCache drafter (``SpeCacheDrafter.attend``) on CUDA, where its fetch
+   reads pinned host memory from the GPU, against the same call on the CPU's torch path:
+   the same attention output (float32, both devices);
+2. ``bench.kernels``: every Triton kernel against its torch path, time and error;
+3. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
+   layer at 32k tokens, each drafter through the server's own functions where it has one,
+   with kernel launches and host-blocking CUDA calls counted by ``torch.profiler``.
+
+Writes ``DIR/gpu_check.json`` (1), ``kernels.json``, ``gpu_step.json``, ``gpu_step_b32.json``
+and their plots; exits non-zero when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def drafter_matches_cpu(n: int = 4096, batch: int = 4, hq: int = 32, hkv: int = 8, d: int = 128,
+                        topk: int = 64) -> dict:
+    import sgl_kernel_ext as ext
+
+    from sglang_vc.bench.gpu_step import _specache_worker_step
+    from sglang_vc.compress.kivi import KIVI
+
+    g = torch.Generator().manual_seed(0)
+    kr, vr = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    q = torch.randn(batch, hq, d, generator=g)
+    outs = {}
+    for dev in ("cuda", "cpu"):
+        k, v = kr.to(dev), vr.to(dev)
+        c = KIVI().compress(0, k, v, 2)
+        packed = ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
+                             c.v_payload, c.v_scales, c.v_zeros, d, d)
+        step = _specache_worker_step(k, v, c, packed, q.to(dev), batch, topk, d ** -0.5, dev)
+        outs[dev] = torch.cat([o.float().cpu() for o in step()])
+    err = float((outs["cuda"] - outs["cpu"]).abs().max())
+    return {"check": "specache_drafter_cuda_vs_cpu", "max_abs_err": err, "ok": err < 1e-2,
+            "uva_launches": ext.launches.get("gather_head_rows", 0)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_vc.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmark/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from sglang_vc.bench import gpu_step, kernels
+
+    check = drafter_matches_cpu()
+    check["device"] = torch.cuda.get_device_name()
+    (out / "gpu_check.json").write_text(json.dumps(check, indent=2))
+    print(f"[gpu_check] {check}", file=sys.stderr, flush=True)
+    failed = not check["ok"]
+    for name, fn, extra in (("kernels.json", kernels.main, []), ("gpu_step.json", gpu_step.main, []),
+                            ("gpu_step_b32.json", gpu_step.main, ["--batch", "32", "--budget", "512"])):
+        try:
+            fn(["--json", str(out / name), *extra])
+        except SystemExit as exc:  # bench.kernels exits non-zero when a kernel is off its torch path
+            failed |= bool(exc.code)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
