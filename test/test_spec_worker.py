@@ -69,3 +69,15 @@ def test_sub_batch_gives_requests_rows_lengths_and_sampling_in_order(indices):
 def test_sub_batch_index_out_of_range_is_refused():
     with pytest.raises(ValueError):
         _worker().sub_batch(_batch(), [2, 4])
+
+
+def test_chain_mask_is_each_requests_prefix_and_causal_chain():
+    """The verify mask built on the device equals the per-request blocks it replaces:
+    ``[n, s + n]`` with row ``r`` seeing the ``s`` prefix positions and chain tokens 0..r."""
+    from sglang_vc.spec_worker import chain_mask
+
+    starts, lens = [5, 0, 17, 3], [1, 4, 3, 9]
+    want = torch.cat([torch.cat([torch.ones(n, s, dtype=torch.bool), torch.tril(torch.ones(n, n, dtype=torch.bool))],
+                                1).flatten() for s, n in zip(starts, lens)])
+    assert torch.equal(chain_mask(starts, lens, "cpu"), want)
+    assert chain_mask([], [], "cpu").numel() == 0

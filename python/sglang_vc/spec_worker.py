@@ -11,6 +11,7 @@ the sampler's choice of a token from logits, sub-batches, and the prefill result
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 
@@ -19,6 +20,25 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vc.grammar_masks import apply_grammars
 from sglang_vc.penalties import apply_penalties, has_penalties, penalty_rows
+
+
+def chain_mask(starts: list[int], lens: list[int], dev) -> torch.Tensor:
+    """SGLang's flattened verify mask for chains: request ``i``'s ``[lens[i], starts[i] +
+    lens[i]]`` block, row ``r`` seeing the prefix and chain tokens ``0 .. r``. Built on
+    ``dev`` by a few element-wise kernels (sizes known on the host, so nothing is read back),
+    not as per-request host tensors copied over every iteration."""
+    width = [s + n for s, n in zip(starts, lens)]
+    sizes = [n * wd for n, wd in zip(lens, width)]
+    total = sum(sizes)
+    if total == 0:
+        return torch.zeros(0, dtype=torch.bool, device=dev)
+    per_req = torch.tensor([[s, wd, off] for s, wd, off in zip(starts, width, itertools.accumulate([0, *sizes[:-1]]))],
+                           dtype=torch.int64).to(dev, non_blocking=True)
+    req = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
+                                  torch.tensor(sizes).to(dev, non_blocking=True), output_size=total)
+    start, wd, off = per_req[req].unbind(1)
+    local = torch.arange(total, device=dev) - off
+    return local % wd <= start + local // wd
 
 
 class ChainSpecWorker(BaseSpecWorker):
@@ -145,9 +165,7 @@ class ChainSpecWorker(BaseSpecWorker):
         # A causal chain (NGRAM's tree with topk=1): query k sees the committed prefix and
         # verify tokens 0..k. Flattened per request as [W, L + W], as SGLang's verify
         # attention backends read it (the vc_verify backend builds the same mask itself).
-        chain = torch.tril(torch.ones(w, w, dtype=torch.bool))
-        mask = torch.cat([torch.cat([torch.ones(w, int(l), dtype=torch.bool), chain], 1).flatten()
-                          for l in committed.tolist()]).to(dev)
+        mask = chain_mask(committed.tolist(), [w] * bs, dev)
         spec_info = NgramVerifyInput(
             draft_token=verify_ids.flatten().to(dev),
             custom_mask=mask,
@@ -173,11 +191,9 @@ class ChainSpecWorker(BaseSpecWorker):
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
         indptr[1:] = lens_t.cumsum(0)
         total = int(indptr[-1])
-        mask = torch.cat([torch.cat([torch.ones(n, s, dtype=torch.bool), torch.tril(torch.ones(n, n, dtype=torch.bool))],
-                                    1).flatten() for s, n in zip(starts, lens)])
         spec_info = NgramVerifyInput(
             draft_token=ids.to(dev),
-            custom_mask=mask.to(dev),
+            custom_mask=chain_mask(starts, lens, dev),
             positions=positions.to(dev),
             retrieve_index=torch.arange(total, device=dev).view(1, total),
             retrieve_next_token=None,

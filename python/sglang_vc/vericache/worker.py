@@ -541,8 +541,14 @@ class VeriCacheWorker(ChainSpecWorker):
             try:
                 self._verify_forward_with(staging)
                 self.model_runner.attn_backend.in_pool = in_pool_drafts
-                logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
-                                          slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
+                if len(full) == len(part):
+                    # every request decodes one token from full KV: SGLang's own decode
+                    # forward (its decode kernels), not a verify layout with one query each
+                    logits = self.forward_sub(sub, ForwardMode.DECODE, ids_t, torch.tensor(starts) + 1,
+                                              slots.flatten(), None)
+                else:
+                    logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
+                                              slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
             finally:
                 self.model_runner.attn_backend.in_pool = None
                 self._verify_forward_done()
