@@ -188,6 +188,29 @@ def test_rows_move_to_the_host_on_the_copy_stream_after_the_forward():
     assert waited == [1]
 
 
+def test_a_quantized_layer_goes_to_the_host_during_the_prefill():
+    """A quantizer keeps no full row on the device, so each layer's full copy moves to the
+    host as soon as that layer is compressed (``kept(..., None)``), on the copy stream
+    after the forward's event, not at the prefill's end: the device never holds every
+    layer's full copy at once."""
+    fake = StandInStreams()
+    stream = CopyStream("cpu", module=fake)
+    stream.keep_alive = lambda t, s: None
+    store = HostKVStore(copy_stream=stream, pin=False)
+    assert store.admit("a", 5, 0, 10, nbytes=100)
+    full = {l: (torch.randn(10, 2, 4), torch.randn(10, 2, 4)) for l in LAYERS}
+    for l, (k, v) in full.items():
+        store.sink("a", 5, l, 0, k, v)
+        store.kept("a", 5, l, None)
+        assert not store.entries["a"].pending, "the layer left the device at once"
+        assert [kind for kind, _ in fake.log[-3:]] == ["record", "copy-wait", "record"]
+    entry = store.get("a", 5)
+    assert all(torch.equal(entry.k[l], k) and torch.equal(entry.v[l], v) for l, (k, v) in full.items())
+    n = len(fake.log)
+    store.flush()
+    assert len(fake.log) == n  # nothing was left for the prefill's end
+
+
 def test_reload_copies_on_its_own_stream_and_the_consumer_waits():
     """On an accelerator each layer is copied on the copy stream and the consumer's
     stream waits on that layer's event before the rows are returned."""

@@ -318,6 +318,8 @@ class KVRuntime:
                 kernels.write_rows(k_buf, dest, ckv.k)
                 kernels.write_rows(v_buf, dest, ckv.v)
             elif isinstance(ckv, QuantizedKV):
+                if self.full_kv_kept is not None:  # every row quantized: the full layer can go now
+                    self.full_kv_kept(pend.plan.rid, pend.req_pool_idx, layer_id, None)
                 pend.n_quant = ckv.num_quantized
                 if ckv.num_quantized:
                     empty = ckv.k_residual[:0]

@@ -172,14 +172,21 @@ class HostKVStore:
             entry = self.entries[rid]
         entry.pending[layer_id] = (k[p:], v[p:])
 
-    def kept(self, rid: str, req_pool_idx: int, layer_id: int, kept_positions: torch.Tensor) -> None:
+    def kept(self, rid: str, req_pool_idx: int, layer_id: int, kept_positions: Optional[torch.Tensor]) -> None:
         """A token-dropping compressor kept ``kept_positions`` (``[H, n_keep]`` of
         ``[0, n)``, on the device) of this layer: the host keeps only the other rows of
         ``[p, n)``, those a verify cannot find on the device, selected on the device. Left
         as full rows when a kept position lies before ``p`` (then the heads keep different
-        numbers of rows of the span; only a prefix-cache hit has ``p > 0``)."""
+        numbers of rows of the span; only a prefix-cache hit has ``p > 0``).
+        ``kept_positions=None`` (a quantizer: no row stays full on the device): the whole
+        layer goes to the host now, while the prefill computes the next layers, so the
+        device does not hold every layer's full copy until the prefill's end."""
         entry = self.entries.get(rid)
         if entry is None or entry.req_pool_idx != req_pool_idx or layer_id not in entry.pending:
+            return
+        if kept_positions is None:
+            k, v = entry.pending.pop(layer_id)
+            self._to_host(entry, layer_id, k, v, None, None)
             return
         k, v = entry.pending[layer_id]
         rel = kept_positions.to(k.device, torch.int64) - entry.p
