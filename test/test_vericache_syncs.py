@@ -6,8 +6,9 @@ Servers started with ``SGLANG_VC_COUNT_SYNCS=1`` count them per iteration
 (:mod:`sglang_vc.kvruntime.syncs`: ``tolist``, ``item``, ``cpu``, ``numpy``, ``.to("cpu")``
 and ``int``/``float``/``bool``/``index`` of a tensor, on the scheduler thread) and write
 the count into the schedule trace. Two model depths (the embedded model cut to 2 and 4
-layers), batches of 2 and 8 requests, SnapKV and KIVI 2-bit drafters: the count per
-iteration (drafting only, verifying only, both) is the same everywhere.
+layers), batches of 2 and 8 requests, SnapKV, KIVI 2-bit and SpeCache 2-bit (the default
+drafter) drafters in one batch: the count per iteration (drafting only, verifying only,
+both) is the same everywhere.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sglang_vc.testing.client import concurrently, generate
 from sglang_vc.testing.server import ServerProcess
 
 KIVI = {"vc_compressor": "kivi", "vc_kv_bits": 2}
+SPECACHE = {"vc_compressor": "specache", "vc_kv_bits": 2}
 
 
 def _iterations(depth: int, tokenizer, tmp_path) -> dict[int, list[dict]]:
@@ -37,9 +39,12 @@ def _iterations(depth: int, tokenizer, tmp_path) -> dict[int, list[dict]]:
     try:
         for bs in (2, 8):
             seen = len(trace.read_text().splitlines()) if trace.exists() else 0
-            jobs = [(stream[i * 300 : i * 300 + 240], KIVI if i % 2 else None) for i in range(bs)]
+            jobs = [(stream[i * 300 : i * 300 + 240], (SPECACHE, KIVI, None)[i % 3]) for i in range(bs)]
             concurrently(lambda ids, custom: generate(server, ids, 12, custom), jobs)
             out[bs] = [json.loads(line) for line in trace.read_text().splitlines()[seen:]]
+        # the default drafter really drafted: SpeCache fetched its top-k rows
+        counters = server.server_info()["sglang_vc"]["counters"]["vericache"]
+        assert counters.get("specache_rows_fetched", 0) > 0, counters
     finally:
         server.stop()
     return out
