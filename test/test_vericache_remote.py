@@ -282,7 +282,7 @@ def test_remote_flag_values_are_usage_errors(argv, message, capsys):
 def test_remote_algorithm_needs_a_verifier_and_evicpress_and_resolves_its_flags():
     from sglang_vc.config import ConfigError
     from sglang_vc.launch_server import parse_args
-    from sglang_vc.vericache import remote_spec
+    from sglang_vc.vericache.remote import spec as remote_spec
 
     storage = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
     _, sa = parse_args(["--speculative-algorithm", "VERICACHE_REMOTE", "--radix-cache-backend", "evicpress", *storage])
@@ -313,7 +313,7 @@ def test_full_copies_are_read_once_per_context_and_handed_over_when_done():
     import time as _time
     from types import SimpleNamespace
 
-    from sglang_vc.vericache.remote_stream import FullCopies
+    from sglang_vc.vericache.remote.stream import FullCopies
 
     gate = threading.Event()
     reads = []

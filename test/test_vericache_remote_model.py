@@ -1,11 +1,11 @@
-"""Appendix B.2's model of remote prefix caching (``vericache/remote_model.py``)."""
+"""Appendix B.2's model of remote prefix caching (``vericache/remote/model.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sglang_vc.vericache import remote_model as rm
+from sglang_vc.vericache.remote import model as rm
 
 GB = 1e9
 
@@ -75,7 +75,7 @@ def test_bad_inputs_are_refused():
 
 
 def _inputs(k: int, **kw):
-    from sglang_vc.vericache.remote_stream import PathInputs
+    from sglang_vc.vericache.remote.stream import PathInputs
 
     # a 47 MB full copy on a 20 MB/s link (2.4 s); a 1.5 s verify round committing 6.7
     # tokens; a 0.05 s draft step
@@ -85,7 +85,7 @@ def _inputs(k: int, **kw):
 
 
 def test_the_runtime_choice_is_p1_when_the_full_copy_would_arrive_too_late():
-    from sglang_vc.vericache.remote_stream import RemotePath, choose_path
+    from sglang_vc.vericache.remote.stream import RemotePath, choose_path
 
     # 8 tokens: P1 is done in ~1.8 s, before the copy's 2.35 s
     assert choose_path(_inputs(8)) is RemotePath.P1
@@ -98,7 +98,7 @@ def test_the_runtime_choice_is_p1_when_the_full_copy_would_arrive_too_late():
 
 
 def test_before_anything_is_measured_long_outputs_take_p2():
-    from sglang_vc.vericache.remote_stream import RemotePath, choose_path
+    from sglang_vc.vericache.remote.stream import RemotePath, choose_path
 
     cold = dict(round_s=None, commits_per_round=None, step_s=None)
     assert choose_path(_inputs(15, **cold)) is RemotePath.P1

@@ -118,7 +118,7 @@ def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and
 def test_tiering_takes_no_verifier_and_refuses_negative_drafts(model_dir, capsys):
     from sglang_vc.config import ConfigError
     from sglang_vc.launch_server import parse_args
-    from sglang_vc.vericache import remote_spec
+    from sglang_vc.vericache.remote import spec as remote_spec
 
     base = ["--speculative-algorithm", "VERICACHE_REMOTE", "--radix-cache-backend", "evicpress",
             "--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--evicpress-load-copy", "kivi@4b"]
@@ -164,7 +164,7 @@ def test_held_tokens_are_committed_x_a_round_with_their_kv_moved_in():
 
     import torch
 
-    from sglang_vc.vericache.tiering import Held, Tiering
+    from sglang_vc.vericache.remote.tiering import Held, Tiering
 
     moves, freed = [], []
     pool = SimpleNamespace(move_kv_cache=lambda dst, src: moves.append((dst.tolist(), src.tolist())))

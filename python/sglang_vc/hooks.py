@@ -324,7 +324,7 @@ def _switch_remote_requests_to_local(*args, **kwargs):
     prefix's full KV has arrived leaves the running batch by SGLang's own retraction and
     is requeued, to prefill what follows the prefix exactly. Its worker runs inside the
     forward; only between iterations is the running batch the scheduler's to change."""
-    from sglang_vc.vericache.remote_worker import retract_switched
+    from sglang_vc.vericache.remote.worker import retract_switched
 
     retract_switched(args[0])
     return None

@@ -28,7 +28,7 @@ def register_all() -> None:
 
     worker_spec.register()  # speculative algorithm "VERICACHE", attention backend "vc_verify"
 
-    from sglang_vc.vericache import remote_spec
+    from sglang_vc.vericache.remote import spec as remote_spec
 
     remote_spec.register()  # speculative algorithm "VERICACHE_REMOTE" (SGLang's attention backend)
 

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 _WORKERS: dict[str, str] = {
     "VERICACHE": "sglang_vc.vericache.worker:VeriCacheWorker",
     "SPECACHE": "sglang_vc.specache.worker:SpeCacheWorker",
-    "VERICACHE_REMOTE": "sglang_vc.vericache.remote_worker:RemoteVerifyWorker",
+    "VERICACHE_REMOTE": "sglang_vc.vericache.remote.worker:RemoteVerifyWorker",
 }
 
 

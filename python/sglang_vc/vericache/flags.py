@@ -14,7 +14,7 @@ from sglang_vc.config import ConfigError, FlagGroup, register_flag_group
 
 from .draft_view import DEFAULT_BUDGET, DraftBudget, View
 from .names import ALGORITHM, ATTENTION_BACKEND
-from .remote_stream import RemotePath
+from .remote.stream import RemotePath
 
 GROUP = "vericache"
 

@@ -15,9 +15,9 @@ Symbols (paper Table 3), all sizes in bytes, bandwidths in bytes/s, times in sec
 * ``BW_hbm`` ``hbm_bw``, ``BW_inter`` ``interconnect_bw``, ``GPU_mem`` ``gpu_mem_bytes``.
 
 Appendix B.2 (remote prefix caching: the six routes, their resource costs and the
-throughput-optimal mix) lives in :mod:`.remote_model` and is re-exported here; the
+throughput-optimal mix) lives in :mod:`.remote.model` and is re-exported here; the
 per-request P1/P2 choice a remote server makes at run time is
-:func:`.remote_stream.choose_path`.
+:func:`.remote.stream.choose_path`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import enum
 import math
 from dataclasses import dataclass, replace
 
-from .remote_model import Cluster, Mix, Route, RouteCost, best_mix, choose_route, route_costs  # noqa: F401 (B.2)
+from .remote.model import Cluster, Mix, Route, RouteCost, best_mix, choose_route, route_costs  # noqa: F401 (B.2)
 
 
 # ------------------------------------------------------------------------ equations

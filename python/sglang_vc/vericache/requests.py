@@ -143,6 +143,6 @@ def check_request(req: Any) -> None:
         names = unsupported_request(req, algorithm)
         if algorithm == REMOTE_ALGORITHM and any(x is not None for x in _each(getattr(req, "cache_salt", None))):
             # a salted request's lossy copy is a device copy of its own; the full copy
-            # replaces the context's unsalted one (remote_worker), so it is not built
+            # replaces the context's unsalted one (remote/worker.py), so it is not built
             names.append("cache_salt")
         _refuse(names, algorithm)

@@ -7,7 +7,7 @@ lossy placement); the context's full copy sits in storage (``--evicpress-storage
 At the request's prefill (:meth:`Tiering.prefill`, inside the worker's prefill):
 
 1. the prefill forward runs over the lossy rows, and the full copy's read starts on the
-   reader thread (:class:`~.remote_stream.FullCopies`);
+   reader thread (:class:`~.stream.FullCopies`);
 2. **draft** while the read is in flight: greedy decode forwards of the lossy requests
    over the lossy copy, up to ``--vc-tiering-drafts`` tokens, their KV in scratch slots
    of SGLang's KV pool;
@@ -45,8 +45,8 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
 
-from .remote_verify import STATS
-from .sampling import greedy_verify_ids
+from ..sampling import greedy_verify_ids
+from .verify import STATS
 
 
 @dataclass

@@ -12,7 +12,7 @@ One iteration (lock-step; ``L`` = committed KV length, ``t0`` = last output toke
 1. **Draft** ``X`` tokens greedily, ``X`` decode forwards of the whole batch; the drafts'
    KV goes to ``row[L .. L+X-1]``.
 2. **Verify** the lossy requests' drafts on the local server, the round's calls as one
-   batched ``/generate`` (:mod:`.remote_verify`): its full-KV greedy token at each draft
+   batched ``/generate`` (:mod:`.verify`): its full-KV greedy token at each draft
    position and after the last.
 3. **Commit**: an exact request its ``X`` drafts (greedy decoding over exact KV); a lossy
    one the matching drafts plus the verifier's token after them (at most ``X`` tokens:
@@ -27,7 +27,7 @@ full-KV argmax. Such KV never enters the radix tree (nor does the lossy copy
 share tree nodes with exact requests: :mod:`sglang_vc.evicpress.radix`). Greedy
 only (sampling is refused with HTTP 400, :mod:`.requests`).
 
-Path P2 and the fallback (:mod:`.remote_stream`): the context's full copy streams here
+Path P2 and the fallback (:mod:`.stream`): the context's full copy streams here
 while the request drafts (P2, chosen per request by ``--vc-remote-path``), or is read at
 once when a verify fails (the local server is down or slower than
 ``--vc-remote-timeout``: the round commits nothing). Once it is here it is written over
@@ -62,12 +62,12 @@ from sglang_vc.evicpress import radix as evicpress_radix
 from sglang_vc.evicpress.config import FULL
 from sglang_vc.spec_worker import ChainSpecWorker
 
-from . import flags
-from .names import META_INFO_KEY
-from .remote_stream import FullCopies, PathInputs, RemotePath, choose_path
-from .remote_verify import STATS, RemoteVerifier, RemoteVerifyError, VerifyCall
-from .sampling import greedy_verify_ids
+from .. import flags
+from ..names import META_INFO_KEY
+from ..sampling import greedy_verify_ids
+from .stream import FullCopies, PathInputs, RemotePath, choose_path
 from .tiering import Lossy, Tiering
+from .verify import STATS, RemoteVerifier, RemoteVerifyError, VerifyCall
 
 logger = logging.getLogger(__name__)
 

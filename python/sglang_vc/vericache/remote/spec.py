@@ -8,8 +8,8 @@ path P1)::
         --enable-hierarchical-cache --hicache-storage-backend seaweedfs ...
 
 EvicPress loads the compressed storage copy of a stored prefix (``--evicpress-load-copy``)
-over this server's link to the store; the worker (:mod:`.remote_worker`) drafts from it
-and sends every round to the local server for verification (:mod:`.remote_verify`).
+over this server's link to the store; the worker (:mod:`.worker`) drafts from it
+and sends every round to the local server for verification (:mod:`.verify`).
 Requests whose prefix is not a lossy copy decode as usual, X tokens per iteration.
 
 With ``--vc-remote-path tiering`` there is no verifier elsewhere: the same server drafts
@@ -23,8 +23,8 @@ cache are kept: the drafts are ordinary decode forwards over the loaded copy.
 
 from __future__ import annotations
 
-from . import flags
-from .names import CHAIN_BACKEND, DEFAULT_REMOTE_DRAFT_TOKENS, REMOTE_ALGORITHM
+from .. import flags
+from ..names import CHAIN_BACKEND, DEFAULT_REMOTE_DRAFT_TOKENS, REMOTE_ALGORITHM
 
 
 def register() -> None:
@@ -36,7 +36,7 @@ def register() -> None:
 
 
 def _create_chain_backend(model_runner):
-    from .chain_attention import create
+    from ..chain_attention import create
 
     return create(model_runner)
 
@@ -50,7 +50,7 @@ def _error(message: str):
 def validate_server_args(server_args) -> None:
     from sglang_vc.config import get_vc_config
 
-    from .remote_stream import RemotePath
+    from .stream import RemotePath
 
     settings = get_vc_config(server_args).group(flags.GROUP)
     tiering = flags.remote_path(settings) is RemotePath.TIERING
@@ -88,7 +88,7 @@ def handle_server_args(server_args) -> None:
     server_args.enable_mixed_chunk = False
     from sglang_vc.config import get_vc_config
 
-    from .remote_stream import RemotePath
+    from .stream import RemotePath
 
     tiering = flags.remote_path(get_vc_config(server_args).group(flags.GROUP)) is RemotePath.TIERING
     if tiering and str(getattr(server_args, "device", "") or "").startswith("cpu") and \
