@@ -7,27 +7,7 @@ their drafts against the full KV instead; reloads start at their reserved window
 stage the whole request over the drafting iterations in between. **lockstep** (the
 comparison mode) runs one round per iteration for the whole batch, described below.
 
-One lock-step decode round of a batch (``L`` = committed KV length of a request, ``t0`` =
-its last output token, whose KV is not computed yet):
-
-1. **Draft** ``X`` tokens greedily with ``X`` decode forwards of the target model whose
-   attention reads the request's *compressed* KV (the compressed-KV runtime's
-   :class:`~sglang_vc.kvruntime.CompressedKVIndex`: compressed prompt rows ++ the full
-   KV of tokens committed since). Draft KV goes to the request's reserved slots
-   ``row[L .. L+X-1]``.
-2. **Reload**: the full prompt KV the compression replaced, kept in a host store since
-   the prefill (:class:`~.reload.HostKVStore`), is staged layer by layer on a copy
-   thread (:class:`~.reload.LayerwiseReload`), started before drafting so that it
-   overlaps the draft forwards and then each verify layer.
-3. **Verify** ``[t0, d1 .. dX]`` at positions ``L .. L+X`` in ONE ``TARGET_VERIFY``
-   forward with a causal chain mask over the full KV (:class:`VeriCacheAttnBackend`
-   reads row positions ``[p, n)`` from the staged layer, the rest from the pool);
-   its KV overwrites the draft KV in ``row[L .. L+X]`` (the committed tokens' KV is thus
-   full-KV, and serves both the drafter, as tail rows after the compressed prefix, and
-   later verifies).
-4. **Accept** (core :func:`~sglang_vc.vericache.sampling.greedy_verify_ids`): the
-   matching prefix ``d1..da`` plus the verifier's correction, or all ``X`` plus the
-   bonus token.
+The lock-step round is :mod:`.lockstep`'s.
 
 Greedy requests get exactly the full-KV tokens: every committed token is the full-KV
 argmax given committed tokens only. A sampling request commits drafts while they equal
@@ -81,6 +61,7 @@ from .attention import InPoolDrafts
 from .draft_view import View
 from .policy import Decision, IterationRows, Mode, ModePolicy
 from .sampling import greedy_verify_ids
+from .lockstep import LockstepRound
 from .scheduler import ReloadScheduler
 from .staggered import Outcome, Role, StaggeredSchedule
 
@@ -90,7 +71,7 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- worker
 
 
-class VeriCacheWorker(ChainSpecWorker):
+class VeriCacheWorker(LockstepRound, ChainSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         from sglang.srt.runtime_context import get_device, get_spec
 
@@ -208,113 +189,6 @@ class VeriCacheWorker(ChainSpecWorker):
         return result
 
     # ------------------------------------------------------------------ one round
-
-    @torch.inference_mode()
-    def _decode_round(self, batch):
-        from sglang.srt.managers.utils import GenerationBatchResult
-
-        bs, x, w = len(batch.reqs), self.num_drafts, self.width
-        dev = batch.seq_lens.device
-        seq_dtype = batch.seq_lens.dtype
-        committed = batch.seq_lens.to("cpu", torch.int64)  # L per request
-        rows = batch.req_pool_indices.to("cpu", torch.int64)
-        req_to_token = self.req_to_token_pool.req_to_token
-        positions = committed[:, None] + torch.arange(w)[None, :]  # [bs, W]
-        slots = req_to_token[rows[:, None].to(req_to_token.device), positions.to(req_to_token.device)].to(torch.int64)
-        t0 = torch.tensor([req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
-                           for req in batch.reqs], dtype=torch.int64)
-
-        # The committed tokens' rows must stay full KV (the verifier reads them): a lossy
-        # decode-time step that would rewrite or free them (e.g. KIVI tail streaming) must
-        # skip entries carrying this mark.
-        for row in rows.tolist():
-            entry = self.runtime.entry_for_row(row)
-            if entry is not None:
-                entry.keep_full_rows = True
-
-        # 2. (started first, so that it overlaps drafting) stage the full KV of the
-        # compressed requests, layer by layer, for the verify forward
-        reload = self._start_reload(batch, rows)
-
-        # 1. draft X tokens greedily from the compressed KV
-        attn = self.model_runner.attn_backend
-        info = batch.sampling_info
-        bias = None if info is None else info.logit_bias  # drafts honour it too: fewer rejections
-        constrained = self.constrained(batch.reqs)  # penalties or grammars: per-position logits
-        try:
-            drafts = torch.empty(bs, x, dtype=torch.int64)
-            cur = t0
-            for j in range(x):
-                lens = committed + j + 1
-                self.set_batch(batch, ForwardMode.DECODE, cur, lens, slots[:, j], None, seq_dtype, dev)
-                res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-                draft_logits = res.logits_output.next_token_logits
-                if constrained:
-                    draft_logits = self.penalize(draft_logits, batch.reqs, drafts[:, :j].tolist(), range(bs),
-                                                 [j] * bs, t0.tolist() if self.draft_grammar else None)
-                if bias is not None:
-                    draft_logits = draft_logits.float() + bias[:, : draft_logits.shape[-1]].to(draft_logits.device)
-                cur = draft_logits.argmax(-1).to("cpu", torch.int64)
-                drafts[:, j] = cur
-
-            # 3. verify t0 + drafts in one forward over the full KV
-            verify_ids = torch.cat([t0[:, None], drafts], dim=1)  # [bs, W]
-            spec_info = self.verify_input(verify_ids, positions, committed, dev)
-            self.set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
-                            slots.flatten(), spec_info, seq_dtype, dev)
-            # each compressed request's full KV into pool slots (where the pool has room)
-            staging = PoolStaging(self.runtime, reload.layer if reload is not None else (lambda layer_id: {}))
-            for i, host in (reload.entries.items() if reload is not None else ()):
-                staging.reserve(i, host)
-            self._verify_forward_with(staging)
-            res = self.target_worker.forward_batch_generation(batch, is_verify=True)
-        finally:
-            self._verify_forward_done()
-            if reload is not None:
-                reload.close()
-        reloaded = reload.nbytes() if reload is not None else 0
-        if reload is not None and reload.failures:
-            stats.add("vericache", reload_failures=reload.failures)
-        logits = res.logits_output.next_token_logits
-        if constrained:
-            logits = self.penalize(logits, batch.reqs, drafts.tolist(), [i for i in range(bs) for _ in range(w)],
-                                   list(range(w)) * bs, t0.tolist())
-        logits = logits.view(bs, w, -1)
-
-        # 4. accept
-        targets = self.targets(logits, batch, positions).to("cpu", torch.int64)
-        verdict = greedy_verify_ids(drafts, targets, pad_id=0)
-        accepted = verdict.num_accepted  # [bs]
-        accept_lens = verdict.num_tokens.to(torch.int32)
-        accept_tokens = verdict.tokens.to(torch.int32)  # [bs, W]
-        new_seq_lens = (committed + accept_lens).to(device=dev, dtype=seq_dtype)
-
-        n_acc = int(accepted.sum())
-        stats.add("vericache", verify_rounds=bs, drafted=bs * x, accepted=n_acc,
-                  committed=n_acc + bs, bytes_reloaded=reloaded)
-        for i, req in enumerate(batch.reqs):
-            req.vc_verified = True
-            self._record(req, x, int(accepted[i]), int(accept_lens[i]))
-
-        accept_tokens_dev = accept_tokens.to(dev).flatten()
-        accept_lens_dev = accept_lens.to(dev)
-        logits_output = res.logits_output
-        if batch.return_logprob:
-            chosen = logits.reshape(bs * w, -1)
-            if bias is not None:
-                chosen = chosen + bias[:, : chosen.shape[-1]].to(chosen.device).repeat_interleave(w, dim=0)
-            logits_output = self.committed_logprobs(batch, chosen, [i * w for i in range(bs)], accept_tokens,
-                                                    accept_lens)
-        return GenerationBatchResult(
-            logits_output=logits_output,
-            next_token_ids=accept_tokens_dev,
-            can_run_cuda_graph=False,
-            accept_lens=accept_lens_dev,
-            new_seq_lens=new_seq_lens,
-            next_draft_input=self.draft_input(new_seq_lens, accept_tokens_dev, accept_lens_dev),
-            speculative_num_draft_tokens=w,
-            speculative_output_stride=w,
-        )
 
     def _record(self, req, drafted: int, accepted: int, committed: int) -> None:
         """Per-request verify counters, returned in the request's ``meta_info``."""
