@@ -321,6 +321,43 @@ def test_lockstep_schedule_identical_to_full_kv(server, model_dir, tokenizer, vc
 
 
 @pytest.mark.slow
+def test_lockstep_applies_penalties_grammars_and_logprobs(server, tokenizer, vc_lockstep):
+    """The lock-step round's draft steps and verify apply the request features as the
+    staggered iteration does: a penalised request, a regex-constrained one with logprobs
+    and a plain one in one batch give the plain server's tokens, length and finish
+    reason, a matching text and logprobs within 2e-3; drafts were rejected somewhere."""
+    import re
+
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    # (at offset 700 the plain server's own penalised output differs between this batch of
+    # three and the request alone, a float near-tie: no server could match both)
+    ids_list = [stream[500 + 1000 * i : 800 + 1000 * i] for i in range(3)]
+    pattern = r"[A-Z][a-z]+( [a-z]+)+"
+    cases = [{"sampling_params": {"frequency_penalty": 0.6, "presence_penalty": 0.3}},
+             {"sampling_params": {"regex": pattern}, "return_logprob": True, "top_logprobs_num": 2},
+             {"sampling_params": {}}]
+
+    def run(srv, k):
+        body = {"input_ids": ids_list[k], **cases[k], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 24, "ignore_eos": k != 1, **cases[k]["sampling_params"]}}
+        r = requests.post(srv.url + "/generate", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    order = list(range(len(cases)))
+    outs = dict(zip(order, concurrently(lambda k: run(vc_lockstep, k), [(k,) for k in order])))
+    refs = dict(zip(order, concurrently(lambda k: run(server, k), [(k,) for k in order])))
+    for k in order:
+        assert outs[k]["output_ids"] == refs[k]["output_ids"], (k, outs[k]["text"], refs[k]["text"])
+        assert finish_type(outs[k]) == finish_type(refs[k]), (k, outs[k]["meta_info"])
+    assert re.fullmatch(pattern, outs[1]["text"]), outs[1]["text"]
+    lp = [t[0] for t in outs[1]["meta_info"]["output_token_logprobs"]]
+    assert lp == pytest.approx([t[0] for t in refs[1]["meta_info"]["output_token_logprobs"]], abs=2e-3)
+    infos = [outs[k]["meta_info"][META][-1] for k in order]
+    assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos  # drafts rejected
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_identical_to_full_kv(server, model_dir, tokenizer, vc_x, drafter):
     """A concurrent batch of mixed-length prompts: VERICACHE's tokens == the plain
