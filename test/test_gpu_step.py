@@ -19,7 +19,7 @@ def test_measure_covers_every_cost_of_the_model():
     want = {"weights_decode", "weights_verify", "full_decode_sdpa", "full_decode_paged", "draft_snapkv",
             "verify_paged", "verify_sdpa", "verify_flash", "draft_kivi2", "draft_specache",
             "draft_specache_device_only", "specache_scores_only", "specache_topk_only", "draft_in_pool",
-            "in_pool_view_build", "draft_specache_worker"}
+            "in_pool_view_build", "draft_specache_worker", "draft_kivi2_worker"}
     assert want <= set(rows)
     assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in rows.values())
     assert rows["weights_verify"]["tokens"] == 2 * 5 and rows["draft_snapkv"]["kept"] == 64

@@ -173,6 +173,21 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
             ext.kivi_attention(qr, p2, scale)
 
     out["draft_kivi2"] = {"us": _time_us(kivi2_step, repeats), "payload_bytes_per_req": p2_bytes}
+    # the same through the server's own call (vericache.attention -> kvruntime.kernels.attend_pool):
+    # the payload, the request's own new row from the pool, the merge; per request
+    from sglang_vc.kvruntime import kernels as vc_kernels
+
+    tail_slots = torch.arange(1, batch + 1, device=dev)[:, None]
+    tail_pos = torch.full((1,), n, dtype=torch.int64, device=dev)
+
+    def kivi2_worker_step():
+        for i in range(batch):
+            vc_kernels.attend_pool(q1[i : i + 1], k_buf, v_buf, tail_slots[i], tail_pos, q_start=n, scale=scale,
+                                   payload=p2)
+
+    out["draft_kivi2_worker"] = {"us": _time_us(kivi2_worker_step, repeats),
+                                 "note": "the server's kvruntime.kernels.attend_pool, per request as the worker calls it",
+                                 **_runtime_calls(kivi2_worker_step)}
 
     # SpeCache 2-bit drafter: scores and top-k on the device, then the synchronous fetch of
     # the top-k rows per KV head from pinned host memory, per request (the server's path)

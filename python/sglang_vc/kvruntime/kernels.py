@@ -158,7 +158,7 @@ def attend_pool(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, position
     t, dev = q.shape[0], q.device
     q_pos = torch.arange(q_start, q_start + t, device=dev)
     out, lse = ext.paged_attention(q, k_buf, v_buf, torch.zeros(t, dtype=torch.int64, device=dev), q_pos,
-                                   torch.tensor([0, slots.numel()], device=dev), slots, positions, scale)
+                                   torch.arange(2, device=dev) * slots.numel(), slots, positions, scale)
     if payload is not None and payload.num_tokens:
         p_out, p_lse = ext.kivi_attention(q, payload, scale)
         out, lse = ext.merge_state(p_out, p_lse, out, lse)
