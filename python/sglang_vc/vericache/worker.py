@@ -32,7 +32,8 @@ A token-dropping drafter's verify reloads only the dropped rows (:class:`.reload
 Under the staggered schedule an iteration is ONE forward (SGLang's ragged
 ``TARGET_VERIFY`` layout): each drafting request forwards its one draft token, each
 full-KV request its next token, each verifying request its whole drafted run, with
-per-request query lengths.
+per-request query lengths. An iteration in which every request decodes from full KV is
+SGLang's own ``DECODE`` forward instead (its decode kernels; one query per request).
 
 """
 
