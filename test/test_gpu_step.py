@@ -34,6 +34,15 @@ def test_refuses_without_cuda(tmp_path, capsys):
     assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_refuses_without_cuda(tmp_path, capsys):
+    from sglang_vc.bench import gpu_check
+
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def _report(tmp_path):
     """A gpu_step report of CPU-measured costs (shapes only; the figures mean nothing; float32
     weights here: 28 GB for 32 layers)."""
