@@ -220,15 +220,15 @@ def test_bad_flags_are_refused(argv, message, capsys):
 
 
 def test_the_readme_dsl_example_runs(rag):
-    """The README's DSL program (``examples/speccache_rag.py``, shown verbatim there) runs
-    against the server and its prompt is served by SpecCache."""
+    """The documented DSL program (``examples/speccache_rag.py``, shown verbatim in
+    ``docs/speccache.md``) runs against the server and its prompt is served by SpecCache."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     example = root / "examples" / "speccache_rag.py"
-    assert example.read_text().strip() in (root / "README.md").read_text()
+    assert example.read_text().strip() in (root / "docs" / "speccache.md").read_text()
     before = _counters(rag).get("prefills", 0)
     out = subprocess.run([sys.executable, str(example), rag.url], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -233,7 +233,7 @@ def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:
 
 
 # The drafter without --vc-compressor: SpeCache 2-bit, the one that drafts longest on real
-# text at about the device bytes of the others (README, "VeriCache's default drafter").
+# text at about the device bytes of the others (docs/vericache.md, "VeriCache's default drafter").
 DEFAULT_DRAFTER = ("specache", 2)
 
 
