@@ -60,6 +60,19 @@ def _exercise(dtype, d: int) -> None:
     ext.scatter_head_rows(torch.zeros(40, hkv, d, dtype=dtype), pos, torch.randn(8, hkv, d, generator=gen).to(dtype))
     ext.position_mask(torch.tensor([3, 11, 20]), torch.tensor([0, 2, 9, 15]), num_prefix=2)
     ext.gather_head_rows(torch.randn(40, hkv, d, generator=gen).to(dtype), pos)
+    # the batched drafters: payloads by address, SpeCache's scores, fetch and rows, merges
+    members = [_payload(2, n, hkv, d, dtype, gen) for n in (64, 32)]
+    pb = ext.payload_batch(members)
+    p_out, p_lse = ext.kivi_attention_batch(q, pb, d ** -0.5)
+    scores = ext.payload_scores_batch(q, p_lse, pb, d ** -0.5, lse2=lse)
+    host = [torch.randn(64, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    fetched = ext.fetch_rows(scores.topk(4, dim=-1).indices, torch.tensor([[t.data_ptr()] * 2 for t in host]),
+                             host[0], torch.tensor([8, 0]), torch.tensor([4, 2], dtype=torch.int32), pb.num_tokens,
+                             torch.tensor([2, 0]), req_to_token, k_buf, v_buf)
+    r_out, r_lse = ext.rows_attention(q, fetched, d ** -0.5)
+    ext.kivi_attention_batch(q, pb, d ** -0.5, exclude=fetched.selected, merge=((r_out, r_lse), (out, lse)))
+    ext.kivi_attention_batch(q, pb, d ** -0.5, merge=((out, lse),))
+    ext.merge_state(p_out, p_lse, out, lse)
 
 
 @pytest.fixture(scope="module")

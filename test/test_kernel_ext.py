@@ -319,3 +319,98 @@ def test_position_mask(triton_backend):
     assert triton_backend["position_mask"] == 1
     assert torch.equal(got, mask_reference(q_pos, k_pos, 3))
     assert got[:, :3].all() and got[1].tolist()[3:] == [True, True, True, True, True, False, False, False]
+
+
+def _batch_members(gen, lengths, bits=2, d=16, h=2):
+    """KIVI payloads of different lengths (as ``compress.kivi`` stores them), one a request."""
+    out = []
+    for n in lengths:
+        qkv = KIVI().compress(0, torch.randn(n, h, d, generator=gen), torch.randn(n, h, d, generator=gen), bits)
+        out.append(_payload(qkv, d, d))
+    return out
+
+
+def test_payload_batch_attention_scores_and_merge(triton_backend):
+    """Many requests' payloads in one launch (a table of their addresses): each query row
+    over its own payload equals the one-payload reference, with a listed row exclusion,
+    merged with two more states in the splits' reduce; the scores over a log-sum-exp of
+    two key sets equal the reference's over their union; a member with no rows gets 0,
+    -inf and padding."""
+    from sgl_kernel_ext.merge_state import reference as merge_reference
+    from sgl_kernel_ext.payload_batch import PAD_SCORE, attention_reference, scores_reference
+
+    g = torch.Generator().manual_seed(21)
+    members = _batch_members(g, [200, 330, 100, 170])  # 64, 192, 0 and 32 payload rows
+    pb = ext.payload_batch(members)
+    assert [m.num_tokens for m in members] == [64, 192, 0, 32] and pb.max_tokens == 192
+    q = torch.randn(4, 6, 16, generator=g)
+    out, lse = ext.kivi_attention_batch(q, pb, 0.25)
+    want_out, want_lse = attention_reference(q, pb, 0.25)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
+
+    exclude = torch.tensor([[[3, 7, -1], [0, 63, 5]], [[191, -1, -1], [10, 11, 12]], [[-1] * 3] * 2,
+                            [[31, 30, -1], [-1, -1, 2]]])
+    extra = [(torch.randn(4, 6, 16, generator=g), torch.randn(4, 6, generator=g)) for _ in range(2)]
+    extra[1][1][2] = float("-inf")  # a side that saw nothing
+    got, got_lse = ext.kivi_attention_batch(q, pb, 0.25, exclude=exclude, merge=tuple(extra))
+    ref, ref_lse = attention_reference(q, pb, 0.25, exclude)
+    for o2, l2 in extra:
+        ref, ref_lse = merge_reference(ref, ref_lse, o2, l2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # excluding changed the result (the list was applied)
+    plain, _ = attention_reference(q, pb, 0.25)
+    assert not torch.allclose(plain[0], attention_reference(q, pb, 0.25, exclude)[0][0], atol=1e-4)
+
+    lse2 = torch.randn(4, 6, generator=g)
+    scores = ext.payload_scores_batch(q, lse, pb, 0.25, lse2=lse2)
+    want = scores_reference(q, torch.logaddexp(lse, lse2), pb, 0.25)
+    torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
+    assert (scores[0, :, 64:] == PAD_SCORE).all() and (scores[2] == PAD_SCORE).all()
+    assert ext.launches["kivi_attention_batch"] == 2 and ext.launches["payload_scores_batch"] == 1
+    with pytest.raises(ValueError, match="differ in layout"):
+        ext.payload_batch(members[:1] + _batch_members(g, [200], bits=4))
+
+
+def test_specache_fetch_rows_and_rows_attention(triton_backend):
+    """SpeCache's top-k rows of a batch: below a request's shared prefix from the pool
+    through its row, the others from its host copy (by address); past its own top-k or
+    its payload rows listed as -1; the rows' attention per KV head, and the merge kernel,
+    equal their references."""
+    from sgl_kernel_ext.merge_state import reference as merge_reference
+    from sgl_kernel_ext.specache_rows import fetch_rows_reference, rows_attention_reference
+
+    g = torch.Generator().manual_seed(22)
+    bsz, h, d, kk = 3, 2, 16, 5
+    k_buf, v_buf = torch.randn(600, h, d, generator=g), torch.randn(600, h, d, generator=g)
+    req_to_token = torch.randint(1, 600, (4, 400), generator=g, dtype=torch.int32)
+    rows, shared = torch.tensor([2, 0, 3]), torch.tensor([10, 0, 40])
+    topk, ntok = torch.tensor([5, 3, 0], dtype=torch.int32), torch.tensor([64, 192, 0], dtype=torch.int32)
+    host_k = [torch.randn(400 - int(shared[b]), h, d, generator=g) for b in range(bsz)]
+    host_v = [torch.randn(400 - int(shared[b]), h, d, generator=g) for b in range(bsz)]
+    host = torch.tensor([[host_k[b].data_ptr(), host_v[b].data_ptr()] for b in range(bsz)])
+    pos = torch.stack([torch.stack([torch.randperm(int(n) + kk, generator=g)[:kk] for _ in range(h)])
+                       for n in ntok])  # some positions past the payload rows
+    pos[0, 0, 0] = 4  # below request 0's shared prefix: from the pool
+    got = ext.fetch_rows(pos, host, host_k[0], shared, topk, ntok, rows, req_to_token, k_buf, v_buf)
+    want = fetch_rows_reference(pos, host_k, host_v, shared, topk, ntok, rows, req_to_token, k_buf, v_buf)
+    assert torch.equal(got.selected, want.selected)
+    assert (got.selected[2] == -1).all() and (got.selected[1, :, 3:] == -1).all()
+    valid = got.valid.permute(0, 2, 1).unsqueeze(-1)
+    assert torch.equal(torch.where(valid, got.k, 0), want.k) and torch.equal(torch.where(valid, got.v, 0), want.v)
+    assert torch.equal(got.k[0, 0, 0], k_buf[int(req_to_token[2, 4]), 0])
+
+    q = torch.randn(bsz, 6, d, generator=g)
+    out, lse = ext.rows_attention(q, got, 0.25)
+    ref_out, ref_lse = rows_attention_reference(q, want, 0.25)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert torch.isinf(lse[2]).all()
+    other = (torch.randn(bsz, 6, d, generator=g), torch.randn(bsz, 6, generator=g))
+    merged = ext.merge_state(out, lse, *other)
+    for a, b in zip(merged, merge_reference(out, lse, *other)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert ext.launches["specache_fetch_rows"] == 1 and ext.launches["specache_rows_attention"] == 1
+    assert ext.launches["merge_state"] == 1

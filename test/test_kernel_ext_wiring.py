@@ -252,9 +252,10 @@ def test_decode_batch_is_one_launch_per_layer(stand_in_cuda):
     for lid in range(layers):
         torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5)
     # the index kernel (count + write) once for the forward; per layer one attention
-    # launch for the three requests and one payload kernel for the quantized one
+    # launch for the three requests and one payload launch for every quantized one
     assert launches["build_kv_indices"] == 2
-    assert launches["paged_attention"] == layers and launches["kivi_attention"] == layers
+    assert launches["paged_attention"] == layers and launches["kivi_attention_batch"] == layers, launches
+    assert not launches["kivi_attention"], launches
 
 
 def test_speccache_reused_rows_fill(stand_in_cuda):
@@ -335,7 +336,7 @@ def test_vericache_forward_drafters_are_one_launch_and_full_kv_is_sglangs_extend
                              key_positions=torch.arange(43), q_start=40, scale=0.25, enable_gqa=True)
         torch.testing.assert_close(got[lid][2:5], ref.reshape(3, -1), atol=1e-5, rtol=1e-5)
     assert counted["build_kv_indices"] == 2  # count + write, once for the forward
-    assert counted["paged_attention"] == layers and counted["kivi_attention"] == layers, counted
+    assert counted["paged_attention"] == layers and counted["kivi_attention_batch"] == layers, counted
 
 
 def test_vericache_forward_without_drafters_keeps_unstaged_verifiers_apart():

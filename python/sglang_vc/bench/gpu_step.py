@@ -222,8 +222,12 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
 
     worker_step = _specache_worker_step(kr, vr, c2, p2, q1, batch, topk, scale, dev)
     out["draft_specache_worker"] = {"us": _wall_us(worker_step, max(3, repeats // 5)), "topk": topk,
-                                    "note": "the server's SpeCacheDrafter.attend, per request as the worker calls it",
+                                    "note": "the server's SpeCacheDrafter.attend, per request (the CPU path)",
                                     **_runtime_calls(worker_step)}
+    batched_step = _specache_worker_step(kr, vr, c2, p2, q1, batch, topk, scale, dev, batched=True)
+    out["draft_specache_batched"] = {"us": _time_us(batched_step, repeats), "topk": topk,
+                                     "note": "the server's SpeCacheDrafter.attend_batch: the whole batch (CUDA path)",
+                                     **_runtime_calls(batched_step)}
 
     # reload: one layer of one request's full KV from pinned host memory on a copy stream
     if dev != "cuda":
@@ -280,11 +284,14 @@ def _runtime_calls(fn) -> dict:
             "memcpy_async": sum(n == "cudaMemcpyAsync" for n in names)}
 
 
-def _specache_worker_step(kr, vr, compressed, packed, q1, batch: int, topk: int, scale: float, dev: str):
+def _specache_worker_step(kr, vr, compressed, packed, q1, batch: int, topk: int, scale: float, dev: str,
+                          batched: bool = False):
     """One layer of SpeCache drafting for ``batch`` requests through the server's own code
-    (``vericache.specache_drafter.SpeCacheDrafter.attend``, called per request as
-    ``vericache.attention`` calls it): the payload of ``compressed``, the full rows in the
-    server's ``HostKVStore`` (pinned on a GPU), a pool holding each request's new row."""
+    (``vericache.specache_drafter.SpeCacheDrafter``): ``attend`` per request as
+    ``vericache.attention`` calls it on the CPU, or ``batched``: ``attend_batch`` for the
+    whole batch as it calls it on CUDA (its per-forward state built once, outside the
+    step). The payload of ``compressed``, the full rows in the server's ``HostKVStore``
+    (pinned on a GPU), a pool holding each request's new row."""
     import types
 
     from sglang_vc.compress.kivi import KIVI
@@ -302,14 +309,20 @@ def _specache_worker_step(kr, vr, compressed, packed, q1, batch: int, topk: int,
     for i in range(batch):
         rid = f"r{i}"
         host.sink(rid, i, 0, 0, kr, vr)
-        entries.append(types.SimpleNamespace(rid=rid, req_pool_idx=i, payload=compressed, num_payload_rows=n))
+        # each request its own payload object (its address table is cached on it)
+        entries.append(types.SimpleNamespace(rid=rid, req_pool_idx=i, payload=types.SimpleNamespace(layers={0: compressed}, addresses=None),
+                                             num_payload_rows=n))
     host.flush()
-    pool = types.SimpleNamespace(get_key_buffer=lambda layer_id: k_buf, get_value_buffer=lambda layer_id: v_buf)
+    pool = types.SimpleNamespace(get_key_buffer=lambda layer_id: k_buf, get_value_buffer=lambda layer_id: v_buf,
+                                 start_layer=0, layer_num=1, head_num=kr.shape[1])
     runtime = types.SimpleNamespace(kv_pool=pool, req_to_token=req_to_token,
                                     packed_payload=lambda entry, layer_id: packed,
                                     payload_kv=lambda entry, layer_id: KIVI.dequantize(compressed))
     drafter = SpeCacheDrafter(host, runtime, topk)
     layer = types.SimpleNamespace(layer_id=0, scaling=scale)
+    if batched:
+        (sb,) = drafter.batch(entries, [n + 1] * batch, dev)
+        return lambda: drafter.attend_batch(q1[:batch], sb, layer)
 
     def step() -> list:
         return [drafter.attend(q1[i : i + 1], entry, layer, n + 1) for i, entry in enumerate(entries)]

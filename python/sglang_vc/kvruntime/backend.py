@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
 import sgl_kernel_ext as ext
+from sgl_kernel_ext.payload_batch import to_device
 import torch
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -29,6 +31,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_vc import stats
 
 from . import graphs, kernels
+from . import payload_table
 from .names import NULL_SLOT
 from .runtime import get_runtime
 
@@ -42,6 +45,28 @@ class DecodeIndex:
     kv: ext.KVIndices  # each request's live pool rows
     q_req: torch.Tensor  # [B] the request of each query row (0 .. B-1)
     q_pos: torch.Tensor  # [B] each query's position (seq_len - 1)
+    # the requests with a quantized payload, per payload layout: attended in one launch
+    # per layer and group
+    payloads: list["PayloadGroup"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PayloadGroup:
+    rows: Optional[torch.Tensor]  # their rows in the batch; None: every row, in order
+    table: payload_table.PayloadTable
+
+
+def payload_groups(runtime, entries: list, device) -> list[PayloadGroup]:
+    """A :class:`PayloadGroup` per payload layout of the ``entries`` (None: none) that
+    have a quantized payload: built once per forward, read by every layer."""
+    members = [i for i, e in enumerate(entries) if e is not None and e.num_payload_rows]
+    out = []
+    for group in payload_table.group_by_layout(runtime, [entries[i] for i in members]):
+        rows = [members[j] for j in group]
+        out.append(PayloadGroup(None if rows == list(range(len(entries))) else
+                                to_device(torch.tensor(rows, dtype=torch.int64), device),
+                                payload_table.build(runtime, [entries[i] for i in rows], device)))
+    return out
 
 
 @dataclasses.dataclass
@@ -183,13 +208,15 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         if self.delegated:
             self.full_kv.init_forward_metadata(forward_batch)
             stats.add("attention", full_kv_backend_forwards=1)
-        self.decode_index = None
+        self.decode_index, self.own_decode = None, None
         if (forward_batch.forward_mode.is_decode() and batch.any_compressed and not batch.online
-                and ext.backend_for(forward_batch.seq_lens) is ext.Backend.TRITON
-                and not any(e is not None and self._decodes_own(e) for e in batch.entries)):
-            self.decode_index = self._build_decode_index(forward_batch, batch)
+                and ext.backend_for(forward_batch.seq_lens) is ext.Backend.TRITON):
+            own = [i for i, e in enumerate(batch.entries) if e is not None and self._decodes_own(e)]
+            self.own_decode = self._build_own_decode(forward_batch, batch, own) if own else None
+            if not own or self.own_decode is not None:
+                self.decode_index = self._build_decode_index(forward_batch, batch, own)
 
-    def _build_decode_index(self, forward_batch, batch) -> DecodeIndex:
+    def _build_decode_index(self, forward_batch, batch, own: list[int]) -> DecodeIndex:
         """Every request's live pool rows, ``[row_start, seq_len)`` of a compressed one and
         ``[0, seq_len)`` of the others: one index kernel for all layers of the forward
         (``req_to_token`` and the entries do not change between layers)."""
@@ -197,12 +224,28 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         starts = torch.tensor([0 if e is None else e.row_start for e in batch.entries], device=seq_lens.device)
         kv = ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                                   starts, seq_lens, NULL_SLOT)
-        return DecodeIndex(kv, torch.arange(seq_lens.numel(), device=seq_lens.device), seq_lens.to(torch.int64) - 1)
+        entries = batch.entries
+        if own:  # decoded their own way (:meth:`_own_decode_layer`), payloads included
+            entries = [None if i in own else e for i, e in enumerate(entries)]
+        return DecodeIndex(kv, torch.arange(seq_lens.numel(), device=seq_lens.device), seq_lens.to(torch.int64) - 1,
+                           payload_groups(self.runtime, entries, seq_lens.device))
 
     def _decodes_own(self, entry) -> bool:
         """Whether a subclass decodes this compressed request its own way
-        (:meth:`_attend_compressed`), which keeps the batch on the per-request loop."""
+        (:meth:`_attend_compressed`; on the Triton path :meth:`_build_own_decode`)."""
         return False
+
+    own_decode = None  # this decode forward's own-way requests, batched (Triton path)
+
+    def _build_own_decode(self, forward_batch, batch, own: list[int]):
+        """Per-forward state to decode requests ``own`` (indices in the batch) together in
+        each layer (:meth:`_own_decode_layer`), or None: the batch takes the per-request
+        loop."""
+        return None
+
+    def _own_decode_layer(self, q_, layer, out) -> None:
+        """Write the own-way requests' attention of this layer into ``out [B, Hq, Dv]``."""
+        raise NotImplementedError
 
     def _after_layer(self, layer) -> None:
         if layer.layer_id == self.runtime.last_layer:
@@ -252,22 +295,26 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        out = self.paged_decode(q_, layer, self.decode_index, self.runtime.batch.entries)
+        out = self.paged_decode(q_, layer, self.decode_index)
+        if self.own_decode is not None:
+            self._own_decode_layer(q_, layer, out)
         return out.to(q.dtype).reshape(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
-    def paged_decode(self, q_, layer, idx: DecodeIndex, entries: list):
-        """One query per request (``q_ [B, Hq, D]``, request ``b``'s entry ``entries[b]``)
-        over its live pool rows (``idx``), one paged attention launch, plus each quantized
-        request's packed payload attended in its own kernel and merged by log-sum-exp."""
+    def paged_decode(self, q_, layer, idx: DecodeIndex):
+        """One query per request (``q_ [B, Hq, D]``) over its live pool rows (``idx``), one
+        paged attention launch, merged by log-sum-exp with the quantized requests'
+        payloads, attended from their packed codes in one launch per payload layout."""
         lid = layer.layer_id
         out, lse = ext.paged_attention(
             q_, self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
             idx.q_req, idx.q_pos, idx.kv.indptr, idx.kv.indices, idx.kv.positions, layer.scaling)
-        for i, entry in enumerate(entries):
-            payload = None if entry is None else self.runtime.packed_payload(entry, lid)
-            if payload is not None and payload.num_tokens:
-                p_out, p_lse = ext.kivi_attention(q_[i : i + 1], payload, layer.scaling)
-                out[i : i + 1], lse[i : i + 1] = ext.merge_state(p_out, p_lse, out[i : i + 1], lse[i : i + 1])
+        for group in idx.payloads:  # the payloads, merged with the rows' states in the same launch
+            if group.rows is None:
+                out, lse = ext.kivi_attention_batch(q_, group.table.layer(lid), layer.scaling, merge=((out, lse),))
+            else:
+                r = group.rows
+                out[r], lse[r] = ext.kivi_attention_batch(q_[r], group.table.layer(lid), layer.scaling,
+                                                          merge=((out[r], lse[r]),))
         return out
 
     # ------------------------------------------------------------------ per request

@@ -38,6 +38,9 @@ class QuantPayload:
     layers: dict[int, Any]  # layer_id -> QuantizedKV (residual tensors empty)
     num_tokens: int  # tokens quantized (positions [0, num_tokens))
     nbytes: int = 0
+    # [L, 6] int64 addresses of each layer's tensors (built on first use by
+    # .payload_table; a payload is replaced, never changed in place)
+    addresses: Any = None
 
 
 @dataclasses.dataclass

@@ -6,6 +6,8 @@ same code dispatches the same operators, so :class:`LaunchCounter` counts them t
 (a ``TorchDispatchMode``) beside ``sgl_kernel_ext``'s own launch counter: a per-request or
 per-head Python loop over tensors shows as a count that grows with the batch or the heads.
 It is a lower bound of a GPU's launches (a fused CUDA op may launch several kernels).
+Under a stand-in CUDA platform the Triton kernels run in Triton's interpreter, whose own
+torch operators are not counted: each kernel is one launch.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ class LaunchCounter(TorchDispatchMode):
         self.by_op: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from sgl_kernel_ext import dispatch
+
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in _FREE:
+        if not func.is_view and name not in _FREE and not dispatch.interpreting:
             self.by_op[name] += 1
         return func(*args, **(kwargs or {}))
 

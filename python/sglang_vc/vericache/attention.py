@@ -14,20 +14,21 @@ from typing import TYPE_CHECKING, Optional
 
 import sgl_kernel_ext as ext
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import NULL_SLOT, kernels
-from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend
+from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend, payload_groups
 
 from . import draft_view
 from .chain_attention import verify_lens
 
 if TYPE_CHECKING:
     from .staging import PoolStaging
-    from .specache_drafter import SpeCacheDrafter
+    from .specache_drafter import SpeCacheBatch, SpeCacheDrafter
 
 
 class VeriCacheAttnBackend(VCTorchAttnBackend):
@@ -46,6 +47,21 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
     def _decodes_own(self, entry) -> bool:
         # a request compressed with SpeCache's device copy drafts with its attention
         return self.drafter is not None and self.runtime.compressor(entry.spec.compressor).needs_full_rows
+
+    def _build_own_decode(self, forward_batch, batch, own: list[int]):
+        """A DECODE forward's SpeCache drafters (lock-step drafts) together per layer."""
+        own = [i for i in own if batch.entries[i].payload is not None]
+        if not own:
+            return None
+        seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
+        seq_lens = seq_lens.tolist()  # (a host tensor; SGLang keeps it beside the device one)
+        dev = forward_batch.seq_lens.device
+        return [SpeCacheGroup(sb, to_device(torch.tensor([own[j] for j in sb.members]), dev))
+                for sb in self.drafter.batch([batch.entries[i] for i in own], [seq_lens[i] for i in own], dev)]
+
+    def _own_decode_layer(self, q_, layer, out) -> None:
+        for group in self.own_decode:
+            out[group.q_rows] = self.drafter.attend_batch(q_[group.q_rows], group.batch, layer)
 
     def _attend_compressed(self, q, entry, layer, seq_len: int):
         if self._decodes_own(entry):
@@ -89,18 +105,27 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         d_rows, d_starts = [rows[i] for i in drafting], [entries[i].row_start for i in drafting]
         d_ends = [starts[i] + lens[i] for i in drafting]
-        draft_index, slots, positions, indptr = None, None, None, []
-        if (drafting and ext.backend_for(req_to_token) is ext.Backend.TRITON
-                and all(lens[i] == 1 and not self._decodes_own(entries[i]) for i in drafting)):
-            # every drafter's one token in one paged attention launch per layer, over
-            # index lists built on the device once for the forward
+        draft_index, slots, positions, indptr, specache = None, None, None, [], []
+        if drafting and ext.backend_for(req_to_token) is ext.Backend.TRITON:
+            # the Triton path: SpeCache drafters together (a few launches per layer,
+            # :meth:`SpeCacheDrafter.attend_batch`), every other drafter's one token in
+            # one paged attention launch; index lists built on the device once per forward
             dev = req_to_token.device
-            kv = ext.build_kv_indices(req_to_token, *(torch.tensor(x, dtype=torch.int64).to(dev)
-                                                      for x in (d_rows, d_starts, d_ends)), NULL_SLOT)
-            draft_index = DraftIndex(
-                DecodeIndex(kv, torch.arange(len(drafting), device=dev),
-                            torch.tensor([starts[i] for i in drafting], dtype=torch.int64).to(dev)),
-                torch.tensor([offsets[i] for i in drafting]).to(dev))
+            own = [i for i in drafting if self._decodes_own(entries[i]) and entries[i].payload is not None]
+            if own:
+                specache = [SpeCacheGroup(sb, to_device(torch.tensor([offsets[own[j]] for j in sb.members]), dev))
+                            for sb in self.drafter.batch([entries[i] for i in own], [starts[i] + 1 for i in own],
+                                                         dev)]
+            rest = [i for i in drafting if i not in own]
+            if rest:
+                up = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), dev)  # noqa: E731
+                kv = ext.build_kv_indices(req_to_token, up([rows[i] for i in rest]),
+                                          up([entries[i].row_start for i in rest]),
+                                          up([starts[i] + lens[i] for i in rest]), NULL_SLOT)
+                draft_index = DraftIndex(DecodeIndex(kv, torch.arange(len(rest), device=dev),
+                                                     up([starts[i] for i in rest]),
+                                                     payload_groups(self.runtime, [entries[i] for i in rest], dev)),
+                                         up([offsets[i] for i in rest]), rest)
         elif drafting:
             slots, positions, indptr = kernels.live_rows_batch(req_to_token, d_rows, d_starts, d_ends)
         view, exact_q = None, None
@@ -115,7 +140,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             stats.add("attention", full_kv_verify_forwards=1)
         views = self._in_pool_views(forward_batch, in_pool, offsets) if in_pool else None
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
-                             slots, positions, indptr, rows, sorted(unstaged), views)
+                             slots, positions, indptr, rows, sorted(unstaged), views, specache)
 
     in_pool: "Optional[InPoolDrafts]" = None  # set by the worker around a forward
     # the re-selected view's positions per request: rid -> [layers, Hkv, K], from its last verify
@@ -232,11 +257,15 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             o[iv.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
         if self.in_pool is not None and self.in_pool.verifiers:
             self._reselect(q, layer, vf, k_buf)
-        if vf.draft_index is not None:  # the Triton path: one launch for every drafter
+        for group in vf.specache:  # the Triton path: SpeCache drafters, a few launches for all
+            q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[group.q_rows]
+            out = self.drafter.attend_batch(q_, group.batch, layer)
+            o[group.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
+        if vf.draft_index is not None:  # the Triton path: one launch for every other drafter
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[vf.draft_index.q_rows]
-            out = self.paged_decode(q_, layer, vf.draft_index.index, [vf.entries[i] for i in vf.drafting])
+            out = self.paged_decode(q_, layer, vf.draft_index.index)
             o[vf.draft_index.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
-        elif vf.drafting:
+        elif vf.slots is not None:  # the torch path: per request
             q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
             o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
             gqa = layer.tp_q_head_num != layer.tp_k_head_num
@@ -330,6 +359,7 @@ class VerifyForward:
     rows: list[int]  # req_pool_idx per request
     unstaged: list[int]  # verifying requests without pool room (verified outside the pool)
     in_pool: "Optional[InPoolViews]" = None  # in-pool drafters' sparse views
+    specache: list = dataclasses.field(default_factory=list)  # SpeCacheGroup per payload layout (Triton path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +395,15 @@ class DraftIndex:
     """The drafters' one token each, attended in one launch per layer."""
 
     index: DecodeIndex  # their live pool rows and query positions
+    q_rows: torch.Tensor  # their query rows in the forward
+    members: list[int]  # their request indices in the forward
+
+
+@dataclasses.dataclass
+class SpeCacheGroup:
+    """SpeCache drafters of one payload layout, drafted together in each layer."""
+
+    batch: "SpeCacheBatch"
     q_rows: torch.Tensor  # their query rows in the forward
 
 

@@ -107,6 +107,9 @@ class HostEntry:
     # layer_id -> (k, v) [n - p, H, D] on the device, until moved to the host
     pending: dict = dataclasses.field(default_factory=dict)
     event: object = None  # the last copy to the host (None: done when issued)
+    # [L, 2] int64 addresses of each layer's K and V copies, for the batched SpeCache fetch
+    # (built on first use once every layer landed; reset when a layer's copy changes)
+    addresses: Optional[torch.Tensor] = None
 
     def wait(self) -> None:
         """Block until every copy of this entry to the host has landed (a reader on the
@@ -223,6 +226,7 @@ class HostKVStore:
 
         (k, v, kept, dropped), event = self.copy_stream.copy(copy, after=self.copy_stream.mark())
         entry.k[layer_id], entry.v[layer_id] = k, v
+        entry.addresses = None
         if kept is not None:
             entry.kept[layer_id], entry.dropped[layer_id] = kept, dropped
         entry.event = event if event is not None else entry.event

@@ -19,18 +19,40 @@ after a failed reload) drafts from the plain low-bit copy (counted as
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Sequence
 
 import sgl_kernel_ext as ext
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 from sglang_vc import stats
+from sglang_vc.kvruntime import NULL_SLOT, payload_table
 from sglang_vc.specache import core, fused
 from sglang_vc.specache.requests import request_topk
 
 from .reload import HostKVStore
 
 STATS = "vericache"
+
+
+@dataclasses.dataclass
+class SpeCacheBatch:
+    """What every layer of one forward reads to draft a group of SpeCache requests (one
+    payload layout) together on the Triton path: built once per forward, on the device."""
+
+    members: list[int]  # the requests' indices in the caller's list
+    payloads: payload_table.PayloadTable
+    tail: ext.KVIndices  # each request's pool rows [payload rows, seq_len)
+    q_req: torch.Tensor  # [B] 0 .. B-1
+    q_pos: torch.Tensor  # [B] each draft query's position (seq_len - 1)
+    rows: torch.Tensor  # [B] req_pool_idx
+    shared: torch.Tensor  # [B] tree-shared prefix length p (its full rows are in the pool)
+    topk: torch.Tensor  # [B] int32 rows fetched per KV head (0: no host copy, no fetch)
+    host: Optional[torch.Tensor]  # [L, B, 2] int64 addresses of each layer's host K and V (0: none)
+    host_like: dict  # layer_id -> one request's host K copy (dtype and strides of them all)
+    k_max: int  # the largest top-k (host-known: it sizes the launches)
+    rows_fetched: int  # rows fetched per layer, all requests and KV heads (for the stats)
 
 
 class SpeCacheDrafter:
@@ -89,6 +111,83 @@ class SpeCacheDrafter:
             out = res.out
         stats.add(STATS, specache_rows_fetched=rows.num_rows * rows.positions.shape[0],
                   specache_bytes_fetched=rows.nbytes())
+        return out
+
+    def batch(self, entries: Sequence, seq_lens: Sequence[int], device) -> list[SpeCacheBatch]:
+        """The Triton path's per-forward state for SpeCache requests ``entries`` (each with
+        a payload) drafting one token each, ``seq_lens`` counting that token: one
+        :class:`SpeCacheBatch` per payload layout (one for a server's own bits)."""
+        out = []
+        for members in payload_table.group_by_layout(self.runtime, entries):
+            es = [entries[i] for i in members]
+            host = [self.host.get(e.rid, e.req_pool_idx) for e in es]
+            for h in host:
+                if h is None:
+                    stats.add(STATS, specache_fetch_misses=1)
+                else:
+                    h.wait()  # its copies to the host have landed (blocks once per request)
+            topk = [0 if h is None else self.topk_of.get(e.rid, self.topk) for e, h in zip(es, host)]
+            lens = [seq_lens[i] for i in members]
+            rows = [e.req_pool_idx for e in es]
+            req_to_token = self.runtime.req_to_token
+            up = lambda x, dtype=torch.int64: to_device(torch.tensor(x, dtype=dtype), device)  # noqa: E731
+            tail = ext.build_kv_indices(req_to_token, up(rows), up([e.num_payload_rows for e in es]), up(lens),
+                                        NULL_SLOT)
+            k_max = max(topk)
+            host_t, host_like = None, {}
+            if k_max > 0:
+                layer_ids = sorted(es[0].payload.layers)  # the payload table's layers, in its order
+                host_t = to_device(torch.stack([self._host_addresses(h, layer_ids) for h in host], dim=1), device)
+                ref = next(h for h in host if h is not None)
+                host_like = {lid: ref.k[lid] for lid in layer_ids}
+            table = payload_table.build(self.runtime, es, device)
+            heads = next(iter(table.like.values())).k_payload.shape[1]
+            fetched = sum(min(k, e.num_payload_rows) for k, e in zip(topk, es)) * heads
+            out.append(SpeCacheBatch(
+                members, table, tail,
+                torch.arange(len(es), device=device), up([n - 1 for n in lens]), up(rows),
+                up([0 if h is None else h.p for h in host]), up(topk, torch.int32), host_t, host_like, k_max,
+                fetched))
+        return out
+
+    @staticmethod
+    def _host_addresses(host_entry, layer_ids: list[int]) -> torch.Tensor:
+        """``[L, 2]`` int64: each layer's host K and V addresses (zeros: no host copy)."""
+        if host_entry is None:
+            return torch.zeros(len(layer_ids), 2, dtype=torch.int64)
+        if host_entry.addresses is None:
+            host_entry.addresses = torch.tensor([[host_entry.k[lid].data_ptr(), host_entry.v[lid].data_ptr()]
+                                                 for lid in layer_ids], dtype=torch.int64)
+        return host_entry.addresses
+
+    def attend_batch(self, q: torch.Tensor, sb: SpeCacheBatch, layer) -> torch.Tensor:
+        """SpeCache's draft attention of a group of requests in one layer (``q [B, Hq, D]``,
+        one query each), in a fixed number of launches whatever ``B`` (issue #46):
+        the payloads and the tails attended (the log-sum-exps that score the rows), every
+        request's top-k rows per KV head chosen on the device and read from the pool or
+        its pinned host copy, then the payloads again without those rows, merged with the
+        rows' attention and the tails'. The same result as :meth:`attend` per request."""
+        lid = layer.layer_id
+        k_buf = self.runtime.kv_pool.get_key_buffer(lid)
+        v_buf = self.runtime.kv_pool.get_value_buffer(lid)
+        pb = sb.payloads.layer(lid)
+        scale = layer.scaling
+        p_out, p_lse = ext.kivi_attention_batch(q, pb, scale)
+        t_out, t_lse = ext.paged_attention(q, k_buf, v_buf, sb.q_req, sb.q_pos, sb.tail.indptr, sb.tail.indices,
+                                           sb.tail.positions, scale)
+        if sb.k_max == 0 or pb.max_tokens == 0:
+            return ext.merge_state(p_out, p_lse, t_out, t_lse)[0]
+        # the rows' scores need the log-sum-exp over all keys: the payload's and the tail's
+        scores = ext.payload_scores_batch(q, p_lse, pb, scale, lse2=t_lse)
+        pos = scores.topk(min(sb.k_max, pb.max_tokens), dim=-1).indices
+        fetched = ext.fetch_rows(pos, sb.host[sb.payloads.index[lid]], sb.host_like[lid], sb.shared, sb.topk,
+                                 pb.num_tokens, sb.rows, self.runtime.req_to_token, k_buf, v_buf)
+        # the payload without the fetched rows, merged with their attention and the tail's
+        out, _ = ext.kivi_attention_batch(q, pb, scale, exclude=fetched.selected,
+                                          merge=(ext.rows_attention(q, fetched, scale), (t_out, t_lse)))
+        stats.add(STATS, specache_rows_fetched=sb.rows_fetched,
+                  specache_bytes_fetched=sb.rows_fetched * (k_buf.shape[2] + v_buf.shape[2])
+                  * sb.host_like[lid].element_size())
         return out
 
     @staticmethod

@@ -35,6 +35,9 @@ class Launch(NamedTuple):
 
 
 _recorders: list[list[Launch]] = []
+# > 0 while a kernel runs in Triton's interpreter: the torch operators it dispatches to
+# emulate the kernel are not launches of their own (``sglang_vc``'s LaunchCounter)
+interpreting = 0
 
 
 @contextlib.contextmanager
@@ -143,8 +146,13 @@ def launch(name: str, kernel, grid, *args, **kwargs) -> None:
         raise RuntimeError(f"sgl-kernel-ext: cannot run {name} in Triton's interpreter on the CPU: {problem}. "
                            f"Unset {ENV} (the torch path) or upgrade Triton.")
     runner = kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel)
-    with _device_calls_interpreted():
-        runner[grid](*args, **kwargs)
+    global interpreting
+    interpreting += 1
+    try:
+        with _device_calls_interpreted():
+            runner[grid](*args, **kwargs)
+    finally:
+        interpreting -= 1
 
 
 @contextlib.contextmanager

@@ -99,20 +99,20 @@ def unpack_codes(kp, rows, rows_ok, kvh, s0, s1, NC: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def dequantize_keys(kp, ks, kz, n0, rows_ok, kvh, skp0, skp1, sks0, sks1, G: tl.constexpr, BITS: tl.constexpr,
+def dequantize_keys(kp, ks, kz, n0, n_end, rows_ok, kvh, skp0, skp1, sks0, sks1, G: tl.constexpr, BITS: tl.constexpr,
                     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Float32 keys ``[BLOCK_N, BLOCK_D]`` of rows ``n0 + arange(BLOCK_N)`` of KV head
     ``kvh`` (KIVI's keys: per channel, groups of ``G`` tokens share a scale and a zero
     point), rounded through the scales' dtype as the reference dequantizes them. ``n0`` is
     a multiple of ``BLOCK_N``: where ``G`` is too, the block is one group and its scales
-    are one row."""
+    are one row, read only when the block starts before the payload's end ``n_end``."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     code = unpack_codes(kp, n, rows_ok, kvh, skp0, skp1, D, BLOCK_N, BLOCK_D, BITS)
     if G % BLOCK_N == 0:
         off = (n0 // G) * sks0 + kvh * sks1 + d
-        sc = tl.load(ks + off, mask=d < D, other=0.0)[None, :]
-        zr = tl.load(kz + off, mask=d < D, other=0.0)[None, :]
+        sc = tl.load(ks + off, mask=(d < D) & (n0 + d * 0 < n_end), other=0.0)[None, :]
+        zr = tl.load(kz + off, mask=(d < D) & (n0 + d * 0 < n_end), other=0.0)[None, :]
     else:
         mask = rows_ok[:, None] & (d[None, :] < D)
         off = (n // G)[:, None] * sks0 + kvh * sks1 + d[None, :]
@@ -152,13 +152,27 @@ def _kernel(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q,
             G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_EXCL: tl.constexpr, DOT_F32: tl.constexpr,
             GV_POW2: tl.constexpr):
-    """One (query row, KV head, payload split), flash-decoding as :mod:`.paged_attention`:
-    the GQA group's query heads together, so each packed key and value is read and
-    dequantized once per group and the scores are a ``tl.dot``; partial outputs and
-    log-sum-exps go to ``part_out [T, Hq, S, DV]`` / ``part_lse [T, Hq, S]``."""
-    t = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
+    """One (query row, KV head, payload split) of one payload."""
+    attend_split(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q, tl.program_id(0),
+                 tl.program_id(1), tl.program_id(2), tl.num_programs(1), sq0, sq1, skp0, skp1, sks0, sks1, svp0,
+                 svp1, svs0, svs1, sx0, group, num_splits, G, GV, BITS, D, DV, BLOCK_G, BLOCK_D, BLOCK_DV, BLOCK_N,
+                 HAS_EXCL, DOT_F32, GV_POW2, 0, False, 16)
+
+
+@triton.jit
+def attend_split(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q, t, kvh, sp, num_kv_heads,
+                 sq0, sq1, skp0, skp1, sks0, sks1, svp0, svp1, svs0, svs1, sx0, group, num_splits,
+                 G: tl.constexpr, GV: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_EXCL: tl.constexpr, DOT_F32: tl.constexpr, GV_POW2: tl.constexpr, n_excl,
+                 EXCL_LIST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Query row ``t``, KV head ``kvh``, split ``sp`` of a payload of ``n_q`` rows,
+    flash-decoding as :mod:`.paged_attention`: the GQA group's query heads together, so
+    each packed key and value is read and dequantized once per group and the scores are
+    a ``tl.dot``; partial outputs and log-sum-exps go to ``part_out [T, Hq, S, DV]`` /
+    ``part_lse [T, Hq, S]``. Rows left out: a mask ``excl [H, n_q]`` (``HAS_EXCL``) or a
+    list of ``n_excl`` row positions per KV head, -1 for none (``EXCL_LIST``: SpeCache's
+    top-k, compared in registers, no mask written)."""
     per = tl.cdiv(tl.cdiv(n_q, num_splits), BLOCK_N) * BLOCK_N
     lo = sp * per
     hi = tl.minimum(n_q, lo + per)
@@ -173,15 +187,21 @@ def _kernel(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q,
     m = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    if EXCL_LIST:
+        kk = tl.arange(0, BLOCK_K)
+        sel = tl.load(excl + kvh * sx0 + kk, mask=kk < n_excl, other=-1)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         vis = n < hi
         if HAS_EXCL:
             ex = tl.load(excl + kvh * sx0 + n, mask=vis, other=0)
             vis = vis & (ex == 0)
+        if EXCL_LIST:
+            hit = tl.max((n[:, None] == sel[None, :]).to(tl.int32), axis=1)
+            vis = vis & (hit == 0)
         # dequantized keys are exact in the scales' dtype (rounded through it); where that
         # is the query's dtype the dot runs in it (tensor cores), else in float32
-        k = dequantize_keys(kp, ks, kz, n0, vis, kvh, skp0, skp1, sks0, sks1, G, BITS, D, BLOCK_N, BLOCK_D)
+        k = dequantize_keys(kp, ks, kz, n0, hi, vis, kvh, skp0, skp1, sks0, sks1, G, BITS, D, BLOCK_N, BLOCK_D)
         if DOT_F32:
             s = tl.dot(qv.to(tl.float32), tl.trans(k), input_precision="ieee") * scale  # [G, N]
         else:
@@ -198,7 +218,7 @@ def _kernel(q, kp, ks, kz, vp, vs, vz, excl, part_out, part_lse, scale, n_q,
         m = m_new
     seen = l > 0
     o = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
-    row = (t * tl.num_programs(1) * group + h) * num_splits + sp  # [T, Hq, S] flattened
+    row = (t * num_kv_heads * group + h) * num_splits + sp  # [T, Hq, S] flattened
     tl.store(part_out + row[:, None] * DV + dv[None, :], o, mask=in_group[:, None] & dvm[None, :])
     tl.store(part_lse + row, tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), -float("inf")), mask=in_group)
 

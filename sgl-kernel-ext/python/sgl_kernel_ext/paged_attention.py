@@ -102,31 +102,54 @@ def _split_kernel(q, k_buf, v_buf, q_req, q_pos, kv_indptr, kv_indices, kv_pos, 
 
 
 @triton.jit
-def _reduce_kernel(part_out, part_lse, out, lse, num_splits, DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_DV: tl.constexpr):
-    """Merge one (query row, head)'s splits by their log-sum-exp; no visible key: 0, -inf."""
+def _reduce_kernel(part_out, part_lse, out, lse, eo0, el0, eo1, el1, num_splits, DV: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_EXTRA: tl.constexpr):
+    """Merge one (query row, head)'s splits, and up to two more partial states of it
+    (``eo/el``: ``[R, DV]``/``[R]``), by their log-sum-exps; no visible key: 0, -inf."""
     r = tl.program_id(0)  # t * Hq + h
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
     ls = tl.load(part_lse + r * num_splits + s, mask=s < num_splits, other=-float("inf"))
     mx = tl.max(ls, axis=0)
+    if NUM_EXTRA >= 1:
+        l0 = tl.load(el0 + r)
+        mx = tl.maximum(mx, l0)
+    if NUM_EXTRA >= 2:
+        l1 = tl.load(el1 + r)
+        mx = tl.maximum(mx, l1)
     mx_safe = tl.where(mx == -float("inf"), 0.0, mx)
     w = tl.exp(ls - mx_safe)
     total = tl.sum(w, axis=0)
     po = tl.load(part_out + (r * num_splits + s)[:, None] * DV + dv[None, :],
                  mask=(s[:, None] < num_splits) & (dv[None, :] < DV), other=0.0)
+    acc = tl.sum(w[:, None] * po, axis=0)
+    if NUM_EXTRA >= 1:
+        w0 = tl.exp(l0 - mx_safe)
+        total += w0
+        acc += w0 * tl.load(eo0 + r * DV + dv, mask=dv < DV, other=0.0)
+    if NUM_EXTRA >= 2:
+        w1 = tl.exp(l1 - mx_safe)
+        total += w1
+        acc += w1 * tl.load(eo1 + r * DV + dv, mask=dv < DV, other=0.0)
     seen = total > 0
-    o = tl.sum(w[:, None] * po, axis=0) / tl.where(seen, total, 1.0)
+    o = acc / tl.where(seen, total, 1.0)
     tl.store(out + r * DV + dv, tl.where(seen, o, 0.0), mask=dv < DV)
     tl.store(lse + r, tl.where(seen, mx_safe + tl.log(tl.where(seen, total, 1.0)), -float("inf")))
 
 
-def merge_splits(part_out: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+def merge_splits(part_out: Tensor, part_lse: Tensor, out: Tensor, lse: Tensor, extra: tuple = ()) -> None:
     """``out [Tq, Hq, DV]``/``lse [Tq, Hq]`` from the splits ``part_out [Tq, Hq, S, DV]`` /
-    ``part_lse [Tq, Hq, S]`` of a flash-decoding kernel (this one, :mod:`.kivi_attention`)."""
+    ``part_lse [Tq, Hq, S]`` of a flash-decoding kernel (this one, :mod:`.kivi_attention`),
+    and up to two more partial states ``(out, lse)`` of the same queries (``extra``), in
+    one launch."""
     tq, hq, splits, dv = part_out.shape
-    launch("paged_attention_reduce", _reduce_kernel, (tq * hq,), part_out, part_lse, out, lse, splits,
-           DV=dv, BLOCK_S=block(splits, least=2), BLOCK_DV=block(dv))
+    if len(extra) > 2:
+        raise ValueError("merge_splits: at most two extra states")
+    ex = [(o.float().contiguous(), l.float().contiguous()) for o, l in extra]
+    ex += [(part_out, part_lse)] * (2 - len(ex))  # unused stand-ins
+    launch("paged_attention_reduce", _reduce_kernel, (tq * hq,), part_out, part_lse, out, lse, ex[0][0], ex[0][1],
+           ex[1][0], ex[1][1], splits, DV=dv, BLOCK_S=block(splits, least=2), BLOCK_DV=block(dv),
+           NUM_EXTRA=len(extra))
 
 
 MAX_SPLITS = 16

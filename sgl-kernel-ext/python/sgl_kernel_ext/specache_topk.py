@@ -40,20 +40,40 @@ def _kernel(q, lse, kp, ks, kz, excl, out, scale, n_q, sq0, skp0, skp1, sks0, sk
             HAS_EXCL: tl.constexpr):
     kvh = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
+    total = score_block(q, lse, lse, kp, ks, kz, scale, n_q, kvh, n0, sq0, skp0, skp1, sks0, sks1, group, G, BITS,
+                        D, BLOCK_D, BLOCK_N, False)
+    n = n0 + tl.arange(0, BLOCK_N)
+    inb = n < n_q
+    if HAS_EXCL:
+        ex = tl.load(excl + kvh * sx0 + n, mask=inb, other=0)
+        total = tl.where(ex == 0, total, 0.0)
+    tl.store(out + kvh * so0 + n, total, mask=inb)
+
+
+@triton.jit
+def score_block(q, lse, lse2, kp, ks, kz, scale, n_q, kvh, n0, sq0, skp0, skp1, sks0, sks1, group,
+                G: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_LSE2: tl.constexpr):
+    """KV head ``kvh``'s attention mass on payload rows ``n0 + arange(BLOCK_N)`` (0 past
+    ``n_q``), summed over its query heads ``q [Hq, D]`` of log-sum-exps ``lse [Hq]`` (with
+    ``HAS_LSE2``: over two disjoint key sets, ``lse`` and ``lse2``, combined here)."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     inb = n < n_q
-    k = dequantize_keys(kp, ks, kz, n0, inb, kvh, skp0, skp1, sks0, sks1, G, BITS, D, BLOCK_N, BLOCK_D)
+    k = dequantize_keys(kp, ks, kz, n0, n_q, inb, kvh, skp0, skp1, sks0, sks1, G, BITS, D, BLOCK_N, BLOCK_D)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for g in range(0, group):
         h = kvh * group + g
         qv = tl.load(q + h * sq0 + d, mask=d < D, other=0.0).to(tl.float32)
         s = tl.sum(k * qv[None, :], axis=1) * scale
-        total += tl.exp(s - tl.load(lse + h))
-    if HAS_EXCL:
-        ex = tl.load(excl + kvh * sx0 + n, mask=inb, other=0)
-        total = tl.where(ex == 0, total, 0.0)
-    tl.store(out + kvh * so0 + n, total, mask=inb)
+        row_lse = tl.load(lse + h)
+        if HAS_LSE2:
+            other = tl.load(lse2 + h)
+            top = tl.maximum(row_lse, other)
+            top = tl.where(top == -float("inf"), 0.0, top)
+            row_lse = top + tl.log(tl.exp(row_lse - top) + tl.exp(other - top))
+        total += tl.exp(s - row_lse)
+    return tl.where(inb, total, 0.0)
 
 
 def payload_scores(q_row: Tensor, lse_row: Tensor, p: Payload, scale: float,
