@@ -25,10 +25,46 @@ def test_kivi_serving_through_triton_kernels_equals_torch_path(model_dir, tokeni
                         "--vc-kv-bits", "2"], log_path=log, env={"SGL_KERNEL_EXT_BACKEND": "triton"}) as server:
         out = generate(server, ids, 8)
     text = log.read_text()
-    for kernel in ("build_kv_indices", "paged_attention", "kivi_attention"):
+    for kernel in ("build_kv_indices", "paged_attention", "kivi_attention_batch"):
         assert f"sgl-kernel-ext: Triton kernel {kernel} on the CPU (Triton interpreter)" in text, kernel
     info = out["meta_info"]["sglang_vc_compression"][0]
     assert info["tokens_quantized"] > 0  # decoded from the 2-bit payload
     ref = lossy_greedy_reference(model_dir, ids, 8, "kivi", 2)
     result = compare(ref, out["output_ids"], finish_type(out))
     assert result.identical, f"wrong token at {result.wrong_token_at}: {out['output_ids']} vs {ref.tokens}"
+
+
+def test_vericache_specache_drafts_through_triton_kernels_equal_full_kv(model_dir, tokenizer, tmp_path):
+    """VERICACHE with SpeCache drafting, end to end on the Triton path (the GPU's code,
+    in Triton's interpreter here): two requests of different lengths draft together in
+    each layer (``SpeCacheDrafter.attend_batch``: payloads by address, one top-k, the rows
+    read from the host copy by a kernel), and the output equals full-KV decoding token by
+    token, with some drafts rejected (the compressed path was taken)."""
+    import requests
+    from test_vericache_serving import ALWAYS, SPECACHE_DRAFTER
+
+    from sglang_vc.testing.reference import greedy_reference
+    from sglang_vc.testing.text import real_text_passages
+
+    passages = real_text_passages(12, words=400)
+    ids_list = [tokenizer(passages[5])["input_ids"][:300], tokenizer(passages[6])["input_ids"][:400]]
+    log = tmp_path / "server.log"
+    with ServerProcess(["--dtype", "float32", "--max-total-tokens", "4096", "--speculative-algorithm", "VERICACHE",
+                        "--speculative-num-draft-tokens", "4", *ALWAYS, "--vc-compressor", "snapkv",
+                        "--vc-compression-ratio", "0.25"],
+                       log_path=log, env={"SGL_KERNEL_EXT_BACKEND": "triton"}) as server:
+        # one /generate call with both prompts: one batch, drafting together
+        params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "custom_params": SPECACHE_DRAFTER}
+        r = requests.post(server.url + "/generate", json={"input_ids": ids_list, "sampling_params": params},
+                          timeout=1800)
+        assert r.status_code == 200, r.text
+        outs = r.json()
+    text = log.read_text()
+    for kernel in ("kivi_attention_batch", "payload_scores_batch", "specache_fetch_rows", "specache_rows_attention"):
+        assert f"sgl-kernel-ext: Triton kernel {kernel} on the CPU (Triton interpreter)" in text, kernel
+    infos = [out["meta_info"]["sglang_vc_vericache"][-1] for out in outs]
+    assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos
+    for ids, out in zip(ids_list, outs):
+        ref = greedy_reference(model_dir, ids, 10)
+        result = compare(ref, out["output_ids"], finish_type(out))
+        assert result.identical, f"wrong token at {result.wrong_token_at}: {out['output_ids']} vs {ref.tokens}"

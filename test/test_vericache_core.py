@@ -629,6 +629,24 @@ def test_best_feasible_point_of_eq_11_on_the_papers_example():
     # a slow link: the interconnect binds, and the optimum offloads fewer requests
     slow = pm.best_feasible(acceptance={30: 19.5}, **{**hw, "interconnect_bw": 2 * GB})
     assert slow.offloaded < 31 and slow.tokens_per_s < o.tokens_per_s
+    # a quantizer's verify reloads all of the full KV, not (1 - c) of it: never faster
+    link = {**hw, "interconnect_bw": GB // 2}
+    quant = pm.best_feasible(acceptance={30: 19.5}, reload_fraction=1.0, **link)
+    assert quant.tokens_per_s <= pm.best_feasible(acceptance={30: 19.5}, **link).tokens_per_s
+    assert quant.offloaded and quant.t_xfer == pytest.approx(
+        pm.xfer_time(quant.offloaded, 4 * GB, 30, GB // 2, quant.cycles_per_load))
+
+
+def test_best_feasible_prices_on_device_requests_at_full_kv():
+    """A request kept at full KV on the device reads all of it each iteration and commits
+    one token; the offloaded ones read the average and commit A / (x + 1)."""
+    hw = dict(weights_bytes=50 * GB, kv_full_bytes=4 * GB, compression=0.25, hbm_bw=EX["BW_HBM"],
+              interconnect_bw=64 * GB, gpu_mem_bytes=96 * GB)
+    o = pm.best_feasible(acceptance={30: 19.5}, **hw)
+    kv_avg = pm.avg_kv_per_offloaded(4 * GB, 0.25, 30)
+    assert o.t_gpu == pytest.approx((50 * GB + o.on_device * 4 * GB + o.offloaded * kv_avg) / EX["BW_HBM"])
+    tokens = o.offloaded * 19.5 / 31 + o.on_device
+    assert o.tokens_per_s == pytest.approx(tokens / max(o.t_gpu, o.t_xfer))
 
 
 def test_best_feasible_is_never_infeasible():

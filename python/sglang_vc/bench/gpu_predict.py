@@ -125,19 +125,21 @@ def predict(reports: list[dict], curves: dict[str, dict[int, float]], gpu_mem_by
         c = kept[drafter]
         draft_us = step[DRAFTERS[drafter]]["us"] / batch
         for x, a in sorted(curve.items()):
+            reload_frac = 1 - c if drafter in TOKEN_DROPPERS else 1.0  # a quantizer's verify reloads every row
             best = pm.best_feasible(weights_bytes=weights_bytes, kv_full_bytes=kv_full, compression=c,
                                     acceptance={x: a}, hbm_bw=hbm_bw, interconnect_bw=link_bw,
-                                    gpu_mem_bytes=gpu_mem_bytes)
-            b, b_c = best.batch_size, best.offloaded
-            # staggered steady state: each request drafts x iterations and verifies one
-            drafting, verifying = b * x / (x + 1), b / (x + 1)
-            tokens = drafting + verifying * (x + 1)
-            compute = _weights_us(step, tokens) + drafting * draft_us + verifying * _verify_us(reports, x)
+                                    gpu_mem_bytes=gpu_mem_bytes, reload_fraction=reload_frac)
+            b, b_c, b_g = best.batch_size, best.offloaded, best.on_device
+            # staggered steady state: each offloaded request drafts x iterations and
+            # verifies one; a request kept at full KV on the device decodes every iteration
+            drafting, verifying = b_c * x / (x + 1), b_c / (x + 1)
+            tokens = drafting + verifying * (x + 1) + b_g
+            compute = (_weights_us(step, tokens) + drafting * draft_us + verifying * _verify_us(reports, x)
+                       + b_g * decode_us)
             # the offloaded verifiers' reloads: only the dropped rows for a token-dropping drafter
-            reload_frac = 1 - c if drafter in TOKEN_DROPPERS else 1.0
             link = (b_c / (x + 1)) * reload_us * reload_frac
             iter_us = layers * max(compute, link)  # measured: a reload on the copy stream hides behind compute
-            tps = b * a / (x + 1) / (iter_us * 1e-6)
+            tps = (b_c * a / (x + 1) + b_g) / (iter_us * 1e-6)
             out["predictions"].append(asdict(Prediction(
                 drafter, x, a, c, b, b_c, best.tokens_per_s, best.tokens_per_s / base_b1, tps, tps / base_measured,
                 iter_us / 1e3, drafting * draft_us / compute, [v.value for v in best.binding])))
@@ -145,7 +147,8 @@ def predict(reports: list[dict], curves: dict[str, dict[int, float]], gpu_mem_by
         out["chosen"][drafter] = {"measured_costs": max(mine, key=lambda p: p["measured_ratio_to_full"])["draft_len"],
                                   "b1": max(mine, key=lambda p: p["b1_ratio_to_full"])["draft_len"]}
         for name, hw in NOMINAL.items():
-            o = pm.best_feasible(compression=c, acceptance=dict(curve), **hw)
+            o = pm.best_feasible(compression=c, acceptance=dict(curve),
+                                 reload_fraction=None if drafter in TOKEN_DROPPERS else 1.0, **hw)
             out["nominal_b1"].setdefault(name, {})[drafter] = {
                 "draft_len": o.draft_len, "accept_len": o.accept_len, "batch_size": o.batch_size,
                 "offloaded": o.offloaded, "full_kv_batch": o.full_kv_batch, "ratio_to_full": o.ratio_to_full,

@@ -282,6 +282,7 @@ def best_feasible(
     interconnect_bw: float,
     gpu_mem_bytes: float,
     max_requests: int | None = None,
+    reload_fraction: float | None = None,
 ) -> Optimum:
     """Eq. 11 maximised over ``x`` (the keys of ``acceptance``, each with its measured or
     predicted acceptance length ``A(x)``), ``B_c``, ``B_g`` and ``ell``, subject to Eq. 6
@@ -289,6 +290,14 @@ def best_feasible(
     point. ``ell`` is the largest whole number of iterations Eq. 9 allows (Eq. 8 falls with
     it); ``B_g`` fills the memory the offloaded requests leave (throughput grows with the
     batch at fixed ``x``: the weights are read once per iteration), up to ``max_requests``.
+
+    Priced as the server runs them (not Eq. 7's ``B KV_avg`` for all): an offloaded
+    request reads ``KV_avg`` an iteration and commits ``A / (x + 1)`` tokens; a request
+    kept at full KV on the device (``B_g``) decodes it, reading ``KV_full`` and committing
+    one token an iteration. A verify reloads ``reload_fraction`` of a request's full KV:
+    ``1 - c`` (the default) for a token-dropping drafter, whose kept rows stay on the
+    device; pass 1 for a quantizer (KIVI, SpeCache), whose device copy is low-bit and
+    whose verify reloads every row.
 
     The baseline is full-KV decoding at the same memory: ``B = floor((GPU_mem - M) /
     KV_full)`` requests, one token each per ``(M + B KV_full) / BW_hbm``."""
@@ -301,6 +310,7 @@ def best_feasible(
         base_b = min(base_b, max_requests)
     base_tps = full_kv_from_hardware(weights_bytes=weights_bytes, kv_full_bytes=kv_full_bytes, hbm_bw=hbm_bw,
                                      gpu_mem_bytes=gpu_mem_bytes, batch_size=base_b)[0] if base_b else 0.0
+    reload = (1 - compression if reload_fraction is None else reload_fraction) * kv_full_bytes
     best: Optimum | None = None
     for x, accept_len in sorted(acceptance.items()):
         if x < 1:
@@ -318,9 +328,9 @@ def best_feasible(
             b = b_c + b_g
             if b == 0:
                 continue
-            t_g = gpu_time(weights_bytes, b, kv_avg, hbm_bw)
-            t_x = xfer_time(b_c, (1 - compression) * kv_full_bytes, x, interconnect_bw, ell)
-            tps = b * accept_len / (x + 1) / max(t_g, t_x)
+            t_g = (weights_bytes + b_g * kv_full_bytes + b_c * kv_avg) / hbm_bw
+            t_x = xfer_time(b_c, reload, x, interconnect_bw, ell)
+            tps = (b_c * accept_len / (x + 1) + b_g) / max(t_g, t_x)
             if best is None or tps > best.tokens_per_s * (1 + 1e-12):
                 best = Optimum(tps, x, accept_len, compression, b, b_c, b_g, ell, t_g, t_x, base_tps, base_b, ())
     if best is None:

@@ -53,6 +53,7 @@ class SpeCacheBatch:
     host_like: dict  # layer_id -> one request's host K copy (dtype and strides of them all)
     k_max: int  # the largest top-k (host-known: it sizes the launches)
     rows_fetched: int  # rows fetched per layer, all requests and KV heads (for the stats)
+    host_entries: list  # HostEntry or None per request (the torch path reads their tensors)
 
 
 class SpeCacheDrafter:
@@ -147,7 +148,7 @@ class SpeCacheDrafter:
                 members, table, tail,
                 torch.arange(len(es), device=device), up([n - 1 for n in lens]), up(rows),
                 up([0 if h is None else h.p for h in host]), up(topk, torch.int32), host_t, host_like, k_max,
-                fetched))
+                fetched, host))
         return out
 
     @staticmethod
@@ -180,8 +181,12 @@ class SpeCacheDrafter:
         # the rows' scores need the log-sum-exp over all keys: the payload's and the tail's
         scores = ext.payload_scores_batch(q, p_lse, pb, scale, lse2=t_lse)
         pos = scores.topk(min(sb.k_max, pb.max_tokens), dim=-1).indices
+        host_k = host_v = None
+        if ext.backend_for(q) is ext.Backend.TORCH:  # the reference reads the host tensors themselves
+            host_k = [None if h is None else h.k[lid] for h in sb.host_entries]
+            host_v = [None if h is None else h.v[lid] for h in sb.host_entries]
         fetched = ext.fetch_rows(pos, sb.host[sb.payloads.index[lid]], sb.host_like[lid], sb.shared, sb.topk,
-                                 pb.num_tokens, sb.rows, self.runtime.req_to_token, k_buf, v_buf)
+                                 pb.num_tokens, sb.rows, self.runtime.req_to_token, k_buf, v_buf, host_k, host_v)
         # the payload without the fetched rows, merged with their attention and the tail's
         out, _ = ext.kivi_attention_batch(q, pb, scale, exclude=fetched.selected,
                                           merge=(ext.rows_attention(q, fetched, scale), (t_out, t_lse)))
