@@ -34,37 +34,49 @@ def test_kivi_serving_through_triton_kernels_equals_torch_path(model_dir, tokeni
     assert result.identical, f"wrong token at {result.wrong_token_at}: {out['output_ids']} vs {ref.tokens}"
 
 
-def test_vericache_specache_drafts_through_triton_kernels_equal_full_kv(model_dir, tokenizer, tmp_path):
+def test_vericache_specache_drafts_through_triton_kernels_equal_full_kv(tokenizer, tmp_path):
     """VERICACHE with SpeCache drafting, end to end on the Triton path (the GPU's code,
     in Triton's interpreter here): two requests of different lengths draft together in
     each layer (``SpeCacheDrafter.attend_batch``: payloads by address, one top-k, the rows
-    read from the host copy by a kernel), and the output equals full-KV decoding token by
-    token, with some drafts rejected (the compressed path was taken)."""
+    read from the host copy by a kernel), and the output equals full-KV decoding (a plain
+    server) token by token, with some drafts rejected (the compressed path was taken).
+    The embedded model cut to 2 layers on both servers: the interpreter runs every kernel
+    in numpy (the full 30 layers took 23 minutes)."""
+    import json
+
     import requests
     from test_vericache_serving import ALWAYS, SPECACHE_DRAFTER
 
-    from sglang_vc.testing.reference import greedy_reference
     from sglang_vc.testing.text import real_text_passages
 
     passages = real_text_passages(12, words=400)
     ids_list = [tokenizer(passages[5])["input_ids"][:300], tokenizer(passages[6])["input_ids"][:400]]
-    log = tmp_path / "server.log"
-    with ServerProcess(["--dtype", "float32", "--max-total-tokens", "4096", "--speculative-algorithm", "VERICACHE",
-                        "--speculative-num-draft-tokens", "4", *ALWAYS, "--vc-compressor", "snapkv",
-                        "--vc-compression-ratio", "0.25"],
-                       log_path=log, env={"SGL_KERNEL_EXT_BACKEND": "triton"}) as server:
-        # one /generate call with both prompts: one batch, drafting together
-        params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "custom_params": SPECACHE_DRAFTER}
-        r = requests.post(server.url + "/generate", json={"input_ids": ids_list, "sampling_params": params},
+    common = ["--dtype", "float32", "--max-total-tokens", "4096", "--skip-server-warmup",
+              "--json-model-override-args", json.dumps({"num_hidden_layers": 2})]
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+    def run(server, custom=None):  # one /generate call with both prompts: one batch, drafting together
+        sampling = {**params, "custom_params": custom} if custom else params
+        r = requests.post(server.url + "/generate", json={"input_ids": ids_list, "sampling_params": sampling},
                           timeout=1800)
         assert r.status_code == 200, r.text
-        outs = r.json()
+        return r.json()
+
+    with ServerProcess(common, log_path=tmp_path / "plain.log") as plain:
+        want = run(plain)
+    log = tmp_path / "vericache.log"
+    with ServerProcess([*common, "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
+                        *ALWAYS, "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25"],
+                       log_path=log, env={"SGL_KERNEL_EXT_BACKEND": "triton"}) as server:
+        outs = run(server, SPECACHE_DRAFTER)
+        counters = server.server_info()["sglang_vc"]["counters"]["vericache"]
     text = log.read_text()
     for kernel in ("kivi_attention_batch", "payload_scores_batch", "specache_fetch_rows", "specache_rows_attention"):
         assert f"sgl-kernel-ext: Triton kernel {kernel} on the CPU (Triton interpreter)" in text, kernel
+    assert counters["specache_rows_fetched"] > 0, counters
     infos = [out["meta_info"]["sglang_vc_vericache"][-1] for out in outs]
     assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos
-    for ids, out in zip(ids_list, outs):
-        ref = greedy_reference(model_dir, ids, 10)
-        result = compare(ref, out["output_ids"], finish_type(out))
-        assert result.identical, f"wrong token at {result.wrong_token_at}: {out['output_ids']} vs {ref.tokens}"
+    for got, ref in zip(outs, want):
+        assert len(got["output_ids"]) == len(ref["output_ids"]) == 16
+        assert got["output_ids"] == ref["output_ids"], (got["output_ids"], ref["output_ids"])
+        assert got["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]

@@ -257,9 +257,15 @@ def kivi_attention(q: Tensor, p: Payload, scale: float, exclude: Optional[Tensor
            q.stride(0), q.stride(1), p.k_payload.stride(0), p.k_payload.stride(1),
            p.k_scales.stride(0), p.k_scales.stride(1), p.v_payload.stride(0), p.v_payload.stride(1),
            p.v_scales.stride(0), p.v_scales.stride(1), excl.stride(0) if exclude is not None else 0,
-           group, splits, G=p.group_size, GV=p.value_group_size, BITS=p.bits, D=p.head_dim, DV=p.v_head_dim, BLOCK_G=block(group), BLOCK_D=block(p.head_dim),
-           BLOCK_DV=block(p.v_head_dim), BLOCK_N=64, HAS_EXCL=exclude is not None,
-           DOT_F32=q.dtype != p.k_scales.dtype or q.dtype == torch.float32,
-           GV_POW2=p.value_group_size & (p.value_group_size - 1) == 0 and p.value_group_size <= block(p.v_head_dim))
+           group, splits, HAS_EXCL=exclude is not None, **launch_constants(p, q, group))
     merge_splits(part_out, part_lse, out, lse)
     return out, lse
+
+
+def launch_constants(p: Payload, q: Tensor, group: int) -> dict:
+    """The constexprs of :func:`attend_split` that a payload's layout and the query fix."""
+    return dict(G=p.group_size, GV=p.value_group_size, BITS=p.bits, D=p.head_dim, DV=p.v_head_dim,
+                BLOCK_G=block(group), BLOCK_D=block(p.head_dim), BLOCK_DV=block(p.v_head_dim), BLOCK_N=64,
+                DOT_F32=q.dtype != p.k_scales.dtype or q.dtype == torch.float32,
+                GV_POW2=p.value_group_size & (p.value_group_size - 1) == 0
+                and p.value_group_size <= block(p.v_head_dim))

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import Backend, backend_for, block, launch
-from .kivi_attention import KIVI_MAX_SPLITS, Payload, attend_split, check
+from .kivi_attention import KIVI_MAX_SPLITS, Payload, attend_split, check, launch_constants
 from .kivi_attention import reference as kivi_reference
 from .specache_topk import reference as scores_row_reference
 from .specache_topk import score_block
@@ -157,12 +157,7 @@ def kivi_attention_batch(q: Tensor, pb: PayloadBatch, scale: float, exclude: Opt
            like.k_scales.stride(0), like.k_scales.stride(1), like.v_payload.stride(0), like.v_payload.stride(1),
            like.v_scales.stride(0), like.v_scales.stride(1), exclude.stride(0) if exclude is not None else 0,
            exclude.stride(1) if exclude is not None else 0, n_excl, group, splits,
-           G=like.group_size, GV=like.value_group_size, BITS=like.bits, D=like.head_dim, DV=like.v_head_dim,
-           BLOCK_G=block(group), BLOCK_D=block(like.head_dim), BLOCK_DV=block(like.v_head_dim), BLOCK_N=64,
-           EXCL_LIST=exclude is not None, BLOCK_K=block(n_excl),
-           DOT_F32=q.dtype != like.k_scales.dtype or q.dtype == torch.float32,
-           GV_POW2=like.value_group_size & (like.value_group_size - 1) == 0
-           and like.value_group_size <= block(like.v_head_dim))
+           EXCL_LIST=exclude is not None, BLOCK_K=block(n_excl), **launch_constants(like, q, group))
     merge_splits(part_out, part_lse, out, lse, extra=merge)
     return out, lse
 
