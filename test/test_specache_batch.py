@@ -99,6 +99,7 @@ def test_attend_batch_equals_per_request_drafter(monkeypatch):
     monkeypatch.setattr(ext.dispatch, "is_cuda_tensor", lambda t: True)  # the stand-in CUDA platform
     ext.launches.clear()
     before = stats.snapshot().get("vericache", {}).get("specache_rows_fetched", 0)
+    misses = stats.snapshot().get("vericache", {}).get("specache_fetch_misses", 0)
     (sb,) = drafter.batch(entries, seq_lens, "cpu")
     assert sb.members == [0, 1, 2, 3] and sb.topk.tolist() == [TOPK, TOPK, 0, 3]  # c: no host copy
     got = [drafter.attend_batch(q[lid], sb, layers[lid]) for lid in range(LAYERS)]
@@ -107,3 +108,5 @@ def test_attend_batch_equals_per_request_drafter(monkeypatch):
     assert ext.launches["specache_fetch_rows"] == LAYERS and ext.launches["kivi_attention_batch"] == 2 * LAYERS
     after = stats.snapshot()["vericache"]["specache_rows_fetched"]
     assert after - before == LAYERS * H * (TOPK + TOPK + 0 + 3)
+    # c has no host copy: one miss per layer, as the per-request path counts it
+    assert stats.snapshot()["vericache"]["specache_fetch_misses"] - misses == LAYERS

@@ -55,6 +55,11 @@ class SpeCacheBatch:
     rows_fetched: int  # rows fetched per layer, all requests and KV heads (for the stats)
     host_entries: list  # HostEntry or None per request (the torch path reads their tensors)
 
+    @property
+    def misses(self) -> int:
+        """Requests without a host copy: they draft from the plain low-bit copy."""
+        return sum(h is None for h in self.host_entries)
+
 
 class SpeCacheDrafter:
     def __init__(self, host: HostKVStore, runtime, topk: int):
@@ -123,9 +128,7 @@ class SpeCacheDrafter:
             es = [entries[i] for i in members]
             host = [self.host.get(e.rid, e.req_pool_idx) for e in es]
             for h in host:
-                if h is None:
-                    stats.add(STATS, specache_fetch_misses=1)
-                else:
+                if h is not None:
                     h.wait()  # its copies to the host have landed (blocks once per request)
             topk = [0 if h is None else self.topk_of.get(e.rid, self.topk) for e, h in zip(es, host)]
             lens = [seq_lens[i] for i in members]
@@ -173,6 +176,8 @@ class SpeCacheDrafter:
         v_buf = self.runtime.kv_pool.get_value_buffer(lid)
         pb = sb.payloads.layer(lid)
         scale = layer.scaling
+        if sb.misses:  # counted per request and layer, as the per-request path counts them
+            stats.add(STATS, specache_fetch_misses=sb.misses)
         p_out, p_lse = ext.kivi_attention_batch(q, pb, scale)
         t_out, t_lse = ext.paged_attention(q, k_buf, v_buf, sb.q_req, sb.q_pos, sb.tail.indptr, sb.tail.indices,
                                            sb.tail.positions, scale)
