@@ -78,6 +78,18 @@ def test_kv_indices_skip_null_slots(triton_backend):
         assert torch.equal(a, b)
     assert int(want.indptr[-1]) == sum(int((req_to_token[r, s:e] != 0).sum()) for r, s, e in [(2, 0, 300), (0, 17, 200), (3, 5, 6)])
 
+    # the lengths given by the host: no host read of device values, room for every row,
+    # the live entries the same and the rest unused
+    from sglang_vc.kvruntime.syncs import SyncCounter
+
+    with SyncCounter() as syncs:
+        sized = ext.build_kv_indices(req_to_token, rows, starts, ends, null_slot=0, spans=[300, 183, 1])
+    assert syncs.total == 0, syncs.by_kind
+    total = int(want.indptr[-1])
+    assert sized.indices.numel() == 300 + 183 + 1 > total
+    assert torch.equal(sized.indptr, want.indptr)
+    assert torch.equal(sized.indices[:total], want.indices) and torch.equal(sized.positions[:total], want.positions)
+
 
 def _paged_case(k_buf, v_buf, gen, hq):
     """Three requests over a shared pool: a decode, an extend of 5 queries, and a

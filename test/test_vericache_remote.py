@@ -21,7 +21,7 @@ import pytest
 import requests
 
 import sglang_vc.testing.evicpress as epx
-from sglang_vc.testing.server import ServerProcess
+from sglang_vc.testing.server import ServerProcess, free_ports
 
 CTX = 400  # tokens of the stored prefix
 
@@ -96,8 +96,18 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
     prompts = lossy_prompts + exact_prompts + [overlap_prompt]
     n_new = 24
 
-    local = ServerProcess(_common(store), log_path=tmp_path / "local.log", timeout=420)
+    # the two servers start together (the starts overlap); the remote one is used later
+    ports = free_ports(2)
+    local = ServerProcess(_common(store), log_path=tmp_path / "local.log", timeout=420, wait=False, port=ports[0])
+    proxy = VerifierProxy(local.url)
+    remote_args = _common(store) + [
+        "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
+        "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p1",
+        "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
+    remote = ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420, wait=False, port=ports[1])
     try:
+        local.wait_ready()
+        remote.wait_ready()
         epx.api(local, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": ctx_ids})
         local.generate(input_ids=lossy_prompts[0], max_new_tokens=1)  # computes it: copies go to the store
         described = epx.api(local, "GET", "/evicpress/contexts/doc")
@@ -106,12 +116,7 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
         ref = {i: local.generate(input_ids=p, max_new_tokens=n_new) for i, p in enumerate(prompts)}
         before_local = local.server_info()["sglang_vc"]["counters"].get("evicpress", {})
 
-        proxy = VerifierProxy(local.url)
-        remote_args = _common(store) + [
-            "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
-            "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p1",
-            "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
-        with ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420) as remote:
+        with remote:
             epx.api(remote, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": ctx_ids})
             # one batch mixing lossy-prefix and exact requests, in both orders
             order = [0, 3, 1, 4, 2]
@@ -185,8 +190,9 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
             r = _post(remote.url, {"input_ids": lossy_prompts[0], "cache_salt": "tenant-a",
                                    "sampling_params": {"temperature": 0}})
             assert r.status_code == 400 and "cache_salt" in r.text, r.text
-        proxy.close()
     finally:
+        proxy.close()
+        remote.stop()
         local.stop()
 
 
@@ -208,21 +214,25 @@ def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, 
     late = docs[1] + tokenizer(questions[0], add_special_tokens=False)["input_ids"]
     n_new = 32
 
-    local = ServerProcess(_common(store), log_path=tmp_path / "local.log", timeout=420)
+    ports = free_ports(2)  # the two servers start together (the starts overlap)
+    local = ServerProcess(_common(store), log_path=tmp_path / "local.log", timeout=420, wait=False, port=ports[0])
     proxy = VerifierProxy(local.url)
+    remote_args = _common(store) + [
+        "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
+        "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p2",
+        # emulated, fast: the full copy (18.4 MB, 18 ms on the link) is here long before
+        # a request's 8 verified rounds are done, on any machine
+        "--vc-storage-read-gbps", "1.0",
+        "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
+    remote = ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420, wait=False, port=ports[1])
     try:
+        local.wait_ready()
+        remote.wait_ready()
         for name, ids in zip(("doc", "doc2"), docs):
             epx.api(local, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
             local.generate(input_ids=ids + [13], max_new_tokens=1)  # computes it: copies go to the store
         ref = [local.generate(input_ids=p, max_new_tokens=n_new) for p in prompts + [late]]
-        remote_args = _common(store) + [
-            "--speculative-algorithm", "VERICACHE_REMOTE", "--speculative-num-draft-tokens", "4",
-            "--vc-remote-verifier", proxy.url, "--vc-remote-timeout", "30", "--vc-remote-path", "p2",
-            # emulated, fast: the full copy (18.4 MB, 18 ms on the link) is here long before
-            # a request's 8 verified rounds are done, on any machine
-            "--vc-storage-read-gbps", "1.0",
-            "--evicpress-load-copy", "kivi@4b", "--evicpress-storage-copies", "none"]
-        with ServerProcess(remote_args, log_path=tmp_path / "remote.log", timeout=420) as remote:
+        with remote:
             for name, ids in zip(("doc", "doc2"), docs):
                 epx.api(remote, "POST", "/evicpress/contexts", {"id": name, "token_ids": ids})
             outs: dict[int, dict] = {}
@@ -263,6 +273,7 @@ def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, 
             assert rv["verify_fallbacks"] == 1 and proxy.failed >= 1, rv
     finally:
         proxy.close()
+        remote.stop()
         local.stop()
 
 

@@ -14,6 +14,7 @@ import copy
 import itertools
 
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
@@ -32,8 +33,8 @@ def chain_mask(starts: list[int], lens: list[int], dev) -> torch.Tensor:
     total = sum(sizes)
     if total == 0:
         return torch.zeros(0, dtype=torch.bool, device=dev)
-    per_req = torch.tensor([[s, wd, off] for s, wd, off in zip(starts, width, itertools.accumulate([0, *sizes[:-1]]))],
-                           dtype=torch.int64).to(dev, non_blocking=True)
+    per_req = to_device(torch.tensor([[s, wd, off] for s, wd, off in
+                                      zip(starts, width, itertools.accumulate([0, *sizes[:-1]]))], dtype=torch.int64), dev)
     req = torch.repeat_interleave(torch.arange(len(sizes), device=dev),
                                   torch.tensor(sizes).to(dev, non_blocking=True), output_size=total)
     start, wd, off = per_req[req].unbind(1)
@@ -92,9 +93,9 @@ class ChainSpecWorker(BaseSpecWorker):
 
         dev = batch.seq_lens.device
         committed = batch.seq_lens.to("cpu", torch.int64)
-        new_seq_lens = (committed + accept_lens).to(device=dev, dtype=batch.seq_lens.dtype)
-        tokens = accept_tokens.to(device=dev, dtype=torch.int32).flatten()
-        lens = accept_lens.to(device=dev, dtype=torch.int32)
+        new_seq_lens = to_device((committed + accept_lens).to(batch.seq_lens.dtype), dev)
+        tokens = to_device(accept_tokens.to(torch.int32), dev).flatten()
+        lens = to_device(accept_lens.to(torch.int32), dev)
         return GenerationBatchResult(
             logits_output=logits_output or LogitsProcessorOutput(next_token_logits=None),
             next_token_ids=tokens,
@@ -149,13 +150,13 @@ class ChainSpecWorker(BaseSpecWorker):
     def set_batch(self, batch, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, seq_dtype, dev):
         """Point the (isolated) schedule batch at one forward of the round."""
         batch.forward_mode = mode
-        batch.input_ids = input_ids.to(device=dev, dtype=torch.int64)
-        batch.seq_lens = seq_lens_cpu.to(device=dev, dtype=seq_dtype)
+        batch.input_ids = to_device(input_ids.to(torch.int64), dev)
+        batch.seq_lens = to_device(seq_lens_cpu.to(seq_dtype), dev)
         batch.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
         batch.seq_lens_sum = int(seq_lens_cpu.sum())
         if getattr(batch, "orig_seq_lens", None) is not None:
             batch.orig_seq_lens = batch.seq_lens.to(batch.orig_seq_lens.dtype)
-        batch.out_cache_loc = out_cache_loc.to(device=dev, dtype=torch.int64)
+        batch.out_cache_loc = to_device(out_cache_loc.to(torch.int64), dev)
         batch.spec_info = spec_info
 
     def verify_input(self, verify_ids, positions, committed, dev):
@@ -192,9 +193,9 @@ class ChainSpecWorker(BaseSpecWorker):
         indptr[1:] = lens_t.cumsum(0)
         total = int(indptr[-1])
         spec_info = NgramVerifyInput(
-            draft_token=ids.to(dev),
+            draft_token=to_device(ids, dev),
             custom_mask=chain_mask(starts, lens, dev),
-            positions=positions.to(dev),
+            positions=to_device(positions, dev),
             retrieve_index=torch.arange(total, device=dev).view(1, total),
             retrieve_next_token=None,
             retrieve_next_sibling=None,
@@ -202,8 +203,8 @@ class ChainSpecWorker(BaseSpecWorker):
         )
         spec_info.num_tokens_per_req = spec_info.num_tokens_for_logprob_per_req = 1  # ragged
         spec_info.ragged_verify_layout = RaggedVerifyLayout(
-            verify_lens=lens_t.to(dev), graph_num_tokens=total, extend_start_loc=indptr[:-1].to(dev),
-            qo_indptr_device=indptr.to(dev), verify_lens_cpu=list(lens), total_verify_tokens=total)
+            verify_lens=to_device(lens_t, dev), graph_num_tokens=total, extend_start_loc=to_device(indptr[:-1], dev),
+            qo_indptr_device=to_device(indptr, dev), verify_lens_cpu=list(lens), total_verify_tokens=total)
         spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
         return spec_info
 
@@ -272,7 +273,7 @@ class ChainSpecWorker(BaseSpecWorker):
         vocab = logits.shape[-1]
         info = batch.sampling_info
         logits = logits.float()
-        rows = rows.to(logits.device)
+        rows = to_device(rows, logits.device)
         if info is not None and info.logit_bias is not None:
             logits = logits + info.logit_bias[:, :vocab].to(logits.device)[rows]
         if info is None or info.is_all_greedy:

@@ -221,9 +221,12 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         ``[0, seq_len)`` of the others: one index kernel for all layers of the forward
         (``req_to_token`` and the entries do not change between layers)."""
         seq_lens = forward_batch.seq_lens
-        starts = torch.tensor([0 if e is None else e.row_start for e in batch.entries], device=seq_lens.device)
+        firsts = [0 if e is None else e.row_start for e in batch.entries]
+        spans = None  # the lengths as the host knows them (SGLang keeps them): no sync
+        if forward_batch.seq_lens_cpu is not None:
+            spans = [n - f for n, f in zip(forward_batch.seq_lens_cpu.tolist(), firsts)]
         kv = ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                  starts, seq_lens, NULL_SLOT)
+                                  to_device(torch.tensor(firsts), seq_lens.device), seq_lens, NULL_SLOT, spans=spans)
         entries = batch.entries
         if own:  # decoded their own way (:meth:`_own_decode_layer`), payloads included
             entries = [None if i in own else e for i, e in enumerate(entries)]

@@ -18,6 +18,7 @@ from typing import Optional
 
 import sgl_kernel_ext as ext
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -45,9 +46,7 @@ def live_rows_batch(req_to_token: Tensor, rows: list[int], starts: list[int],
     ``indptr[b] .. indptr[b + 1]``. One host synchronisation (``indptr``), whatever the
     number of requests; built once per forward, read by every layer."""
     dev = req_to_token.device
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-    starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
-    ends_t = torch.tensor(ends, dtype=torch.int64, device=dev)
+    rows_t, starts_t, ends_t = (to_device(torch.tensor(x, dtype=torch.int64), dev) for x in (rows, starts, ends))
     if ext.backend_for(req_to_token) is ext.Backend.TRITON:
         built = ext.build_kv_indices(req_to_token, rows_t, starts_t, ends_t, NULL_SLOT)
         return built.indices, built.positions, built.indptr.tolist()
@@ -114,15 +113,17 @@ def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, *, num_prefix: int, key_positio
         last = last_position
     else:
         last = int(key_positions[-1]) if key_positions.numel() else -1
+    if key_positions.device != q.device:  # (a no-op .to would count as a copy: kvruntime.syncs)
+        key_positions = key_positions.to(q.device)
     if q_positions is None and num_prefix == 0 and q_start == 0 and t == k.shape[0] == last + 1:
         causal = True  # keys at 0 .. t-1 (increasing), queries at 0 .. t-1: no mask to build
     elif q_positions is not None:
         q_pos = q_positions.to(q.device)
-        visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)
+        visible = key_positions.view(1, -1) <= q_pos.view(-1, 1)
         mask = torch.cat([visible.new_ones(t, num_prefix), visible], dim=1)
     elif t > 1 or last > q_start:
         q_pos = torch.arange(q_start, q_start + t, device=q.device)
-        visible = key_positions.view(1, -1).to(q.device) <= q_pos.view(-1, 1)
+        visible = key_positions.view(1, -1) <= q_pos.view(-1, 1)
         mask = torch.cat([visible.new_ones(t, num_prefix), visible], dim=1)
     out = scaled_dot_product_attention(
         q.movedim(0, 1).unsqueeze(0),

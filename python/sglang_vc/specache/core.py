@@ -189,7 +189,7 @@ class _Scores:
         h, tg, n_q = self.payload.shape
         s_p = self.payload
         if rows is not None and rows.num_rows:
-            idx = rows.positions.to(s_p.device).unsqueeze(1).expand(-1, tg, -1)  # [H, T*g, k]
+            idx = rows.positions.unsqueeze(1).expand(-1, tg, -1)  # [H, T*g, k] (on the scores' device)
             s_p = s_p.scatter(2, idx, torch.matmul(self.q, rows.k.float().permute(1, 2, 0)) * self.scale)
         top = functools.reduce(torch.maximum, [s.amax(2, keepdim=True) for s in (s_p, self.tail) if s.shape[2]])
         p_p, p_t = torch.exp(s_p - top), torch.exp(self.tail - top)
@@ -198,7 +198,7 @@ class _Scores:
         out = torch.matmul(p_p, vq.float().transpose(0, 1)) + torch.matmul(p_t, v_tail.float().transpose(0, 1))
         if rows is not None and rows.num_rows:
             # the fetched rows' values replace their low-bit ones: add p * (v_full - v_low)
-            v_low = vq.gather(0, rows.positions.t().to(vq.device).unsqueeze(-1).expand(-1, -1, vq.shape[2]))
+            v_low = vq.gather(0, rows.positions.t().unsqueeze(-1).expand(-1, -1, vq.shape[2]))
             out += torch.matmul(p_p.gather(2, idx), (rows.v.float() - v_low.float()).transpose(0, 1))
         t, g = self.t, tg // self.t
         out = out.view(h, t, g, -1).transpose(0, 1).reshape(t, h * g, -1)

@@ -73,8 +73,13 @@ class ServerProcess:
         log_path: Optional[Path] = None,
         timeout: float = 420.0,  # a start takes about 30 s on 2 idle cores
         env: Optional[dict] = None,
+        wait: bool = True,
+        port: Optional[int] = None,
     ):
-        self.port = free_port()
+        """``wait=False`` returns once the process is spawned: call :meth:`wait_ready`
+        (:func:`start_servers` starts several at once, on different ``port``s)."""
+        self.port = port or free_port()
+        self.timeout = timeout
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = LAUNCHERS[launcher] + ["--port", str(self.port), "--host", "127.0.0.1", *args]
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-vc-{self.port}.log"
@@ -86,10 +91,11 @@ class ServerProcess:
             start_new_session=True,
             env={**os.environ, **(env or {})},
         )
-        self._wait_ready(timeout)
+        if wait:
+            self.wait_ready()
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.time() + timeout
+    def wait_ready(self) -> None:
+        deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -108,7 +114,7 @@ class ServerProcess:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+        raise TimeoutError(f"server not ready after {self.timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
         if not self._log.closed:
@@ -148,3 +154,21 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def start_servers(configs: list[dict]) -> list[ServerProcess]:
+    """Several servers started at once (each ``configs`` item: :class:`ServerProcess`'s
+    keyword arguments): a start is mostly one process importing and loading, so two
+    overlap on two cores. All are stopped if one fails to start."""
+    ports = free_ports(len(configs))
+    servers = []
+    try:
+        for config, port in zip(configs, ports):
+            servers.append(ServerProcess(**config, wait=False, port=port))
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop(signal.SIGKILL)
+        raise
+    return servers

@@ -119,9 +119,9 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             rest = [i for i in drafting if i not in own]
             if rest:
                 up = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), dev)  # noqa: E731
-                kv = ext.build_kv_indices(req_to_token, up([rows[i] for i in rest]),
-                                          up([entries[i].row_start for i in rest]),
-                                          up([starts[i] + lens[i] for i in rest]), NULL_SLOT)
+                firsts, ends = [entries[i].row_start for i in rest], [starts[i] + lens[i] for i in rest]
+                kv = ext.build_kv_indices(req_to_token, up([rows[i] for i in rest]), up(firsts), up(ends), NULL_SLOT,
+                                          spans=[e - f for e, f in zip(ends, firsts)])
                 draft_index = DraftIndex(DecodeIndex(kv, torch.arange(len(rest), device=dev),
                                                      up([starts[i] for i in rest]),
                                                      payload_groups(self.runtime, [entries[i] for i in rest], dev)),
@@ -135,7 +135,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                                             [starts[i] + lens[i] for i in exact],
                                             view.extend_seq_lens_cpu, view.extend_prefix_lens_cpu)
             if len(exact) < len(starts):  # drafting or unstaged requests beside them
-                exact_q = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(self.device)
+                exact_q = to_device(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]), self.device)
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
         views = self._in_pool_views(forward_batch, in_pool, offsets) if in_pool else None
@@ -155,8 +155,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         ``[n, width]`` built on the device once for every layer (:mod:`.draft_view`)."""
         dev = forward_batch.seq_lens.device
         ip = self.in_pool
-        idx = torch.tensor(in_pool, dtype=torch.int64).to(dev)
-        q_rows = torch.tensor([offsets[i] for i in in_pool], dtype=torch.int64).to(dev)
+        idx = to_device(torch.tensor(in_pool, dtype=torch.int64), dev)
+        q_rows = to_device(torch.tensor([offsets[i] for i in in_pool], dtype=torch.int64), dev)
         # a draft query sits at position seq_len (its own KV written there first)
         lengths = forward_batch.seq_lens[idx].to(torch.int64) + 1
         rows = forward_batch.req_pool_indices[idx]
@@ -174,8 +174,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 recent.append(ip.budgets[i] - draft_view.SINKS if sel is None else ip.recent[i])
             stats.add("vericache", in_pool_draft_rows=sum(draft_view.SINKS + a + b for a, b in zip(n_sel, recent)))
             return InPoolViews(q_rows, None, None, lengths, rows, selected,
-                               torch.tensor(n_sel).to(dev), torch.tensor(recent).to(dev), max(recent))
-        budgets = torch.tensor([ip.budgets[i] for i in in_pool], dtype=torch.int64).to(dev)
+                               to_device(torch.tensor(n_sel), dev), to_device(torch.tensor(recent), dev), max(recent))
+        budgets = to_device(torch.tensor([ip.budgets[i] for i in in_pool], dtype=torch.int64), dev)
         width = max(ip.budgets[i] for i in in_pool)
         slots, valid = draft_view.view_slots(self.req_to_token_pool.req_to_token, rows, lengths, budgets, width)
         stats.add("vericache", in_pool_draft_rows=len(in_pool) * width)
@@ -200,17 +200,18 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         view.batch_size = len(exact)
         view.spec_info = None
         if len(exact) < len(starts):
-            q_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]).to(dev)
-            view.req_pool_indices = forward_batch.req_pool_indices[torch.tensor(exact, device=dev)]
+            q_rows = to_device(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]), dev)
+            view.req_pool_indices = forward_batch.req_pool_indices[to_device(torch.tensor(exact), dev)]
             view.out_cache_loc = forward_batch.out_cache_loc[q_rows]
             view.positions = forward_batch.positions[q_rows]
         view.seq_lens_cpu = torch.tensor(total, dtype=torch.int64)
-        view.seq_lens = view.seq_lens_cpu.to(dev, forward_batch.seq_lens.dtype)
+        view.seq_lens = to_device(view.seq_lens_cpu.to(forward_batch.seq_lens.dtype), dev)
         view.seq_lens_sum = sum(total)
         view.extend_prefix_lens_cpu, view.extend_seq_lens_cpu = pre, ext_lens
-        view.extend_prefix_lens = torch.tensor(pre, dtype=torch.int32).to(dev)
-        view.extend_seq_lens = torch.tensor(ext_lens, dtype=torch.int32).to(dev)
-        view.extend_start_loc = torch.tensor([0, *itertools.accumulate(ext_lens)][:-1], dtype=torch.int32).to(dev)
+        view.extend_prefix_lens = to_device(torch.tensor(pre, dtype=torch.int32), dev)
+        view.extend_seq_lens = to_device(torch.tensor(ext_lens, dtype=torch.int32), dev)
+        view.extend_start_loc = to_device(torch.tensor([0, *itertools.accumulate(ext_lens)][:-1], dtype=torch.int32),
+                                          dev)
         view.extend_num_tokens = sum(ext_lens)
         view.extend_logprob_start_lens_cpu = ext_lens
         if self.translator is not None and getattr(forward_batch, "kv_loc_plan", None) is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
@@ -42,10 +43,10 @@ def extend_view(forward_batch):
     view.forward_mode = ForwardMode.EXTEND
     view.spec_info = None
     view.seq_lens_cpu = torch.tensor([a + b for a, b in zip(pre, lens)], dtype=torch.int64)
-    view.seq_lens = view.seq_lens_cpu.to(dev, forward_batch.seq_lens.dtype)
+    view.seq_lens = to_device(view.seq_lens_cpu.to(forward_batch.seq_lens.dtype), dev)
     view.extend_prefix_lens_cpu, view.extend_seq_lens_cpu = pre, lens
-    view.extend_prefix_lens = torch.tensor(pre, dtype=torch.int32, device=dev)
-    view.extend_seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    view.extend_prefix_lens = to_device(torch.tensor(pre, dtype=torch.int32), dev)
+    view.extend_seq_lens = to_device(torch.tensor(lens, dtype=torch.int32), dev)
     return view
 
 

@@ -135,8 +135,9 @@ class SpeCacheDrafter:
             rows = [e.req_pool_idx for e in es]
             req_to_token = self.runtime.req_to_token
             up = lambda x, dtype=torch.int64: to_device(torch.tensor(x, dtype=dtype), device)  # noqa: E731
-            tail = ext.build_kv_indices(req_to_token, up(rows), up([e.num_payload_rows for e in es]), up(lens),
-                                        NULL_SLOT)
+            firsts = [e.num_payload_rows for e in es]
+            tail = ext.build_kv_indices(req_to_token, up(rows), up(firsts), up(lens), NULL_SLOT,
+                                        spans=[n - f for n, f in zip(lens, firsts)])
             k_max = max(topk)
             host_t, host_like = None, {}
             if k_max > 0:
@@ -212,12 +213,14 @@ class SpeCacheDrafter:
         p = span.p
         dev = k_buf.device
         rel = (positions - p).clamp(min=0)
-        k = ext.gather_head_rows(span.k, rel).to(dev, k_buf.dtype)
-        v = ext.gather_head_rows(span.v, rel).to(dev, v_buf.dtype)
+        k, v = ext.gather_head_rows(span.k, rel), ext.gather_head_rows(span.v, rel)
+        if k.device != dev:  # a host copy apart from the device (a GPU's): copy the rows over
+            k, v = k.to(dev, k_buf.dtype), v.to(dev, v_buf.dtype)
+        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
         if p > 0:  # rows of a tree-shared prefix come from the pool (no host read to test for them)
-            shared = positions.clamp(max=p - 1).to(row.device)
+            shared = positions.clamp(max=p - 1)  # positions, row and the pool: one device
             slots = row[:p].to(torch.int64)
             dev_rows = core.gather_rows(k_buf[slots], v_buf[slots], shared)
-            in_pool = (positions < p).t().to(dev).unsqueeze(-1)  # [k, H, 1]
+            in_pool = (positions < p).t().unsqueeze(-1)  # [k, H, 1]
             k, v = torch.where(in_pool, dev_rows.k, k), torch.where(in_pool, dev_rows.v, v)
         return core.Rows(positions, k, v)

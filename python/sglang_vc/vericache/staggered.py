@@ -209,7 +209,7 @@ class StaggeredSchedule:
                 "reload_bytes": reloaded.get(s.track.rid, 0),
             })
         record = {"iteration": plan.iteration, "seconds": round(iter_seconds, 6),
-                  "phases": {k: round(v, 6) for k, v in phases.items()},
+                  "phases": {k: round(v, 6) if isinstance(v, float) else v for k, v in phases.items()},
                   "iter_time_ema": self.sched.bw_ring.iter_time, "requests": rows}
         with open(self.trace_path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -109,7 +109,7 @@ class PoolStaging:
             num = r.host.n - r.host.p
             r.saved = saved[offset : offset + num]
             offset += num
-        staged = torch.cat([r.slots for r in self.requests.values()]).to(self.req_to_token.device)
+        staged = torch.cat([r.slots for r in self.requests.values()])  # the allocator's: on the device
         self.req_to_token[rows, cols] = staged.to(self.req_to_token.dtype)
         self._pointed = True
 
@@ -125,10 +125,10 @@ class PoolStaging:
         return {k: span for k, span in spans.items() if k in self.unstaged}
 
     def _write(self, r: StagedRequest, span: "Span", k_buf, v_buf) -> None:
-        k_full, v_full = span.full(k_buf, v_buf, r.saved.to(k_buf.device))
-        at = r.slots.to(k_buf.device)
-        kernels.write_rows(k_buf, at, k_full)
-        kernels.write_rows(v_buf, at, v_full)
+        # the saved row and the slots are the pool's: on the device already
+        k_full, v_full = span.full(k_buf, v_buf, r.saved)
+        kernels.write_rows(k_buf, r.slots, k_full)
+        kernels.write_rows(v_buf, r.slots, v_full)
 
     def adopt(self, host: "HostEntry", full_rows: Callable[["HostEntry", torch.Tensor], tuple]) -> bool:
         """The request's reload failed every retry: its full KV of every layer

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -310,6 +311,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         if counter is not None:
             phases["host_syncs"] = counter.total
             phases.update({f"host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
+            if syncs.with_sites():
+                phases["host_sync_sites"] = dict(counter.by_site)
         self._staggered.finish(plan, time.perf_counter() - started, outcome, reloaded, phases)
         return result
 
@@ -405,7 +408,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             q_req = torch.arange(len(part)).repeat_interleave(torch.tensor(lens))
             pos_t = torch.tensor(positions, dtype=torch.int64)
             req_to_token = self.req_to_token_pool.req_to_token
-            slots = req_to_token[rows[idx][q_req].to(req_to_token.device), pos_t.to(req_to_token.device)]
+            slots = req_to_token[to_device(rows[idx][q_req], req_to_token.device), to_device(pos_t, req_to_token.device)]
             # staging keyed by the request's index in this forward
             reloads = {k: s.track.reload for k, s in enumerate(part)
                        if s.index in staging or s.index in staging.unstaged}

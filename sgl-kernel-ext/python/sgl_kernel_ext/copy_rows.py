@@ -64,7 +64,8 @@ def copy_rows(dst: Tensor, dst_idx: Tensor, src: Tensor, src_idx: Tensor) -> Ten
 
 def scatter_head_rows_reference(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
     if pos.numel():
-        out.scatter_(0, pos.t().unsqueeze(-1).expand(-1, -1, out.shape[2]).to(out.device), rows.to(out.dtype))
+        idx = pos.t().unsqueeze(-1).expand(-1, -1, out.shape[2])
+        out.scatter_(0, idx if idx.device == out.device else idx.to(out.device), rows.to(out.dtype))
     return out
 
 
@@ -96,8 +97,11 @@ def scatter_head_rows(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
 
 
 def gather_head_rows_reference(src: Tensor, idx: Tensor) -> Tensor:
-    rows = src.gather(0, idx.t().to(src.device, torch.int64).unsqueeze(-1).expand(-1, -1, src.shape[2]))
-    return rows.to(idx.device)
+    idx_src = idx.t().to(torch.int64)
+    if idx.device != src.device:  # a host copy read at device indices: the copies both ways
+        idx_src = idx_src.to(src.device)
+    rows = src.gather(0, idx_src.unsqueeze(-1).expand(-1, -1, src.shape[2]))
+    return rows if rows.device == idx.device else rows.to(idx.device)
 
 
 @triton.jit

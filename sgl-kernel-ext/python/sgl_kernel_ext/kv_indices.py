@@ -8,7 +8,7 @@ row (dropped tokens point at the null slot and are not rows at all).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -16,6 +16,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import Backend, backend_for, block, launch
+
+
+def _on(t: Tensor, device) -> Tensor:
+    return t if t.device == device else t.to(device)  # (a no-op .to counts as a copy: syncs.py)
 
 
 class KVIndices(NamedTuple):
@@ -76,21 +80,28 @@ def _write_kernel(req_to_token, stride_row, rows, starts, ends, indptr, out_slot
         base += tl.sum(live, axis=0)
 
 
-def build_kv_indices(req_to_token: Tensor, rows: Tensor, starts: Tensor, ends: Tensor, null_slot: int = 0) -> KVIndices:
-    """Live slots of ``req_to_token[rows[b], starts[b]:ends[b]]`` for each request ``b``."""
+def build_kv_indices(req_to_token: Tensor, rows: Tensor, starts: Tensor, ends: Tensor, null_slot: int = 0,
+                     spans: Optional[Sequence[int]] = None) -> KVIndices:
+    """Live slots of ``req_to_token[rows[b], starts[b]:ends[b]]`` for each request ``b``.
+
+    ``spans``: each request's ``ends - starts`` as the host knows them. With them no host
+    synchronisation is made: the index lists get room for every row of the spans, and
+    the entries past ``indptr[-1]`` (rows that were not live) are left unused. Without
+    them, two reads of device values size the launch and the lists."""
     if backend_for(req_to_token) is Backend.TORCH:
         return reference(req_to_token, rows, starts, ends, null_slot)
     device = req_to_token.device
     bsz = rows.numel()
-    rows, starts, ends = (t.to(device=device, dtype=torch.int64).contiguous() for t in (rows, starts, ends))
+    rows, starts, ends = (_on(t, device).to(torch.int64).contiguous() for t in (rows, starts, ends))
     counts = torch.empty(bsz, dtype=torch.int64, device=device)
-    blk = block(int((ends - starts).max()) if bsz else 1, least=16)
+    longest = max(spans, default=1) if spans is not None else int((ends - starts).max()) if bsz else 1
+    blk = block(longest, least=16)
     blk = min(blk, 1024)
     launch("build_kv_indices", _count_kernel, (bsz,), req_to_token, req_to_token.stride(0), rows, starts, ends,
            counts, null_slot, BLOCK=blk)
     indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=device)
     indptr[1:] = counts.cumsum(0)
-    total = int(indptr[-1])  # one sync: the output's size
+    total = sum(spans) if spans is not None else int(indptr[-1])  # without spans: a sync, the output's size
     slots = torch.empty(total, dtype=torch.int64, device=device)
     positions = torch.empty(total, dtype=torch.int64, device=device)
     launch("build_kv_indices", _write_kernel, (bsz,), req_to_token, req_to_token.stride(0), rows, starts, ends,

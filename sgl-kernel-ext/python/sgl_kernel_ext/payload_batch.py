@@ -64,7 +64,7 @@ def to_device(t: Tensor, device) -> Tensor:
     block the host on CUDA (a pageable source would)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return t.to(device)
+        return t if t.device == device else t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
