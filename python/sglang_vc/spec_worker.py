@@ -180,11 +180,13 @@ class ChainSpecWorker(BaseSpecWorker):
         return spec_info
 
     def ragged_verify_input(self, ids: torch.Tensor, positions: torch.Tensor, starts: list[int],
-                            lens: list[int], dev):
+                            lens: list[int], dev, mask: bool = True):
         """A ``TARGET_VERIFY`` input whose requests verify different numbers of tokens
         (SGLang's ragged verify layout): request ``i`` forwards ``lens[i]`` tokens at
         positions ``starts[i] ..``, each seeing its committed prefix and the tokens before
-        it in its own chain. One token (``lens[i] == 1``) is a plain decode step."""
+        it in its own chain. One token (``lens[i] == 1``) is a plain decode step.
+        ``mask=False``: no dense mask (a backend that runs the forward as a causal extend,
+        like ``vc_verify``, never reads it; it is ``O(tokens x context)`` per iteration)."""
         from sglang.srt.speculative.ngram_info import NgramVerifyInput
         from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 
@@ -194,7 +196,8 @@ class ChainSpecWorker(BaseSpecWorker):
         total = int(indptr[-1])
         spec_info = NgramVerifyInput(
             draft_token=to_device(ids, dev),
-            custom_mask=chain_mask(starts, lens, dev),
+            # (an empty one when unread: SGLang's input takes its device from it)
+            custom_mask=chain_mask(starts, lens, dev) if mask else torch.zeros(0, dtype=torch.bool, device=dev),
             positions=to_device(positions, dev),
             retrieve_index=torch.arange(total, device=dev).view(1, total),
             retrieve_next_token=None,

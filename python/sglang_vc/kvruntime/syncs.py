@@ -27,7 +27,9 @@ that grows with the batch.
 Calls made directly by SGLang's ``torch_native`` attention backend are counted apart
 (``by_kind["stand_in"]``, not in :attr:`SyncCounter.total`): it is the full-KV backend
 only on the CPU, where SGLang runs its per-request loop; on CUDA the full-KV backend is
-FlashInfer, FA3 or Triton, whose metadata is built from host-known lengths.
+FlashInfer, FA3 or Triton, whose metadata is built from host-known lengths. So are the
+reads of ``sgl_kernel_ext``'s dispatch, which probes Triton's interpreter once (the
+stand-in CUDA platform of a CPU server run with ``SGL_KERNEL_EXT_BACKEND=triton``).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ ENV = "SGLANG_VC_COUNT_SYNCS"
 _READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 _FACTORIES = ("tensor", "as_tensor")  # torch.<name>(data, device=...)
 H2D = "h2d"
-# the CPU's full-KV backend (SGLang's own code): see the module docstring
-STAND_IN_FILES = ("sglang/srt/layers/attention/torch_native_backend.py",)
+# the CPU's full-KV backend (SGLang's own code), and the Triton interpreter's one-time
+# probe (a stand-in CUDA platform on the CPU): see the module docstring
+STAND_IN_FILES = ("sglang/srt/layers/attention/torch_native_backend.py", "sgl_kernel_ext/dispatch.py")
 STAND_IN = "stand_in"
 
 

@@ -320,8 +320,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         sched = self._schedule()
         bs, dev = len(batch.reqs), batch.seq_lens.device
         committed = batch.seq_lens.to("cpu", torch.int64)
-        rows = batch.req_pool_indices.to("cpu", torch.int64)
-        row_list = rows.tolist()
+        row_list = [req.kv.req_pool_idx for req in batch.reqs]  # the host's own (req_pool_indices is built from them)
+        rows = torch.tensor(row_list, dtype=torch.int64)
         t0 = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
         for row in row_list:
             entry = self.runtime.entry_for_row(row)
@@ -425,8 +425,10 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
                     logits = self.forward_sub(sub, ForwardMode.DECODE, ids_t, torch.tensor(starts) + 1,
                                               slots.flatten(), None)
                 else:
+                    # vc_verify runs the forward as a causal extend: no dense mask to build
+                    spec_info = self.ragged_verify_input(ids_t, pos_t, starts, lens, dev, mask=False)
                     logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
-                                              slots.flatten(), self.ragged_verify_input(ids_t, pos_t, starts, lens, dev))
+                                              slots.flatten(), spec_info)
             finally:
                 self.model_runner.attn_backend.in_pool = None
                 self._verify_forward_done()
@@ -438,11 +440,14 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
                                                           for _ in range(n)]
                 logits = self.penalize(logits, sub.reqs, runs, q_req.tolist(), row_drafts,
                                        [t0[s.index] for s in part], masked)
-            exact = self.targets_flat(logits, sub, q_req, pos_t).to("cpu", torch.int64)
+            exact = self.targets_flat(logits, sub, q_req, pos_t)
             bias = None if sub.sampling_info is None else sub.sampling_info.logit_bias
             # drafts are greedy (with the request's logit_bias: fewer rejections)
-            drafted = logits.float() if bias is None else logits.float() + bias[:, : logits.shape[-1]].to(logits.device)[q_req]
-            draft_ids = drafted.argmax(-1).to("cpu", torch.int64).tolist()
+            drafted = (logits.float() if bias is None else
+                       logits.float() + bias[:, : logits.shape[-1]].to(logits.device)[to_device(q_req, logits.device)])
+            # the verifier's tokens and the drafts read back together: one copy to the host
+            both = torch.stack([exact.to(torch.int64), drafted.argmax(-1)]).to("cpu")
+            exact, draft_ids = both[0], both[1].tolist()
             offsets = [0]
             for n in lens:
                 offsets.append(offsets[-1] + n)

@@ -89,7 +89,7 @@ def scatter_head_rows(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
         return out
     if out.stride(2) != 1 or rows.stride(2) != 1:
         raise ValueError("scatter_head_rows: the head dimension must be contiguous")
-    pos = pos.to(out.device, torch.int64).contiguous()
+    pos = (pos if pos.device == out.device else pos.to(out.device)).to(torch.int64).contiguous()
     d = out.shape[2]
     launch("scatter_head_rows", _scatter_kernel, (n, h), out, pos, rows, out.stride(0), out.stride(1),
            pos.stride(0), rows.stride(0), rows.stride(1), D=d, BLOCK_D=block(d))
