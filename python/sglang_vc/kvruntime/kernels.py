@@ -18,6 +18,7 @@ from typing import Optional
 
 import sgl_kernel_ext as ext
 import torch
+from sgl_kernel_ext.dispatch import on_device
 from sgl_kernel_ext.payload_batch import to_device
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
@@ -113,8 +114,7 @@ def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, *, num_prefix: int, key_positio
         last = last_position
     else:
         last = int(key_positions[-1]) if key_positions.numel() else -1
-    if key_positions.device != q.device:  # (a no-op .to would count as a copy: kvruntime.syncs)
-        key_positions = key_positions.to(q.device)
+    key_positions = on_device(key_positions, q.device)
     if q_positions is None and num_prefix == 0 and q_start == 0 and t == k.shape[0] == last + 1:
         causal = True  # keys at 0 .. t-1 (increasing), queries at 0 .. t-1: no mask to build
     elif q_positions is not None:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import sgl_kernel_ext as ext
 import torch
+from sgl_kernel_ext.dispatch import on_device
 from sgl_kernel_ext.payload_batch import to_device
 
 from sglang_vc import stats
@@ -213,10 +214,8 @@ class SpeCacheDrafter:
         p = span.p
         dev = k_buf.device
         rel = (positions - p).clamp(min=0)
-        k, v = ext.gather_head_rows(span.k, rel), ext.gather_head_rows(span.v, rel)
-        if k.device != dev:  # a host copy apart from the device (a GPU's): copy the rows over
-            k, v = k.to(dev, k_buf.dtype), v.to(dev, v_buf.dtype)
-        k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+        k = on_device(ext.gather_head_rows(span.k, rel), dev).to(k_buf.dtype)
+        v = on_device(ext.gather_head_rows(span.v, rel), dev).to(v_buf.dtype)
         if p > 0:  # rows of a tree-shared prefix come from the pool (no host read to test for them)
             shared = positions.clamp(max=p - 1)  # positions, row and the pool: one device
             slots = row[:p].to(torch.int64)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import Backend, backend_for, block, launch
+from .dispatch import Backend, backend_for, block, launch, on_device
 
 
 def copy_rows_reference(dst: Tensor, dst_idx: Tensor, src: Tensor, src_idx: Tensor) -> Tensor:
@@ -64,8 +64,8 @@ def copy_rows(dst: Tensor, dst_idx: Tensor, src: Tensor, src_idx: Tensor) -> Ten
 
 def scatter_head_rows_reference(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
     if pos.numel():
-        idx = pos.t().unsqueeze(-1).expand(-1, -1, out.shape[2])
-        out.scatter_(0, idx if idx.device == out.device else idx.to(out.device), rows.to(out.dtype))
+        out.scatter_(0, on_device(pos.t().unsqueeze(-1).expand(-1, -1, out.shape[2]), out.device),
+                     rows.to(out.dtype))
     return out
 
 
@@ -89,7 +89,7 @@ def scatter_head_rows(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
         return out
     if out.stride(2) != 1 or rows.stride(2) != 1:
         raise ValueError("scatter_head_rows: the head dimension must be contiguous")
-    pos = (pos if pos.device == out.device else pos.to(out.device)).to(torch.int64).contiguous()
+    pos = on_device(pos, out.device).to(torch.int64).contiguous()
     d = out.shape[2]
     launch("scatter_head_rows", _scatter_kernel, (n, h), out, pos, rows, out.stride(0), out.stride(1),
            pos.stride(0), rows.stride(0), rows.stride(1), D=d, BLOCK_D=block(d))
@@ -97,11 +97,8 @@ def scatter_head_rows(out: Tensor, pos: Tensor, rows: Tensor) -> Tensor:
 
 
 def gather_head_rows_reference(src: Tensor, idx: Tensor) -> Tensor:
-    idx_src = idx.t().to(torch.int64)
-    if idx.device != src.device:  # a host copy read at device indices: the copies both ways
-        idx_src = idx_src.to(src.device)
-    rows = src.gather(0, idx_src.unsqueeze(-1).expand(-1, -1, src.shape[2]))
-    return rows if rows.device == idx.device else rows.to(idx.device)
+    rows = src.gather(0, on_device(idx.t().to(torch.int64), src.device).unsqueeze(-1).expand(-1, -1, src.shape[2]))
+    return on_device(rows, idx.device)
 
 
 @triton.jit

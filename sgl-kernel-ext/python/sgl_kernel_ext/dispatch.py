@@ -172,6 +172,13 @@ def _device_calls_interpreted():
         JITFunction.__call__ = original
 
 
+def on_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``: itself when it is there already. A ``.to`` that would be a
+    no-op on a GPU is still counted as a copy by sglang-vc's sync counter on the CPU,
+    where every device is the host; a real copy between devices stays a ``.to``."""
+    return t if t.device == torch.device(device) else t.to(device)
+
+
 def block(n: int, least: int = 16) -> int:
     """The power-of-two block that covers ``n`` (``tl.arange`` needs powers of two)."""
     return max(least, 1 << max(0, int(n) - 1).bit_length())

@@ -15,11 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import Backend, backend_for, block, launch
-
-
-def _on(t: Tensor, device) -> Tensor:
-    return t if t.device == device else t.to(device)  # (a no-op .to counts as a copy: syncs.py)
+from .dispatch import Backend, backend_for, block, launch, on_device
 
 
 class KVIndices(NamedTuple):
@@ -92,7 +88,7 @@ def build_kv_indices(req_to_token: Tensor, rows: Tensor, starts: Tensor, ends: T
         return reference(req_to_token, rows, starts, ends, null_slot)
     device = req_to_token.device
     bsz = rows.numel()
-    rows, starts, ends = (_on(t, device).to(torch.int64).contiguous() for t in (rows, starts, ends))
+    rows, starts, ends = (on_device(t, device).to(torch.int64).contiguous() for t in (rows, starts, ends))
     counts = torch.empty(bsz, dtype=torch.int64, device=device)
     longest = max(spans, default=1) if spans is not None else int((ends - starts).max()) if bsz else 1
     blk = block(longest, least=16)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import Backend, backend_for, block, launch
+from .dispatch import Backend, backend_for, block, launch, on_device
 from .kivi_attention import KIVI_MAX_SPLITS, Payload, attend_split, check, launch_constants
 from .kivi_attention import reference as kivi_reference
 from .specache_topk import reference as scores_row_reference
@@ -64,7 +64,7 @@ def to_device(t: Tensor, device) -> Tensor:
     block the host on CUDA (a pageable source would)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return t if t.device == device else t.to(device)
+        return on_device(t, device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
