@@ -589,12 +589,13 @@ def test_a_request_is_marked_exact_only_when_its_own_lossy_rows_were_rewritten()
     import types
 
     from sglang_vc.evicpress.config import FULL, CompressionConfig
-    from sglang_vc.evicpress.radix import EvicPressRadixCache, _PrivatePrefix, _Req
+    from sglang_vc.evicpress.radix import EvicPressRadixCache, _PrivatePrefix
+    from sglang_vc.evicpress.request_plan import ContextPlan, Origin
 
     ctx = types.SimpleNamespace(ctx_id="doc", device_config=FULL)
     kivi4 = CompressionConfig.parse("kivi@4b")
     cache = object.__new__(EvicPressRadixCache)
-    cache._reqs = {"r": _Req(ctx, 100, 100, "disk", kivi4, 0, time.perf_counter())}
+    cache._reqs = {"r": ContextPlan(Origin.DISK, ctx, 100, 100, kivi4, t0=time.perf_counter())}
     cache._private = {"r": _PrivatePrefix("evicpress:lossy:doc:kivi@4b@tenant-b", 100, 100, kivi4, "doc")}
     cache._exact_spaces = {"evicpress:lossy:doc:kivi@4b"}
     assert not cache.mark_exact("r", 100)  # the unsalted copy was rewritten, not its own

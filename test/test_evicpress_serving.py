@@ -24,6 +24,7 @@ from sglang_vc.evicpress.disk_tier import DiskTierStore
 from sglang_vc.evicpress.host_tier import HostSlotStore, RamHostStore
 from sglang_vc.evicpress.context import KVDims, Settings
 from sglang_vc.evicpress.manager import EvicPressManager
+from sglang_vc.evicpress.request_plan import ContextPlan, Origin
 
 KIVI4 = CompressionConfig("kivi", bits=4)
 KIVI2 = CompressionConfig("kivi", bits=2)
@@ -280,6 +281,74 @@ def test_manager_store_fetch_demote_bytes_equal(tmp_path):
     assert torch.equal(got.kv.k, kvs[0].k)
 
 
+class _Rows:
+    """``ContextRows`` over no tree: the exact rows the device holds and whether a copy
+    fits on the device are the test's."""
+
+    def __init__(self, exact=0, fits=True):
+        self.rows, self.fits, self.loaded = exact, fits, []
+
+    def floor(self, n):
+        return n
+
+    def exact(self, n):
+        return min(self.rows, n)
+
+    def serve_lossy(self, ctx, cfg, n):
+        return False
+
+    def backed_up(self, n):
+        return False
+
+    def load(self, ctx, fetched, usable, have):
+        self.loaded.append((fetched.config, usable, have))
+        return self.fits
+
+
+def test_the_manager_plans_a_request_in_one_call_per_match(tmp_path):
+    """``plan_match`` is all the radix cache asks on a match: exact device rows are a
+    device hit (to store when the context is not stored yet); a stored copy is fetched
+    and loaded, a hit of its tier to promote after; a copy the device cannot take is a
+    miss stored once computed; a waiting request matched again loads again but is not
+    accounted twice."""
+    mgr = _manager(tmp_path, host_bytes=10**3, disk_bytes=10**8, policy="lru")  # host: no room
+    ctx = _ctx(mgr, 0)
+    ids = list(range(1, 220))  # the context's 200 tokens, then the question
+
+    def plan(rid, rows, earlier=None):
+        p = earlier or ContextPlan()
+        mgr.plan_match(rid, ids, None, ids, rows, p)
+        return p
+
+    hit = plan("device", _Rows(exact=200))
+    assert (hit.origin, hit.served, hit.usable, hit.lcp) == (Origin.DEVICE, FULL, 200, 200)
+    assert hit.store_device_rows and hit.promote is None and hit.capture_len == 0
+    mgr.store_computed(ctx, _kv(200, 1))
+    assert ctx.placement == Placement(FULL, Tier.DISK)
+
+    rows = _Rows()
+    loaded = plan("stored", rows)
+    assert (loaded.origin, loaded.served, loaded.backed_hit) == (Origin.DISK, FULL, False)
+    assert rows.loaded == [(FULL, 200, 0)] and ctx.device_config == FULL
+    assert not loaded.store_device_rows and callable(loaded.promote)
+
+    ctx.device_config = None
+    rows = _Rows(fits=False)
+    miss = plan("no-room", rows)
+    assert (miss.origin, miss.served, miss.capture_len, miss.promote) == (Origin.MISS, None, 200, None)
+    assert ctx.device_config is None
+    counted = (mgr.counters, ctx.frequency)
+    assert counted[0]["hits_device"] == counted[0]["hits_disk"] == counted[0]["misses"] == 1
+    again = plan("no-room", _Rows(), earlier=miss)  # waiting, matched again: loaded now
+    assert again is miss and miss.origin is Origin.MISS and ctx.device_config == FULL
+    assert (mgr.counters["misses"], mgr.counters["hits_disk"], ctx.frequency) == (1, 1, counted[1])
+    assert set(mgr.active_requests) == {"device", "stored", "no-room"}
+    other = ContextPlan()
+    short = list(range(5000, 5100))  # no context, too short for an automatic one
+    mgr.plan_match("other", short, None, short, _Rows(), other)
+    assert (other.origin, other.ctx) == (Origin.NONE, None) and mgr.counters["misses"] == 1
+
+
 def test_a_request_aborted_while_waiting_leaves_no_plan(tmp_path, monkeypatch):
     """SGLang ends a request aborted in the waiting queue with ``finish(ABORT)``, never
     ``on_release``: the cache forgets its plan, its lossy prefix and its activity (which
@@ -303,8 +372,9 @@ def test_a_request_aborted_while_waiting_leaves_no_plan(tmp_path, monkeypatch):
     cache.evicpress, cache._reqs, cache._private, cache._holding_rows = mgr, {}, {}, set()
     rids = ("waiting", "prefilling", "done")
     for rid in rids:
-        assert mgr.begin_request(rid, ids, None, ids, lambda n: n) == (ctx, 200)
-        cache._reqs[rid] = radix._Req(ctx, 200, 200, "host", KIVI4, 0, 0.0)
+        assert mgr.match(ids) == (ctx, 200)
+        mgr.note_activity(rid, True)  # as the request's first match does
+        cache._reqs[rid] = ContextPlan(Origin.HOST, ctx, 200, 200, KIVI4)
         cache._private[rid] = radix._PrivatePrefix("lossy:c0", 200, 200, KIVI4, ctx.ctx_id)
     cache.maybe_hand_to_session(SimpleNamespace(rid="prefilling", kv=SimpleNamespace(req_pool_idx=3)))
     assert set(mgr.active_requests) == set(rids)

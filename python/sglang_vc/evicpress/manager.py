@@ -18,8 +18,8 @@ is the other): it owns
   methods are :class:`~.profile_state.ProfileState`'s;
 * the **storage copies** of every computed context on the shared storage tier
   (:class:`~.storage_copies.StorageCopies`);
-* the **request plan** the radix cache asks for once per request: which context, where
-  to load it from, the bookkeeping once served (:class:`~.request_plan.RequestPlan`).
+* the **request plan** the radix cache asks for once per match: which context, where its
+  rows come from, the bookkeeping and what is left to do (:class:`~.request_plan.RequestPlan`).
 
 The data model (settings, a context, a fetched copy) is in :mod:`.context`.
 

@@ -94,7 +94,7 @@ from .storage_tier import StorageTier
 from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims, variant_label
 from .manager import EvicPressManager
 from .measure import measure_delay_inputs, storage_dir
-from .request_plan import Load
+from .request_plan import ContextPlan, Origin
 from .tree_rows import SAME_NAMESPACE, TreeRows, private_namespace
 
 logger = logging.getLogger(__name__)
@@ -133,18 +133,44 @@ class _PrivatePrefix:
     ctx_id: str
 
 
-@dataclass
-class _Req:
-    ctx: Optional[Context]
-    lcp: int
-    usable: int
-    tier: str  # device | host | disk | miss | none
-    served: Optional[CompressionConfig]
-    capture_len: int
-    t0: float
-    prefix_have: int = 0
-    fetched: object = None
-    backed_hit: bool = False  # served by SGLang's load-back of a HiCache backup
+class _MatchRows:
+    """:class:`~.request_plan.ContextRows` for one request's match: what the tree holds
+    of the request's context, and the copy it loads for the request."""
+
+    def __init__(self, cache: "EvicPressRadixCache", req, key: RadixKey):
+        self.cache, self.req, self.key = cache, req, key
+        self.ids = key.raw_token_ids()
+        self.exact_idx: Optional[torch.Tensor] = None  # the exact rows, when all are there
+
+    def floor(self, n: int) -> int:
+        return self.cache._floor(n)
+
+    def exact(self, n: int) -> int:
+        have, _, idx = self.cache._device_match(self.cache._key(self.ids[:n], self.key))
+        if have >= n:
+            self.cache._private.pop(self.req.rid, None)  # matched again (waiting): its exact rows now
+            self.exact_idx = idx
+        return have
+
+    def serve_lossy(self, ctx: Context, cfg: CompressionConfig, n: int) -> bool:
+        namespace = private_namespace(ctx, cfg, n, salt=self.key.cache_salt)
+        return self.cache._private_on_device(self.req, ctx, self.ids, namespace, n, cfg)
+
+    def backed_up(self, n: int) -> bool:
+        return self.cache._cached_len(self.cache._key(self.ids[:n], self.key)) >= n
+
+    def load(self, ctx: Context, fetched, usable: int, have: int) -> bool:
+        cache, ids = self.cache, self.ids
+        cfg = fetched.config
+        if cfg.is_full:  # exact rows: in the request's own namespace, shared by all
+            n = cache._floor(min(usable, fetched.kv.num_tokens))
+            return n > have and cache._inject(ids, self.key, SAME_NAMESPACE, n, fetched.kv) >= n
+        # lossy: a private node only this context's requests are sent to (a token-dropped
+        # copy's kept rows stand for exactly num_tokens tokens)
+        n = usable if fetched.dropped else cache._floor(min(usable, fetched.kv.num_tokens))
+        return (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
+                and cache._load_private(self.req, ctx, ids, private_namespace(ctx, cfg, n, salt=self.key.cache_salt),
+                                        n, cfg, fetched.kv))
 
 
 def evicpress_factory(ctx):
@@ -238,7 +264,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             copies_store=copies,
             counters=lambda **kw: stats.add("evicpress", **kw),
         )
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, ContextPlan] = {}  # rid -> its plan (request_plan)
         # requests SGLang has given a row (maybe_hand_to_session): released by on_release
         self._holding_rows: set[str] = set()
         # full KV of contexts the profiler just computed (reference answers), the source
@@ -452,81 +478,20 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
                 m = mgr.match(key.raw_token_ids(), None)
                 if m is not None and m[0].ctx_id not in self._profile_kv:
                     n = self._floor(min(m[1], len(key)))
-                    self._reqs[req.rid] = _Req(m[0], m[1], n, "ref", None, n, time.perf_counter())
+                    self._reqs[req.rid] = ContextPlan(Origin.REF, m[0], m[1], n, capture_len=n,
+                                                      t0=time.perf_counter())
             return
-        st = self._reqs.get(req.rid)
-        ids = key.raw_token_ids()
-        first = st is None
-        if first:
-            m = mgr.begin_request(req.rid, ids, ns, req.origin_input_ids, self._floor)
-            if m is None:
-                self._reqs[req.rid] = _Req(None, 0, 0, "none", None, 0, time.perf_counter())
-                return
-            ctx, lcp = m
-            st = _Req(ctx, lcp, self._floor(min(lcp, len(key))), "miss", None, 0, time.perf_counter())
-            self._reqs[req.rid] = st
-        ctx = st.ctx
-        if ctx is None or st.usable <= 0 or ctx.ctx_id not in mgr.contexts:
-            return
-        ctx_key = self._key(ids[: st.usable], key)
-        have, _, idx = self._device_match(ctx_key)  # rows in the request's namespace: exact
-        st.prefix_have = have
-        dev_cfg = ctx.device_config
-        if have >= st.usable:
-            self._private.pop(req.rid, None)  # matched again (waiting): its exact rows now
-            if first:
-                st.tier, st.served = "device", FULL
-                if not ctx.stored:
-                    kv = self._gather(idx)
-                    self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
-        elif (dev_cfg is not None and not dev_cfg.is_full and self._private_on_device(
-                req, ctx, ids, private_namespace(ctx, dev_cfg, st.usable, salt=key.cache_salt), st.usable, dev_cfg)):
-            if first:
-                st.tier, st.served = "device", dev_cfg
-        else:
-            load = mgr.plan_load(ctx, first=first, backup_in_tree=lambda: self._cached_len(ctx_key) >= st.usable)
-            if load is Load.HOST_BACKUP:
-                # SGLang's own host hit on the HiCache backup: the scheduler loads it back
-                # layer-wise (init_load_back); nothing for EvicPress to fetch
-                if first:
-                    st.tier, st.served, st.backed_hit = "host", FULL, True
-                    ctx.device_config = FULL
-            elif load is Load.STORED:  # ours, or another server's
-                self._load_stored(req, key, ids, st, have, first)
-            if first and st.served is None:  # nowhere, corrupted or lost: recompute, then store again
-                st.tier, st.capture_len = "miss", st.usable
-        if first:
-            tier = {"host": Tier.HOST, "disk": Tier.DISK}.get(st.tier)
-            promote = mgr.served(ctx, tier, st.served, req.origin_input_ids[st.lcp:], st.lcp,
-                                 promote=not st.backed_hit,  # a load-back promotes once done (on_release)
-                                 blob=st.fetched.blob if st.fetched is not None else None)
-            if promote is not None:
-                self._deferred.append(promote)
-            st.fetched = None
-
-    def _load_stored(self, req, key: RadixKey, ids, st: _Req, have: int, first: bool) -> None:
-        """Fetch the context's stored copy and put it in device slots (a token-dropped one
-        as kept rows); on a request's first match, record where it came from."""
-        ctx = st.ctx
-        fetched = self.evicpress.fetch(ctx)
-        if fetched is None:
-            return
-        st.fetched = fetched
-        cfg = fetched.config
-        if cfg.is_full:  # exact rows: in the request's own namespace, shared by all
-            n = self._floor(min(st.usable, fetched.kv.num_tokens))
-            got = self._inject(ids, key, SAME_NAMESPACE, n, fetched.kv) if n > have else have
-            loaded = got >= n and n > have
-        else:  # lossy: a private node only this context's requests are sent to
-            # (a token-dropped copy's kept rows stand for exactly num_tokens tokens)
-            n = st.usable if fetched.dropped else self._floor(min(st.usable, fetched.kv.num_tokens))
-            loaded = (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
-                      and self._load_private(req, ctx, ids, private_namespace(ctx, cfg, n, salt=key.cache_salt),
-                                             n, cfg, fetched.kv))
-        if loaded:
-            ctx.device_config = fetched.config
-            if first:
-                st.tier, st.served = fetched.tier.name.lower(), fetched.config
+        # kept before the manager fills it: a later match of a request whose first one
+        # failed half-way is not its first
+        plan = self._reqs.setdefault(req.rid, ContextPlan())
+        rows = _MatchRows(self, req, key)
+        mgr.plan_match(req.rid, rows.ids, ns, req.origin_input_ids, rows, plan)
+        if plan.store_device_rows:  # another request computed it: store those rows
+            ctx, kv = plan.ctx, self._gather(rows.exact_idx)
+            self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
+        if plan.promote is not None:
+            self._deferred.append(plan.promote)
+        plan.store_device_rows, plan.promote = False, None
 
     def _inject_variant(self, req, key: RadixKey, ns: str) -> None:
         """Profiler request: answer on config ``variant_label(ns)`` of the context.
@@ -582,7 +547,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         if st is None or st.ctx is None or not st.capture_len or up_to < st.capture_len:
             return
         n, st.capture_len = st.capture_len, 0
-        if st.tier == "ref":  # the profiler's full-KV copy: keep it for the variants
+        if st.origin is Origin.REF:  # the profiler's full-KV copy: keep it for the variants
             have, _, idx = self._device_match(RadixKey(
                 array.array("q", [int(t) for t in req.origin_input_ids[:n]]), REF_NAMESPACE,
                 is_bigram=self.tree_core.is_eagle))
@@ -620,7 +585,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             # before SGLang frees the row: its index entry must not outlive it
             self._lossy_runtime().release(req.rid, req.kv.req_pool_idx)
         st = self._reqs.pop(req.rid, None)
-        if st is None or st.tier == "ref":
+        if st is None or not st.active:
             return
         self.evicpress.note_activity(req.rid, False)
         if st.backed_hit:  # SGLang loaded the backup back: the rows are on the device now
@@ -648,5 +613,5 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             return
         self._private.pop(request.rid, None)
         st = self._reqs.pop(request.rid, None)
-        if st is not None and st.tier != "ref":
+        if st is not None and st.active:
             self.evicpress.note_activity(request.rid, False)

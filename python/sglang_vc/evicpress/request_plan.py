@@ -1,33 +1,142 @@
-"""What the radix cache asks EvicPress about one user request's prefix: which context it
-is (:meth:`RequestPlan.begin_request`), where to load it from when the device tree does
-not hold it whole (:meth:`RequestPlan.plan_load`), and, once it is served, the
-bookkeeping and the promotion to run after the prefill (:meth:`RequestPlan.served`).
-Three calls per request; :mod:`.radix` carries the plan out (device slots, the load-back
-of SGLang's host backup, the injection of a fetched copy)."""
+"""One user request's plan for the context its prompt starts with.
+
+The radix cache asks the manager once per match (:meth:`RequestPlan.plan_match`) and
+gets the request's :class:`ContextPlan`: which context, how many of its rows a copy
+supplies, where they come from (the device tree, SGLang's host backup of the tree's
+nodes, a stored copy, or nowhere: the prefill computes them), the form served, and what
+is left to do once the match is done (store the exact rows the device holds, store the
+rows the prefill computes, promote the copy loaded). The tree's side of the decision --
+the rows it holds, loading a fetched copy into device slots -- is answered through
+:class:`ContextRows`, which :mod:`.radix` implements for the request being matched.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
 
-from .config import CompressionConfig, Tier
-from .context import Context
+from .config import FULL, CompressionConfig, Tier
+from .context import Context, Fetched
 
 
-class Load(enum.Enum):
-    """Where a context the device tree does not hold whole is loaded from."""
+class Origin(enum.Enum):
+    """Where a request's context rows come from."""
 
-    HOST_BACKUP = "host_backup"  # SGLang's HiCache backup of its tree nodes: the scheduler loads it back
-    STORED = "stored"  # a copy EvicPress stores (its own, or another server's on the shared tier)
-    RECOMPUTE = "recompute"  # none: the prefill computes it, then it is stored
+    UNMATCHED = "unmatched"  # not looked up yet (or the lookup failed)
+    NONE = "none"  # the prompt starts with no context
+    REF = "ref"  # the profiler's full-KV reference answer (kept for its variants)
+    DEVICE = "device"  # the device tree: exact rows, or the device's lossy copy
+    HOST = "host"  # the host tier: SGLang's HiCache backup, or a blob loaded
+    DISK = "disk"  # the storage tier (ours, or another server's copy)
+    MISS = "miss"  # nowhere: the prefill computes them, then they are stored
+
+
+_LOADED_FROM = {Origin.HOST: Tier.HOST, Origin.DISK: Tier.DISK}
+
+
+@dataclass
+class ContextPlan:
+    """A request's plan, kept from its first match to its release."""
+
+    origin: Origin = Origin.UNMATCHED
+    ctx: Optional[Context] = None
+    lcp: int = 0  # tokens the prompt shares with the context
+    usable: int = 0  # of them, the page-aligned rows a copy of the context supplies
+    served: Optional[CompressionConfig] = None  # the form served (None: recomputed)
+    capture_len: int = 0  # rows to store once the prefill has computed them
+    t0: float = 0.0  # when the request was first matched (the prefill rate's clock)
+    prefix_have: int = 0  # exact rows the device held at the latest match
+    backed_hit: bool = False  # SGLang loads the HiCache backup back (promoted on release)
+    # what the latest match left to do (the radix cache does it, then clears it)
+    store_device_rows: bool = False  # the device holds the context exact, unstored
+    promote: Optional[Callable[[], object]] = None  # run once the prefill is scheduled
+
+    @property
+    def active(self) -> bool:
+        """Whether the request counts as user activity (noted at its first match)."""
+        return self.origin not in (Origin.UNMATCHED, Origin.REF)
+
+
+class ContextRows(Protocol):
+    """The device tree as one request's match sees it (:class:`~.radix._MatchRows`)."""
+
+    def floor(self, n: int) -> int:
+        """``n`` rounded down to a whole page."""
+
+    def exact(self, n: int) -> int:
+        """Rows of the context's first ``n`` tokens the device holds in the request's own
+        namespace (exact); all ``n`` serve the request from them."""
+
+    def serve_lossy(self, ctx: Context, cfg: CompressionConfig, n: int) -> bool:
+        """Serve the request from the device's lossy copy ``cfg`` of ``ctx``, if the
+        tree holds it."""
+
+    def backed_up(self, n: int) -> bool:
+        """Whether the tree has host nodes (HiCache backups) for all ``n`` rows."""
+
+    def load(self, ctx: Context, fetched: Fetched, usable: int, have: int) -> bool:
+        """Put ``fetched`` on the device for the request; whether it serves it."""
 
 
 class RequestPlan:
-    """:class:`~.manager.EvicPressManager`'s per-request methods (a mixin: they use the
+    """:class:`~.manager.EvicPressManager`'s per-request method (a mixin: it uses the
     manager's lock, registry, stores and policy)."""
 
-    def begin_request(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
-                      floor: Callable[[int], int]) -> Optional[tuple[Context, int]]:
+    def plan_match(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
+                   rows: ContextRows, plan: ContextPlan) -> None:
+        """Fill request ``rid``'s ``plan`` for a match of ``ids`` (its key's tokens) in
+        ``namespace``. Its first match looks the context up and accounts the request;
+        a later one (a waiting request matched again) loads what the device lost."""
+        first = plan.origin is Origin.UNMATCHED
+        if first:
+            found = self._context_of(rid, ids, namespace, prompt, rows.floor)
+            plan.t0 = time.perf_counter()
+            if found is None:
+                plan.origin = Origin.NONE
+                return
+            plan.ctx, plan.lcp = found
+            plan.usable = rows.floor(min(plan.lcp, len(ids)))
+            plan.origin = Origin.MISS
+        ctx = plan.ctx
+        if ctx is None or plan.usable <= 0 or ctx.ctx_id not in self.contexts:
+            return
+        have = plan.prefix_have = rows.exact(plan.usable)
+        dev_cfg = ctx.device_config
+        fetched = None
+        if have >= plan.usable:
+            if first:
+                plan.origin, plan.served = Origin.DEVICE, FULL
+                plan.store_device_rows = not ctx.stored
+        elif dev_cfg is not None and not dev_cfg.is_full and rows.serve_lossy(ctx, dev_cfg, plan.usable):
+            if first:
+                plan.origin, plan.served = Origin.DEVICE, dev_cfg
+        else:
+            if self._host_backup_in_tree(ctx, lambda: rows.backed_up(plan.usable)):
+                # SGLang's own host hit: the scheduler loads the backup back layer-wise
+                # (init_load_back); nothing for EvicPress to fetch
+                if first:
+                    plan.origin, plan.served, plan.backed_hit = Origin.HOST, FULL, True
+                    ctx.device_config = FULL
+            elif ctx.stored or (first and self.find_shared(ctx)):  # ours, or another server's
+                fetched = self.fetch(ctx)
+                if fetched is not None and rows.load(ctx, fetched, plan.usable, have):
+                    ctx.device_config = fetched.config
+                    if first:
+                        plan.origin, plan.served = Origin(fetched.tier.name.lower()), fetched.config
+            if first and plan.served is None:  # nowhere, corrupted or lost: recompute, then store
+                plan.origin, plan.capture_len = Origin.MISS, plan.usable
+        if first:
+            tier = _LOADED_FROM.get(plan.origin)
+            self.on_request(ctx, tier, plan.served, prompt[plan.lcp:], plan.lcp)
+            # a load-back of SGLang's backup promotes once it is done (on release)
+            if tier is not None and not plan.backed_hit:
+                blob = fetched.blob if fetched is not None else None
+                plan.promote = lambda: self.after_hit(ctx, tier, blob)
+
+    def _context_of(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
+                    floor: Callable[[int], int]) -> Optional[tuple[Context, int]]:
         """The context ``ids`` starts with and the shared prefix length: a registered one,
         or a long prompt registered now as an automatic context (its first
         ``floor(len(prompt) - 1)`` tokens); the request counts as activity."""
@@ -44,24 +153,8 @@ class RequestPlan:
             self.note_activity(rid, True)
             return m
 
-    def plan_load(self, ctx: Context, *, first: bool, backup_in_tree: Callable[[], bool]) -> Load:
-        """Where to load ``ctx`` from. ``backup_in_tree`` says whether SGLang's tree still
-        has host nodes for all of it (asked only for a host-backed context); another
-        server's copy is looked for on a request's first match only."""
+    def _host_backup_in_tree(self, ctx: Context, in_tree: Callable[[], bool]) -> bool:
+        """Whether ``ctx``'s host copy is SGLang's backup of its tree nodes and the tree
+        still has them all (``in_tree`` is asked only then)."""
         with self.lock:
-            if ctx.placement.tier == Tier.HOST and self.host_backed(ctx) and backup_in_tree():
-                return Load.HOST_BACKUP
-            if ctx.stored or (first and self.find_shared(ctx)):
-                return Load.STORED
-            return Load.RECOMPUTE
-
-    def served(self, ctx: Context, tier: Optional[Tier], config: Optional[CompressionConfig],
-               suffix: Sequence[int], prefix_len: int, *, promote: bool,
-               blob: Optional[bytes] = None) -> Optional[Callable[[], object]]:
-        """Account a request served on ``ctx`` (``tier`` None: from the device, or a miss
-        when ``config`` is None); for a load from host or disk with ``promote``, the
-        promotion to run once the prefill is scheduled."""
-        self.on_request(ctx, tier, config, suffix, prefix_len)
-        if tier is None or not promote:
-            return None
-        return lambda: self.after_hit(ctx, tier, blob)
+            return ctx.placement.tier == Tier.HOST and self.host_backed(ctx) and in_tree()
