@@ -231,3 +231,25 @@ def test_reload_copies_on_its_own_stream_and_the_consumer_waits():
     records = [e for kind, e in fake.log if kind == "record"]
     assert len(waits) == len(LAYERS) and all(any(w is r for r in records) for w in waits)
     assert CopyStream("cpu").stream is None  # the CPU: no stream, no wait
+
+
+def test_a_staging_slot_comes_back_when_the_gpu_used_the_layers_before():
+    """``depth`` bounds staged layers on the device, not only on the host: the copy of
+    layer ``l + depth`` waits (on the copy thread) for the consumer stream's event
+    recorded when layer ``l`` was handed over, so it starts once the GPU is past every
+    layer handed over before; the first ``depth`` copies wait for nothing."""
+    store, _ = _filled_store()
+    fake = StandInStreams()
+    stream = CopyStream("cpu", module=fake)
+    stream.keep_alive = lambda t, s: None
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu", depth=2, copy_stream=stream)
+        for l in LAYERS:
+            rl.layer(l)
+        rl.close()
+    handed = [e for kind, e in fake.log if kind == "record" and e.stream == "compute"]
+    synced = [e for kind, e in fake.log if kind == "sync"]
+    assert len(handed) == len(LAYERS) and synced == handed[: len(LAYERS) - 2], (handed, synced)
+    for s in synced:  # each host wait comes before the next layer's copy is issued
+        at = next(i for i, (kind, e) in enumerate(fake.log) if e is s and kind == "sync")
+        assert any(kind == "record" and e.stream == "copy" for kind, e in fake.log[at + 1:])

@@ -1,7 +1,8 @@
 """A verify forward's full KV in SGLang's KV pool (:mod:`sglang_vc.vericache.staging`),
 on SGLang's own token allocator: slots reserved per verifying request, its row pointed
 at them and back, each layer's full rows written there (a token-dropping drafter's kept
-rows merged with the reloaded dropped ones), no room refused without taking anything,
+rows merged with the reloaded dropped ones), the headroom held back in the pool taken
+when the allocator has no room, no room at all refused without taking anything,
 and a failed reload adopting the staged slots for good."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sglang_vc.kvruntime import NULL_SLOT
 from sglang_vc.vericache.reload import HostEntry, Span
-from sglang_vc.vericache.staging import PoolStaging
+from sglang_vc.vericache.staging import PoolStaging, VerifyHeadroom
 
 LAYERS = (0, 1)
 H, D = 2, 4
@@ -83,15 +84,43 @@ def test_staged_rows_hold_the_full_kv_during_the_forward_and_the_mapping_comes_b
     assert rt.allocator.available_size() == free and not rt.dropped
 
 
-def test_no_room_takes_nothing_and_hands_the_span_to_the_slower_path():
-    rt = _runtime(size=12)
-    host, _, spans = _compressed_row(rt, 1, p=0, n=10, n_keep=3)
-    free = rt.allocator.available_size()
-    staging = PoolStaging(rt, lambda l: {0: spans[l]})
-    assert not staging.reserve(0, host)
-    assert rt.allocator.available_size() == free and not staging.requests
-    assert staging.unstaged == {0}  # it verifies outside the pool
-    assert staging.write_layer(0, rt.kv_pool.k[0], rt.kv_pool.v[0]) == {0: spans[0]}
+def test_no_room_takes_the_headroom_then_defers_and_takes_nothing():
+    """The allocator full: the first verifier's span is staged in the headroom's slots
+    (held back in the pool, counted as used by SGLang), a second one finds no room and
+    takes nothing (its verify waits); after the forward the headroom's slots are free for
+    the next one, and nothing went back to the allocator."""
+    rt = _runtime(size=24)
+    host0, full0, spans0 = _compressed_row(rt, 1, p=0, n=10, n_keep=3)
+    host1, _, spans1 = _compressed_row(rt, 2, p=0, n=8, n_keep=2)
+    headroom = VerifyHeadroom(rt.allocator)
+    headroom.fit(10)  # the longest span
+    assert headroom.size == 10 and rt.allocator.available_size() == 24 - 5 - 10
+    rt.allocator.alloc(rt.allocator.available_size())  # the rest of the pool taken by others
+    staging = PoolStaging(rt, lambda l: {0: spans0[l]}, headroom)
+    assert staging.reserve(0, host0) and staging.requests[0].from_headroom
+    assert not staging.reserve(1, host1) and 1 not in staging  # no room left: it waits
+    staging.point()
+    for l in LAYERS:
+        staging.write_layer(l, rt.kv_pool.k[l], rt.kv_pool.v[l])
+        at = rt.req_to_token[1, 0:10].long()
+        assert torch.equal(rt.kv_pool.k[l][at], full0[l][0]) and torch.equal(rt.kv_pool.v[l][at], full0[l][1])
+    staging.restore()
+    assert rt.allocator.available_size() == 0 and headroom.used == 0 and headroom.size == 10
+    assert PoolStaging(rt, lambda l: {}, headroom).reserve(0, host1)  # the next forward's verifier fits
+
+
+def test_headroom_fits_to_the_longest_span_and_gives_everything_back():
+    rt = _runtime(size=20)
+    headroom = VerifyHeadroom(rt.allocator)
+    headroom.fit(8)
+    assert headroom.size == 8 and rt.allocator.available_size() == 12
+    headroom.fit(5)
+    assert headroom.size == 5 and rt.allocator.available_size() == 15
+    rt.allocator.alloc(13)
+    headroom.fit(9)  # grows by what the allocator has: short of the span
+    assert headroom.size == 7 and rt.allocator.available_size() == 0
+    headroom.fit(0)
+    assert headroom.size == 0 and rt.allocator.available_size() == 7
 
 
 def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
@@ -115,3 +144,25 @@ def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
         assert torch.equal(rt.kv_pool.k[l][staged], full[l][0])
     assert rt.dropped == [2]
     assert rt.allocator.available_size() == free - 8 + 3  # its 3 kept slots back
+
+
+def test_the_payload_store_comes_out_of_sglangs_kv_budget():
+    """With a compressor on, the KV budget SGLang profiles (device memory after the
+    weights, times --mem-fraction-static) is split: the pool gets 1 / (1 + f), the
+    quantized payload store the f / (1 + f) the runtime later allows itself; the hook is
+    registered on the function SGLang calls; without a compressor the budget is the pool's."""
+    from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: F401  (the target must import)
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    from sglang_vc.config import SERVER_ARGS_ATTR
+    from sglang_vc.hooks import _payload_store_inside_the_budget
+    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION
+
+    assert callable(KVCacheConfigurator._profile_available_bytes)
+    on = types.SimpleNamespace(server_args=types.SimpleNamespace(**{SERVER_ARGS_ATTR: {"vc_compressor": "specache"}}),
+                               is_draft_worker=False)
+    pool = _payload_store_inside_the_budget(10 << 30, on)
+    assert pool == int((10 << 30) / (1 + PAYLOAD_STORE_FRACTION))
+    assert abs(pool * (1 + PAYLOAD_STORE_FRACTION) - (10 << 30)) < 2  # the store's budget fills the rest
+    off = types.SimpleNamespace(server_args=types.SimpleNamespace(), is_draft_worker=False)
+    assert _payload_store_inside_the_budget(10 << 30, off) is None

@@ -47,6 +47,7 @@ def _add_vc_counters(result, *args, **kwargs):
     ``/server_info``, with a ``kv_pool`` gauge of the device KV pool (tokens), which
     compressed-KV serving changes."""
     from sglang_vc import stats
+    from sglang_vc.kvruntime.runtime import current_runtime
 
     snapshot = stats.snapshot()
     scheduler = getattr(args[0], "scheduler", None) if args else None
@@ -59,6 +60,9 @@ def _add_vc_counters(result, *args, **kwargs):
                 "evictable_tokens": tree.evictable_size(),
                 "protected_tokens": tree.protected_size(),
             }
+            runtime = current_runtime()
+            if runtime is not None:  # what compressed-KV serving holds beside the pool
+                snapshot["kv_pool"].update(runtime.memory_split())
         except AttributeError:  # a scheduler without a token pool (e.g. embedding-only)
             pass
     result.internal_state["sglang_vc"] = snapshot
@@ -368,6 +372,28 @@ def _row_headroom_for_chain_workers(result, *args, **kwargs):
     return None
 
 
+def _payload_store_inside_the_budget(result, *args, **kwargs):
+    """SGLang sizes the KV pool from the device memory left after the weights (with
+    ``--mem-fraction-static``); compressed-KV serving keeps its quantized payloads in a
+    store of ``PAYLOAD_STORE_FRACTION`` of the pool's bytes beside the pool, so the pool
+    takes ``1 / (1 + f)`` of that budget and the store the rest: both inside SGLang's
+    memory fraction. SGLang reserves out of this budget only for its own multimodal caches
+    (``mm_runtime_reservation_gb``); no seam for a plugin."""
+    from sglang_vc.config import get_vc_config
+    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION
+
+    configurator = args[0] if args else None
+    if configurator is None or getattr(configurator, "is_draft_worker", False):
+        return None
+    if not get_vc_config(getattr(configurator, "server_args", None)).vc_compressor:
+        return None
+    pool = int(result / (1 + PAYLOAD_STORE_FRACTION))
+    logger.info("KV budget %.2f GB (--mem-fraction-static): pool up to %.2f GB, its quantized payload store "
+                "(%.0f%% of the pool's bytes) up to %.2f GB", result / 2**30, pool / 2**30,
+                100 * PAYLOAD_STORE_FRACTION, (result - pool) / 2**30)
+    return pool
+
+
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
                              out_cache_loc, batch_size):
     """Pure-torch ``assign_req_to_token_pool_func``: write the freshly allocated slots
@@ -492,6 +518,11 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len",
         _row_headroom_for_chain_workers,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+        _payload_store_inside_the_budget,
         HookType.AFTER,
     )
     HookRegistry.register(

@@ -160,6 +160,10 @@ class KVRuntime:
         # slots given back to the allocator by compression, not yet reported to the
         # scheduler's admission (take_returned_slots)
         self._returned_slots = 0
+        # pool slots a user holds back while compressed requests live (VeriCache's verify
+        # headroom): an object with ``size`` (tokens) and ``fit(n)``; fitted to 0 when the
+        # last compressed request is released, so an idle pool holds nothing back
+        self.held_back = None
         logger.info(
             "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
@@ -391,6 +395,11 @@ class KVRuntime:
             self._returned_slots += int(live.numel())
         row[start:end] = NULL_SLOT
         return int(live.numel())
+
+    def memory_split(self) -> dict[str, int]:
+        """Device memory of compressed-KV serving beside SGLang's pool (``/server_info``)."""
+        return {"payload_store_budget_bytes": self.payload_budget, "payload_store_bytes": self.payload_bytes,
+                "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0}
 
     def take_returned_slots(self) -> int:
         """Slots compression gave back to the allocator since the last call: room that
@@ -644,6 +653,8 @@ class KVRuntime:
             del self.index[req_pool_idx]
             if entry.payload is not None:
                 self.payload_bytes -= entry.payload.nbytes
+            if not self.index and self.held_back is not None:
+                self.held_back.fit(0)
         plan = self.plans.pop(rid, None)
         if plan is not None and plan.spec is not None:
             self.compressor(plan.spec.compressor).release(rid)

@@ -15,7 +15,7 @@ class StandInStreams:
 
     def __init__(self):
         self.local = threading.local()
-        self.log: list[tuple[str, object]] = []  # ("record" | "wait" | "copy-wait", event)
+        self.log: list[tuple[str, object]] = []  # ("record" | "wait" | "copy-wait" | "sync", event)
 
     def Stream(self, device):  # noqa: N802 - the torch.cuda name
         return types.SimpleNamespace(name="copy", record_event=lambda: self._event("copy"),
@@ -23,6 +23,7 @@ class StandInStreams:
 
     def _event(self, stream: str):
         event = types.SimpleNamespace(stream=stream, layer_copied=getattr(self.local, "inside", None))
+        event.synchronize = lambda: self.log.append(("sync", event))  # a host wait for it
         self.log.append(("record", event))
         return event
 

@@ -87,21 +87,20 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         rows = forward_batch.req_pool_indices.tolist()
         lens = verify_lens(forward_batch.spec_info, len(starts))
         staged = self.staging.requests if self.staging is not None else {}
-        unstaged = self.staging.unstaged if self.staging is not None else set()
         entries = [None if i in staged else self.runtime.entry_for_row(r) for i, r in enumerate(rows)]
         offsets = [0]
         for w in lens:
             offsets.append(offsets[-1] + w)
-        drafting = [i for i, e in enumerate(entries) if e is not None and i not in unstaged]
+        drafting = [i for i, e in enumerate(entries) if e is not None]
         if any(lens[i] > 1 for i in drafting):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
         in_pool = sorted(self.in_pool.budgets) if self.in_pool is not None else []
         if any(lens[i] < 2 for i in (self.in_pool.verifiers if self.in_pool is not None else ())):
             raise RuntimeError("VERICACHE: an in-pool verify forwards its drafts")
-        if any(lens[i] > 1 or entries[i] is not None or i in unstaged for i in in_pool):
+        if any(lens[i] > 1 or entries[i] is not None for i in in_pool):
             raise RuntimeError("VERICACHE: an in-pool draft forwards one token over its own full rows")
-        exact = [i for i, e in enumerate(entries) if e is None and i not in unstaged and i not in self.in_pool_set]
+        exact = [i for i, e in enumerate(entries) if e is None and i not in self.in_pool_set]
         req_to_token = self.req_to_token_pool.req_to_token
         d_rows, d_starts = [rows[i] for i in drafting], [entries[i].row_start for i in drafting]
         d_ends = [starts[i] + lens[i] for i in drafting]
@@ -134,13 +133,13 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             self.extend_lists = ExtendLists(view.seq_lens, [rows[i] for i in exact],
                                             [starts[i] + lens[i] for i in exact],
                                             view.extend_seq_lens_cpu, view.extend_prefix_lens_cpu)
-            if len(exact) < len(starts):  # drafting or unstaged requests beside them
+            if len(exact) < len(starts):  # drafting requests beside them
                 exact_q = to_device(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]), self.device)
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
         views = self._in_pool_views(forward_batch, in_pool, offsets) if in_pool else None
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
-                             slots, positions, indptr, rows, sorted(unstaged), views, specache)
+                             slots, positions, indptr, rows, views, specache)
 
     in_pool: "Optional[InPoolDrafts]" = None  # set by the worker around a forward
     # the re-selected view's positions per request: rid -> [layers, Hkv, K], from its last verify
@@ -229,14 +228,9 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         lid = layer.layer_id
         k_buf = self.token_to_kv_pool.get_key_buffer(lid)
         v_buf = self.token_to_kv_pool.get_value_buffer(lid)
-        unstaged = {}
         if self.staging is not None:  # the verifiers' full rows of this layer
-            unstaged = self.staging.write_layer(lid, k_buf, v_buf)
+            self.staging.write_layer(lid, k_buf, v_buf)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        for i in vf.unstaged:  # no pool room for its full KV: the slower path
-            lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
-            o[lo:hi] = self._verify_outside_pool(q[lo:hi], layer, vf.rows[i], vf.starts[i], hi - lo,
-                                                 unstaged.get(i), k_buf, v_buf).reshape(hi - lo, -1)
         if vf.view is not None:  # full KV: SGLang's backend
             full = self._full_kv_backend()
             if vf.exact_q is None:
@@ -305,26 +299,6 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             if layer_idx == 0:
                 stats.add("vericache", in_pool_reselections=1)
 
-    def _verify_outside_pool(self, q, layer, row: int, committed: int, w: int, span, k_buf, v_buf):
-        """A verifier whose full KV the pool had no room for: its row's rows with the
-        staged span ``[p, n)`` put in (outside the pool), causal attention (per request;
-        ``span`` None: its reload gave up and its full KV is back in its row)."""
-        slots = self.req_to_token_pool.req_to_token[row, : committed + w].to(torch.int64)
-        if span is None:
-            if self.runtime.entry_for_row(row) is not None:
-                # never verify against the compressed rows: that would not be lossless
-                raise RuntimeError(f"VERICACHE: no full KV staged for compressed row {row}")
-            k_r, v_r = kernels.gather_kv(k_buf, v_buf, slots)
-        else:
-            p, n = span.p, span.n
-            k_full, v_full = span.full(k_buf, v_buf, slots[p:n])
-            k_r = torch.cat([k_buf[slots[:p]], k_full.to(k_buf.dtype), k_buf[slots[n:]]])
-            v_r = torch.cat([v_buf[slots[:p]], v_full.to(v_buf.dtype), v_buf[slots[n:]]])
-        return kernels.attend(q.view(w, layer.tp_q_head_num, layer.qk_head_dim), k_r, v_r, num_prefix=0,
-                              key_positions=torch.arange(committed + w, device=k_r.device), q_start=committed,
-                              scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-                              last_position=committed + w - 1)
-
     def _draft_attention(self, q, entry, layer, start: int, w: int, live, gqa: bool):
         """A compressed request's queries at positions ``start .. start + w - 1`` over its
         compressed KV (``live``: its pool rows): the SpeCache drafter's attention where it
@@ -358,7 +332,6 @@ class VerifyForward:
     positions: Optional[torch.Tensor]
     indptr: list[int]
     rows: list[int]  # req_pool_idx per request
-    unstaged: list[int]  # verifying requests without pool room (verified outside the pool)
     in_pool: "Optional[InPoolViews]" = None  # in-pool drafters' sparse views
     specache: list = dataclasses.field(default_factory=list)  # SpeCacheGroup per payload layout (Triton path)
 

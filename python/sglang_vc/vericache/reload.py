@@ -10,7 +10,9 @@ than losing KV that a verify would need.
 :class:`LayerwiseReload` copies that KV back for one verify forward, layer by layer, on a
 copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, and layer 0
 while the batch drafts. The transient region is thus ``depth`` layers of the verifying
-requests, not their whole full KV; it lives outside SGLang's KV pool. The verify forward
+requests (plus the one the GPU is using), not their whole full KV: a staging slot comes
+back when the GPU, not only the host, is past the layers handed over (an event the copy
+thread waits on). It lives outside SGLang's KV pool. The verify forward
 writes each staged layer into pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
 the scheduler thread (counted as a reload failure). A copy that fails every retry hands
 its requests to ``on_failure`` (the worker writes their full KV into device slots, and
@@ -20,6 +22,7 @@ they verify and decode from it: the slower correct path); without one it raises
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -312,6 +315,10 @@ class LayerwiseReload:
         self._lock = threading.Lock()
         self._doomed = _faults.doom_next_reload()
         self._slots = threading.Semaphore(depth)
+        self._depth, self._acquired = depth, 0
+        # per slot given back: an event on the consumer's stream at the hand-over, after
+        # which the GPU has used every layer handed over before (None on the CPU)
+        self._consumed: collections.deque = collections.deque()
         self._futures: dict[int, Future] = {}
         self._cancelled = False
         for layer_id in layer_ids:
@@ -334,7 +341,15 @@ class LayerwiseReload:
         return out, event
 
     def _stage_async(self, layer_id: int):
-        self._slots.acquire()  # at most ``depth`` staged layers wait for the consumer
+        # at most ``depth`` staged layers wait for the consumer on the device (plus the one
+        # it is using): a slot given back waits, on this copy thread, until the GPU has
+        # used the layers handed over before it -- not only the host's hand-over
+        self._slots.acquire()
+        self._acquired += 1
+        if self._acquired > self._depth and self._consumed:
+            event = self._consumed.popleft()
+            if event is not None:
+                event.synchronize()
         if self._cancelled:
             return None
         return self._stage(layer_id)
@@ -344,7 +359,7 @@ class LayerwiseReload:
         once ``on_failure`` has taken the requests over (their KV is on the device)."""
         fut = self._futures.pop(layer_id)
         if self.gave_up:  # the requests' KV is on the device now
-            self._slots.release()
+            self._release()
             return {}
         try:
             staged = fut.result()
@@ -359,13 +374,17 @@ class LayerwiseReload:
                     self._cancelled = True  # the copy thread stops staging later layers
                     self.on_failure(self.entries)
                 staged = None
-        self._slots.release()
+        self._release()
         if self.gave_up or staged is None:
             return {}
         spans, event = staged
         self.copy_stream.wait(event, (t for span in spans.values()
                                       for t in (span.k, span.v, span.kept, span.dropped)))
         return spans
+
+    def _release(self) -> None:
+        self._consumed.append(self.copy_stream.mark())
+        self._slots.release()
 
     def _retry(self, layer_id: int, exc: Exception):
         self.failures += 1
@@ -382,7 +401,7 @@ class LayerwiseReload:
         """Drop what was not consumed (e.g. the forward raised)."""
         self._cancelled = True
         for _ in self._futures:
-            self._slots.release()
+            self._release()
         for fut in self._futures.values():
             try:
                 fut.result()

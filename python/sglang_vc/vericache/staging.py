@@ -16,9 +16,14 @@ allocator. A pool slot holds a token's KV for every layer, so a verifying reques
 released layer by layer). A request whose reload failed every retry keeps the staged
 slots for good: its full KV (all layers, from the host copy) is written there and its
 compressed index is dropped, so it verifies and decodes from full KV (the slower, correct
-path) while the forward's metadata stays valid. A request the pool has no room for verifies
-the slower way: its attention gathers its rows with the staged span (outside the pool) and
-runs per request (``staging_fallbacks``); a full pool never stalls a verify.
+path) while the forward's metadata stays valid.
+
+The verify always runs in pool slots. Where the allocator has no free slots for a span,
+the span comes from :class:`VerifyHeadroom`: slots the worker holds back in the pool, as
+many as the longest compressed span of the batch (the paper's eq. 5 counts a verifier's
+full KV in the device budget), so at least one verifier per forward always finds room. A
+verifier that finds none waits an iteration (``verify_deferrals``): it commits nothing
+and drafts again.
 
 No host synchronisation: the slots, the row indices and the saved mapping are device
 tensors built from host-known sizes.
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-NO_POOL_STAGING_ENV = "SGLANG_VC_NO_POOL_STAGING"
+HEADROOM_ONLY_ENV = "SGLANG_VC_STAGE_IN_HEADROOM_ONLY"
 
 
 @dataclasses.dataclass
@@ -53,6 +58,7 @@ class StagedRequest:
     slots: torch.Tensor  # [n - p] fresh pool slots
     saved: Optional[torch.Tensor] = None  # [n - p] the row's own slots of [p, n), while pointed
     adopted: bool = False  # its reload failed: the staged slots are its full KV for good
+    from_headroom: bool = False  # the slots are the headroom's (given back to it, not freed)
 
     @property
     def row(self) -> int:
@@ -64,35 +70,36 @@ class PoolStaging:
     :class:`StagedRequest`). ``layer_spans(layer_id)`` gives the rows a reload staged on
     the device for that layer (forward index -> :class:`~.reload.Span`)."""
 
-    def __init__(self, runtime, layer_spans: Callable[[int], dict]):
+    def __init__(self, runtime, layer_spans: Callable[[int], dict], headroom: Optional["VerifyHeadroom"] = None):
         self.runtime = runtime
         self.req_to_token = runtime.req_to_token
         self.allocator = runtime.allocator
         self.layer_spans = layer_spans
+        self.headroom = headroom
         self.requests: dict[int, StagedRequest] = {}
-        # verifying requests the pool had no room for: they verify over their staged rows
-        # outside the pool (the slower path, :meth:`write_layer` returns them)
-        self.unstaged: set[int] = set()
         self._pointed = False
 
     def reserve(self, k: int, host: "HostEntry") -> bool:
-        """Take ``n - p`` pool slots for the request at forward index ``k``. When the pool
-        has no room for them now, nothing is taken: the request is unstaged (it verifies
-        the slower way), and False."""
-        slots = None if _pool_staging_off() else self.allocator.alloc(host.n - host.p)
+        """Take ``n - p`` pool slots for the request at forward index ``k``: free slots of
+        the allocator, else the headroom's. False (nothing taken) when neither has room:
+        the request verifies in a later iteration."""
+        span = host.n - host.p
+        slots = None if _headroom_only() else self.allocator.alloc(span)
+        from_headroom = slots is None and self.headroom is not None
+        if from_headroom:
+            slots = self.headroom.take(span)
         if slots is None:
-            self.unstaged.add(k)
-            stats.add("vericache", staging_fallbacks=1)
-            logger.debug("VERICACHE: no pool room to stage %d rows of %s; it verifies outside the pool",
-                         host.n - host.p, host.rid)
+            stats.add("vericache", verify_deferrals=1)
+            logger.debug("VERICACHE: no pool room to stage %d rows of %s; its verify waits", span, host.rid)
             return False
-        self.requests[k] = StagedRequest(host, slots.to(torch.int64))
+        if from_headroom:
+            stats.add("vericache", staged_in_headroom=1)
+        self.requests[k] = StagedRequest(host, slots.to(torch.int64), from_headroom=from_headroom)
         return True
 
     def rekey(self, index: dict[int, int]) -> None:
         """Key the staged requests by their index in the forward (``index``: old -> new)."""
         self.requests = {index[k]: r for k, r in self.requests.items()}
-        self.unstaged = {index[k] for k in self.unstaged if k in index}
 
     def __contains__(self, k: int) -> bool:
         return k in self.requests
@@ -113,16 +120,13 @@ class PoolStaging:
         self.req_to_token[rows, cols] = staged.to(self.req_to_token.dtype)
         self._pointed = True
 
-    def write_layer(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> dict:
+    def write_layer(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
         """Write this layer's full rows of every staged request into its staged slots
-        (waits, on the device, for the layer's reload copy); returns the spans of the
-        unstaged ones (forward index -> :class:`~.reload.Span`)."""
-        spans = self.layer_spans(layer_id)
-        for k, span in spans.items():
+        (waits, on the device, for the layer's reload copy)."""
+        for k, span in self.layer_spans(layer_id).items():
             r = self.requests.get(k)
             if r is not None and not r.adopted:
                 self._write(r, span, k_buf, v_buf)
-        return {k: span for k, span in spans.items() if k in self.unstaged}
 
     def _write(self, r: StagedRequest, span: "Span", k_buf, v_buf) -> None:
         # the saved row and the slots are the pool's: on the device already
@@ -144,21 +148,22 @@ class PoolStaging:
             kernels.write_rows(pool.get_key_buffer(layer_id), at, k[layer_id])
             kernels.write_rows(pool.get_value_buffer(layer_id), at, v[layer_id])
         r.adopted = True
+        if r.from_headroom:
+            self.headroom.keep(r.slots)  # its rows now: the headroom grows back at the next fit
         return True
 
     def restore(self) -> None:
         """After the forward: the compressed mappings back, the staged slots freed; an
         adopted request keeps its staged slots and gives its compressed ones back."""
         if not self._pointed:
-            for r in self.requests.values():
-                self.allocator.free(r.slots)
+            self._free([r for r in self.requests.values() if not r.from_headroom])
             self.requests.clear()
             return
         back = [r for r in self.requests.values() if not r.adopted]
         if back:
             rows, cols = PoolStaging._index_of(back, self.req_to_token.device)
             self.req_to_token[rows, cols] = torch.cat([r.saved for r in back]).to(self.req_to_token.dtype)
-            self.allocator.free(torch.cat([r.slots for r in back]))
+            self._free([r for r in back if not r.from_headroom])
         for r in self.requests.values():
             if r.adopted:
                 own = r.saved[r.saved != NULL_SLOT]  # its kept rows: a rare path, may sync
@@ -166,6 +171,13 @@ class PoolStaging:
                 self.runtime.drop_compressed_index(r.row)
         self.requests.clear()
         self._pointed = False
+
+    def _free(self, reqs: list[StagedRequest]) -> None:
+        """The allocator's slots back to it; the headroom's are all free again."""
+        if reqs:
+            self.allocator.free(torch.cat([r.slots for r in reqs]))
+        if self.headroom is not None:
+            self.headroom.give_back()
 
     @staticmethod
     def _index_of(reqs: list[StagedRequest], dev):
@@ -177,10 +189,60 @@ class PoolStaging:
         return sum(r.host.n - r.host.p for r in self.requests.values())
 
 
-def _pool_staging_off() -> bool:
-    """Testing hook: ``SGLANG_VC_NO_POOL_STAGING=1`` stages no verify in the pool, so that
-    tests can run the path a full pool takes."""
-    return os.environ.get(NO_POOL_STAGING_ENV, "") not in ("", "0")
+def _headroom_only() -> bool:
+    """Testing hook: ``SGLANG_VC_STAGE_IN_HEADROOM_ONLY=1`` stages verifies in the headroom
+    only (never the allocator's free slots), so that tests run the path a full pool takes."""
+    return os.environ.get(HEADROOM_ONLY_ENV, "") not in ("", "0")
+
+
+class VerifyHeadroom:
+    """Pool slots held back for verify staging: as many as the longest span a verifier of
+    the batch stages (``fit``), taken from the allocator (SGLang's admission counts them
+    as used, so new requests cannot take the room a verify needs) and given back when no
+    compressed request is left. One forward's verifiers take them in turn (``take``) and
+    give them all back after it (``give_back``)."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.slots: Optional[torch.Tensor] = None  # [size] the held slots (the allocator's device)
+        self.size = 0
+        self.used = 0  # taken in the forward now running
+
+    def fit(self, need: int) -> None:
+        """Hold ``need`` slots: grow from the allocator's free slots (as many as it has),
+        shrink back to it. Not while a forward holds some."""
+        if self.used:
+            return
+        if need > self.size:
+            n = min(need - self.size, self.allocator.available_size())
+            more = self.allocator.alloc(n) if n > 0 else None
+            if more is not None and more.numel():
+                more = more.to(torch.int64)
+                self.slots = more if self.slots is None else torch.cat([self.slots, more])
+                self.size += int(more.numel())
+            if self.size < need:
+                stats.add("vericache", headroom_short=1)
+        elif need < self.size:
+            self.allocator.free(self.slots[need:].clone())
+            self.slots, self.size = (self.slots[:need] if need else None), need
+
+    def take(self, n: int) -> Optional[torch.Tensor]:
+        if self.size - self.used < n:
+            return None
+        out = self.slots[self.used : self.used + n]
+        self.used += n
+        return out
+
+    def give_back(self) -> None:
+        self.used = 0
+
+    def keep(self, taken: torch.Tensor) -> None:
+        """``taken`` (slots this headroom gave) stay with a request: no longer held here
+        (the rare path of a reload that failed; may synchronise)."""
+        held = ~torch.isin(self.slots, taken)
+        self.slots = self.slots[held]
+        self.size = int(self.slots.numel())
+        self.used = min(self.used, self.size)
 
 
 def staged_layers(reloads: dict) -> Callable[[int], dict]:

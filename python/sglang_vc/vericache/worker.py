@@ -58,14 +58,14 @@ from . import flags
 from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
-from .staging import PoolStaging, staged_layers
+from .staging import PoolStaging, VerifyHeadroom, staged_layers
 from .attention import InPoolDrafts
 from .draft_view import View
 from .policy import Decision, IterationRows, Mode, ModePolicy
 from .sampling import greedy_verify_ids
 from .lockstep import LockstepRound
 from .scheduler import ReloadScheduler
-from .staggered import Outcome, Role, StaggeredSchedule
+from .staggered import Outcome, Role, Slot, StaggeredSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
                                  default_x=self.draft_length.default)
         self.modes: dict[str, Decision] = {}  # rid -> the mode of its current cycle
         self._runtime = None
+        self.headroom: Optional[VerifyHeadroom] = None  # set with the runtime
         self._staggered: Optional[StaggeredSchedule] = None
         if schedule is flags.Schedule.STAGGERED:
             self._schedule()  # measures the link once, here rather than in the first decode iteration
@@ -126,6 +127,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             if self.compress_when is flags.CompressWhen.MEMORY_BINDS:
                 self._runtime.compress_gate = self._full_kv_while_memory_free
             self._runtime.full_kv_kept = self.host.kept
+            self.headroom = self._runtime.held_back = VerifyHeadroom(self._runtime.allocator)
             self._install_specache_drafter(self._runtime)
         return self._runtime
 
@@ -178,6 +180,9 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             result = self.prefill_result(batch, pp_proxy_tensors)
             self.host.flush()  # what no compressor selected moves to the host whole
         self.host.retain(runtime.compressed_rids())
+        # pool room for the verify of the longest compressed span (eq. 5: the device budget
+        # counts a verifier's full KV), held back from SGLang's admission
+        self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0))
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
@@ -259,12 +264,25 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             info["draft_len"] = x
         return x
 
+    @staticmethod
+    def _defer_verify(plan, slot) -> None:
+        """No pool room to stage the verifier's full KV this iteration (the headroom taken
+        by the forward's other verifiers): it commits nothing and waits; its drafts are
+        dropped and it is admitted again (a new reload, new drafts) next iteration."""
+        track = slot.track
+        track.drafts = []
+        if track.reload is not None:
+            track.reload.close()
+        track.reload, track.reload_started_at = None, None
+        plan.slots[plan.slots.index(slot)] = Slot(slot.index, Role.WAIT, track)
+
     def _staging_budget(self) -> int:
         """The HBM ring's capacity: reloads staged ahead are tensors outside SGLang's KV
         pool (which already holds its share of the device), so they may use half of the
         device memory free when the schedule starts -- after the weights and the pool
         took theirs; the other half is left to activations. (The verify forward itself
-        also takes ``n - p`` pool slots per verifier, :mod:`.staging`; not counted here.)"""
+        takes ``n - p`` pool slots per verifier: the pool's, inside SGLang's budget, with the
+        verify headroom held back for them, :mod:`.staging`.)"""
         dev = torch.device(self.device)
         mem_get_info = getattr(getattr(torch, dev.type, None), "mem_get_info", None)
         if dev.type != "cpu" and mem_get_info is not None:
@@ -342,8 +360,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             if slot.track.full or self._fall_back(slot.track):
                 full.append(slot)
         drafters = plan.of(Role.DRAFT)
-        # a verifier's full KV goes into pool slots for its verify (where the pool has room)
-        staging = PoolStaging(self.runtime, lambda layer_id: {})
+        # a verifier's full KV goes into pool slots for its verify: free ones, else the headroom's
+        staging = PoolStaging(self.runtime, lambda layer_id: {}, self.headroom)
         verifiers = []
         for s in plan.of(Role.VERIFY):
             if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
@@ -354,8 +372,9 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
                 if self.runtime.entry_for_row(s.track.row) is not None:
                     # never verify against the compressed rows: that would not be lossless
                     raise RuntimeError(f"VERICACHE: no full KV on the host for compressed request {s.track.rid}")
-            else:
-                staging.reserve(s.index, reload.entries[0])
+            elif not staging.reserve(s.index, reload.entries[0]):
+                self._defer_verify(plan, s)
+                continue
             verifiers.append(s)
 
         phases = {"plan_s": time.perf_counter() - started}
@@ -410,8 +429,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             req_to_token = self.req_to_token_pool.req_to_token
             slots = req_to_token[to_device(rows[idx][q_req], req_to_token.device), to_device(pos_t, req_to_token.device)]
             # staging keyed by the request's index in this forward
-            reloads = {k: s.track.reload for k, s in enumerate(part)
-                       if s.index in staging or s.index in staging.unstaged}
+            reloads = {k: s.track.reload for k, s in enumerate(part) if s.index in staging}
             staging.rekey({s.index: k for k, s in enumerate(part)})
             staging.layer_spans = staged_layers(reloads)
             ids_t = torch.tensor(ids, dtype=torch.int64)
