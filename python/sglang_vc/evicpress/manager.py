@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import codec
 from .codec import FullKV
 from .config import DROPPED, FULL, CompressionConfig, Placement, Tier, TierSpec
-from .context import Context, Fetched, KVDims, Settings
+from .context import Context, KVDims, Settings
 from .context_registry import ContextRegistry
 from .placement import Move
 from .profile_state import ProfileState
@@ -453,40 +453,6 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
             self.apply(moves, {ctx.ctx_id: (kv, source_config)})
             return moves
 
-    def fetch(self, ctx: Context) -> Optional[Fetched]:
-        """Read and decode ``ctx``'s stored blob (for a load onto the device). None when
-        it is not stored or its entry is corrupted (then it is dropped)."""
-        with self.lock:
-            p = ctx.placement
-            if p.dropped:
-                return None
-            found = self._found.get(ctx.ctx_id)
-            t0 = time.perf_counter() - (found[2] if found is not None else 0.0)  # its read time counts
-            blob = self._read_blob(ctx, p)
-            if blob is None:
-                self._publish_usage()
-                return None
-            try:
-                cfg, kv, positions = codec.decode(blob)
-            except Exception:
-                logger.exception("EvicPress: stored blob of %s does not decode; dropping it", ctx.ctx_id)
-                self._delete_blob(ctx, p)
-                self._set_placement(ctx, DROPPED)
-                self.count(lost=1)
-                return None
-            if positions is not None and not self.settings.serves_dropped:
-                return None  # token-dropped KV needs the lossy attention backend
-            elapsed = time.perf_counter() - t0
-            if self.settings.throttle:
-                target = self.tier_specs[p.tier].load_seconds(len(blob))
-                if target > elapsed:
-                    time.sleep(target - elapsed)
-                    elapsed = target
-            tier = p.tier.name.lower()
-            self.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
-            return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob, positions,
-                           ctx.stored_len if positions is not None else None)
-
     def after_hit(self, ctx: Context, tier: Tier, blob: Optional[bytes] = None) -> list[Move]:
         """A context was served from ``tier`` (its copy was loaded onto the device for
         the request): promote it to the fastest tier its form can live on (the device
@@ -545,21 +511,6 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
                     self._set_placement(ctx, DROPPED)
                 ctx.device_config = None
             self._publish_usage()
-
-    # ------------------------------------------------------------------ requests
-    def on_request(self, ctx: Context, tier: Optional[Tier], served: Optional[CompressionConfig],
-                   suffix: Sequence[int] = (), prefix_len: int = 0) -> None:
-        """Account one user request that matched ``ctx`` (``tier`` None: device hit,
-        or miss when ``served`` is None)."""
-        with self.lock:
-            ctx.frequency += 1
-            ctx.last_access = self.clock()
-            name = "miss" if served is None and tier is None else ("device" if tier is None else tier.name.lower())
-            ctx.hits[name] += 1
-            self.count(**{("misses" if name == "miss" else f"hits_{name}"): 1})
-            if len(suffix):
-                ctx.suffix_tokens = 0.8 * ctx.suffix_tokens + 0.2 * len(suffix)
-                self.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
 
     # ------------------------------------------------------------------ scheduler tasks
     def submit(self, fn: Callable[[], Any], timeout: float = 120.0) -> Any:

@@ -57,9 +57,12 @@ until the tree evicts it. :meth:`EvicPressRadixCache.install_full` (VeriCache's 
 prefix caching) overwrites it with the exact KV in place, for the requests holding it,
 and puts the exact copy in the context's own namespace for the later ones.
 
-The tiers reach the tree's rows (matching, gathering, writing, pinning, the HiCache
-backups) through :class:`~.tree_rows.TreeRows`, a mixin of this class; the delay
-model's start-up measurements are in :mod:`.measure`.
+A request's match asks the manager once for the request's plan (:mod:`.request_plan`:
+which context, where its rows come from, what to store or promote after), the tree
+answering through :class:`~.match_rows.MatchRows`. The tiers reach the tree's rows
+(matching, gathering, writing, pinning, the HiCache backups) through
+:class:`~.tree_rows.TreeRows`, a mixin of this class; the delay model's start-up
+measurements are in :mod:`.measure`.
 
 The profiler's requests carry an ``extra_key`` namespace (``evicpress:ref`` for full-KV
 reference answers, ``evicpress:cfg:<config>/<ctx>`` to answer on a compressed version of
@@ -94,8 +97,9 @@ from .storage_tier import StorageTier
 from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims, variant_label
 from .manager import EvicPressManager
 from .measure import measure_delay_inputs, storage_dir
+from .match_rows import MatchRows
 from .request_plan import ContextPlan, Origin
-from .tree_rows import SAME_NAMESPACE, TreeRows, private_namespace
+from .tree_rows import TreeRows, private_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -131,46 +135,6 @@ class _PrivatePrefix:
     n_keep: int
     config: CompressionConfig
     ctx_id: str
-
-
-class _MatchRows:
-    """:class:`~.request_plan.ContextRows` for one request's match: what the tree holds
-    of the request's context, and the copy it loads for the request."""
-
-    def __init__(self, cache: "EvicPressRadixCache", req, key: RadixKey):
-        self.cache, self.req, self.key = cache, req, key
-        self.ids = key.raw_token_ids()
-        self.exact_idx: Optional[torch.Tensor] = None  # the exact rows, when all are there
-
-    def floor(self, n: int) -> int:
-        return self.cache._floor(n)
-
-    def exact(self, n: int) -> int:
-        have, _, idx = self.cache._device_match(self.cache._key(self.ids[:n], self.key))
-        if have >= n:
-            self.cache._private.pop(self.req.rid, None)  # matched again (waiting): its exact rows now
-            self.exact_idx = idx
-        return have
-
-    def serve_lossy(self, ctx: Context, cfg: CompressionConfig, n: int) -> bool:
-        namespace = private_namespace(ctx, cfg, n, salt=self.key.cache_salt)
-        return self.cache._private_on_device(self.req, ctx, self.ids, namespace, n, cfg)
-
-    def backed_up(self, n: int) -> bool:
-        return self.cache._cached_len(self.cache._key(self.ids[:n], self.key)) >= n
-
-    def load(self, ctx: Context, fetched, usable: int, have: int) -> bool:
-        cache, ids = self.cache, self.ids
-        cfg = fetched.config
-        if cfg.is_full:  # exact rows: in the request's own namespace, shared by all
-            n = cache._floor(min(usable, fetched.kv.num_tokens))
-            return n > have and cache._inject(ids, self.key, SAME_NAMESPACE, n, fetched.kv) >= n
-        # lossy: a private node only this context's requests are sent to (a token-dropped
-        # copy's kept rows stand for exactly num_tokens tokens)
-        n = usable if fetched.dropped else cache._floor(min(usable, fetched.kv.num_tokens))
-        return (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
-                and cache._load_private(self.req, ctx, ids, private_namespace(ctx, cfg, n, salt=self.key.cache_salt),
-                                        n, cfg, fetched.kv))
 
 
 def evicpress_factory(ctx):
@@ -484,7 +448,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         # kept before the manager fills it: a later match of a request whose first one
         # failed half-way is not its first
         plan = self._reqs.setdefault(req.rid, ContextPlan())
-        rows = _MatchRows(self, req, key)
+        rows = MatchRows(self, req, key)
         mgr.plan_match(req.rid, rows.ids, ns, req.origin_input_ids, rows, plan)
         if plan.store_device_rows:  # another request computed it: store those rows
             ctx, kv = plan.ctx, self._gather(rows.exact_idx)

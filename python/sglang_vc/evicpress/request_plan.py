@@ -7,18 +7,23 @@ nodes, a stored copy, or nowhere: the prefill computes them), the form served, a
 is left to do once the match is done (store the exact rows the device holds, store the
 rows the prefill computes, promote the copy loaded). The tree's side of the decision --
 the rows it holds, loading a fetched copy into device slots -- is answered through
-:class:`ContextRows`, which :mod:`.radix` implements for the request being matched.
+:class:`ContextRows`, which :class:`~.match_rows.MatchRows` implements for the request
+being matched.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
-from .config import FULL, CompressionConfig, Tier
+from . import codec
+from .config import DROPPED, FULL, CompressionConfig, Tier
 from .context import Context, Fetched
+
+logger = logging.getLogger(__name__)
 
 
 class Origin(enum.Enum):
@@ -60,7 +65,7 @@ class ContextPlan:
 
 
 class ContextRows(Protocol):
-    """The device tree as one request's match sees it (:class:`~.radix._MatchRows`)."""
+    """The device tree as one request's match sees it (:class:`~.match_rows.MatchRows`)."""
 
     def floor(self, n: int) -> int:
         """``n`` rounded down to a whole page."""
@@ -81,8 +86,9 @@ class ContextRows(Protocol):
 
 
 class RequestPlan:
-    """:class:`~.manager.EvicPressManager`'s per-request method (a mixin: it uses the
-    manager's lock, registry, stores and policy)."""
+    """:class:`~.manager.EvicPressManager`'s per-request methods (a mixin: they use the
+    manager's lock, registry, stores and policy): the plan, the accounting of a request
+    and the fetch of a stored copy."""
 
     def plan_match(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
                    rows: ContextRows, plan: ContextPlan) -> None:
@@ -134,6 +140,54 @@ class RequestPlan:
             if tier is not None and not plan.backed_hit:
                 blob = fetched.blob if fetched is not None else None
                 plan.promote = lambda: self.after_hit(ctx, tier, blob)
+
+    def on_request(self, ctx: Context, tier: Optional[Tier], served: Optional[CompressionConfig],
+                   suffix: Sequence[int] = (), prefix_len: int = 0) -> None:
+        """Account one user request that matched ``ctx`` (``tier`` None: device hit,
+        or miss when ``served`` is None)."""
+        with self.lock:
+            ctx.frequency += 1
+            ctx.last_access = self.clock()
+            name = "miss" if served is None and tier is None else ("device" if tier is None else tier.name.lower())
+            ctx.hits[name] += 1
+            self.count(**{("misses" if name == "miss" else f"hits_{name}"): 1})
+            if len(suffix):
+                ctx.suffix_tokens = 0.8 * ctx.suffix_tokens + 0.2 * len(suffix)
+                self.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
+
+    def fetch(self, ctx: Context) -> Optional[Fetched]:
+        """Read and decode ``ctx``'s stored blob (for a load onto the device). None when
+        it is not stored or its entry is corrupted (then it is dropped)."""
+        with self.lock:
+            p = ctx.placement
+            if p.dropped:
+                return None
+            found = self._found.get(ctx.ctx_id)
+            t0 = time.perf_counter() - (found[2] if found is not None else 0.0)  # its read time counts
+            blob = self._read_blob(ctx, p)
+            if blob is None:
+                self._publish_usage()
+                return None
+            try:
+                cfg, kv, positions = codec.decode(blob)
+            except Exception:
+                logger.exception("EvicPress: stored blob of %s does not decode; dropping it", ctx.ctx_id)
+                self._delete_blob(ctx, p)
+                self._set_placement(ctx, DROPPED)
+                self.count(lost=1)
+                return None
+            if positions is not None and not self.settings.serves_dropped:
+                return None  # token-dropped KV needs the lossy attention backend
+            elapsed = time.perf_counter() - t0
+            if self.settings.throttle:
+                target = self.tier_specs[p.tier].load_seconds(len(blob))
+                if target > elapsed:
+                    time.sleep(target - elapsed)
+                    elapsed = target
+            tier = p.tier.name.lower()
+            self.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
+            return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob, positions,
+                           ctx.stored_len if positions is not None else None)
 
     def _context_of(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
                     floor: Callable[[int], int]) -> Optional[tuple[Context, int]]:
