@@ -115,8 +115,11 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         self._runtime = None
         self.headroom: Optional[VerifyHeadroom] = None  # set with the runtime
         self._staggered: Optional[StaggeredSchedule] = None
+        self._bandwidth: Optional[float] = None
         if schedule is flags.Schedule.STAGGERED:
-            self._schedule()  # measures the link once, here rather than in the first decode iteration
+            # the link is measured once, here rather than in the first decode iteration (the
+            # schedule itself is built then: its HBM budget needs the runtime's payload store)
+            self._bandwidth = measure_bandwidth(self.device)
 
     @property
     def runtime(self):
@@ -231,7 +234,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
 
     def _schedule(self) -> StaggeredSchedule:
         if self._staggered is None:
-            bandwidth = measure_bandwidth(self.device)
+            bandwidth = self._bandwidth if self._bandwidth is not None else measure_bandwidth(self.device)
             staging = self._staging_budget()
             sched = ReloadScheduler(window=self.window, iter_time=0.05, bandwidth=bandwidth,
                                     hbm_bytes=staging, fallback_after=self.window)
@@ -280,9 +283,10 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         """The HBM ring's capacity: reloads staged ahead are tensors outside SGLang's KV
         pool (which already holds its share of the device), so they may use half of the
         device memory free when the schedule starts -- after the weights and the pool
-        took theirs; the other half is left to activations. (The verify forward itself
-        takes ``n - p`` pool slots per verifier: the pool's, inside SGLang's budget, with the
-        verify headroom held back for them, :mod:`.staging`.)"""
+        took theirs, and less the payload store's budget (SGLang's KV budget keeps it free,
+        ``hooks._payload_store_inside_the_budget``); the other half is left to activations.
+        (The verify forward itself takes ``n - p`` pool slots per verifier: the pool's,
+        inside SGLang's budget, with the verify headroom held back for them, :mod:`.staging`.)"""
         dev = torch.device(self.device)
         mem_get_info = getattr(getattr(torch, dev.type, None), "mem_get_info", None)
         if dev.type != "cpu" and mem_get_info is not None:
@@ -291,7 +295,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             import psutil
 
             free = psutil.virtual_memory().available
-        return int(free // 2)
+        free -= max(0, self.runtime.payload_budget - self.runtime.payload_bytes)
+        return int(max(0, free) // 2)
 
     def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
         """Bytes a verify of this request reloads: 0 for an in-pool drafter (it verifies in
