@@ -14,8 +14,9 @@ N ?= 2
 serve-cluster: $(STAMP)
 	$(PY) -m sglang_vc.cluster --nodes $(N) $(ARGS)
 
+# two workers, a module each (its servers start once), one compute thread each (conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(STAMP) $(VENV)/.installed-storage
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)

@@ -1,13 +1,27 @@
 """Shared fixtures: the prepared embedded model and real servers started on it.
 
 Servers are expensive on 2 cores (20-40 s to start), so one plain server is shared by the
-whole session; tests that need other flags start their own. (Two pytest-xdist workers
-made the default suite slower on 2 cores, 30 min against 22: it is CPU-bound.)
+whole session (one per pytest-xdist worker); tests that need other flags start their own.
+
+``make test`` runs two pytest-xdist workers, one test module each at a time
+(``--dist loadfile``: a module's servers start once). Each worker, and every server it
+starts, computes on one thread (``OMP_NUM_THREADS=1``): two workers with torch's default
+thread count each (one per core) oversubscribed the 2 cores and made the suite slower,
+30 min against 22 serially.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # before any server starts (they inherit it) and before this process computes
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 from sglang_vc.testing.server import ServerProcess
 from sglang_vc.testing.text import real_text_passages  # noqa: F401  (tests import it from here)
