@@ -713,6 +713,10 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
         assert {i["draft_len_mode"] for i in infos if i} == {"auto"}
         resolved = vc_counters(proc)["mechanisms"]["vericache"]
         assert resolved["draft_len_auto"] and resolved["draft_tokens"] == 32, resolved
+        # the verify headroom leaves the batch's decode room: no request was retracted (a
+        # headroom that took it made SGLang retract, prefill and compress one again and again)
+        log = (folder / "server.log").read_text(errors="replace")
+        assert "Retract requests" not in log, [line for line in log.splitlines() if "Retract" in line][:3]
     finally:
         proc.stop()
 

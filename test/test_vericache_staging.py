@@ -121,6 +121,8 @@ def test_headroom_fits_to_the_longest_span_and_gives_everything_back():
     assert headroom.size == 7 and rt.allocator.available_size() == 0
     headroom.fit(0)
     assert headroom.size == 0 and rt.allocator.available_size() == 7
+    headroom.fit(7, keep_free=4)  # the batch's next decode steps keep their slots
+    assert headroom.size == 3 and rt.allocator.available_size() == 4
 
 
 def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():

@@ -208,13 +208,15 @@ class VerifyHeadroom:
         self.size = 0
         self.used = 0  # taken in the forward now running
 
-    def fit(self, need: int) -> None:
-        """Hold ``need`` slots: grow from the allocator's free slots (as many as it has),
-        shrink back to it. Not while a forward holds some."""
+    def fit(self, need: int, keep_free: int = 0) -> None:
+        """Hold ``need`` slots: grow from the allocator's free slots, leaving it
+        ``keep_free`` (the running batch's next decode steps: taking those would make SGLang
+        retract a request, which prefills and compresses again), shrink back to it. Not
+        while a forward holds some."""
         if self.used:
             return
         if need > self.size:
-            n = min(need - self.size, self.allocator.available_size())
+            n = min(need - self.size, self.allocator.available_size() - keep_free)
             more = self.allocator.alloc(n) if n > 0 else None
             if more is not None and more.numel():
                 more = more.to(torch.int64)

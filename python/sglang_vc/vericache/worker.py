@@ -48,6 +48,7 @@ from typing import Optional
 import torch
 from sgl_kernel_ext.payload_batch import to_device
 
+from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
@@ -184,8 +185,10 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             self.host.flush()  # what no compressor selected moves to the host whole
         self.host.retain(runtime.compressed_rids())
         # pool room for the verify of the longest compressed span (eq. 5: the device budget
-        # counts a verifier's full KV), held back from SGLang's admission
-        self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0))
+        # counts a verifier's full KV), held back from SGLang's admission -- but never the
+        # slots the batch's next two decode steps reserve
+        self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0),
+                          keep_free=2 * len(batch.reqs) * get_alloc_reserve_per_decode())
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
