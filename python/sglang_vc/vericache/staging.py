@@ -204,9 +204,12 @@ class VerifyHeadroom:
 
     def __init__(self, allocator):
         self.allocator = allocator
-        self.slots: Optional[torch.Tensor] = None  # [size] the held slots (the allocator's device)
-        self.size = 0
+        self.slots: Optional[torch.Tensor] = None  # the held slots (the allocator's device)
         self.used = 0  # taken in the forward now running
+
+    @property
+    def size(self) -> int:
+        return 0 if self.slots is None else self.slots.numel()  # host metadata: no sync
 
     def fit(self, need: int, keep_free: int = 0) -> None:
         """Hold ``need`` slots: grow from the allocator's free slots, leaving it
@@ -221,12 +224,11 @@ class VerifyHeadroom:
             if more is not None and more.numel():
                 more = more.to(torch.int64)
                 self.slots = more if self.slots is None else torch.cat([self.slots, more])
-                self.size += int(more.numel())
             if self.size < need:
                 stats.add("vericache", headroom_short=1)
         elif need < self.size:
             self.allocator.free(self.slots[need:].clone())
-            self.slots, self.size = (self.slots[:need] if need else None), need
+            self.slots = self.slots[:need] if need else None
 
     def take(self, n: int) -> Optional[torch.Tensor]:
         if self.size - self.used < n:
@@ -243,7 +245,6 @@ class VerifyHeadroom:
         (the rare path of a reload that failed; may synchronise)."""
         held = ~torch.isin(self.slots, taken)
         self.slots = self.slots[held]
-        self.size = int(self.slots.numel())
         self.used = min(self.used, self.size)
 
 
