@@ -21,6 +21,7 @@ from sglang_vc.compress import (
     pack_bits,
     packed_size,
     unpack_bits,
+    unpack_float,
 )
 
 DROPPERS = ["streamingllm", "knorm", "snapkv", "keydiff", "h2o", "kvzip"]
@@ -294,6 +295,7 @@ def test_pack_unpack_roundtrip(bits, n):
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 2, packed_size(n, bits))
     assert torch.equal(unpack_bits(packed, bits, n), codes)
+    assert torch.equal(unpack_float(packed, bits, n), codes.float())
 
 
 def _check_bound(x, deq, scales, expand):

@@ -19,7 +19,7 @@ from .base import (
     check_ratio,
     num_kept,
 )
-from .bitpack import pack_bits, packed_size, unpack_bits
+from .bitpack import pack_bits, packed_size, unpack_bits, unpack_float
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .kivi import KIVI, kivi_split
@@ -38,5 +38,5 @@ __all__ = [
     "SpeCacheCopy",
     "get_compressor", "list_compressors", "register_compressor", "standalone_compressors",
     "num_kept", "check_ratio", "check_bits", "kivi_split", "grouped_attention",
-    "pack_bits", "unpack_bits", "packed_size",
+    "pack_bits", "unpack_bits", "unpack_float", "packed_size",
 ]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .base import Compressor, QuantizedKV, check_bits, check_kv
-from .bitpack import pack_bits, unpack_bits
+from .bitpack import pack_bits, unpack_float
 
 
 def kivi_split(num_tokens: int, group_size: int, residual_length: int) -> tuple[int, int]:
@@ -105,9 +105,9 @@ class KIVI(Compressor):
         """The quantized prefix only, ``[num_quantized, H, D]`` each, in ``ckv.dtype``."""
         n_q, g, gv, bits = ckv.num_quantized, ckv.group_size, ckv.value_group_size, ckv.bits
         h, d, dv = ckv.k_residual.shape[1], ckv.k_residual.shape[2], ckv.v_residual.shape[2]
-        kc = unpack_bits(ckv.k_payload, bits, d).float().view(n_q // g, g, h, d)
+        kc = unpack_float(ckv.k_payload, bits, d).reshape(n_q // g, g, h, d)
         # in place on the fresh codes; multiply then add (not fused), as the kernels do
         k = kc.mul_(ckv.k_scales.float().unsqueeze(1)).add_(ckv.k_zeros.float().unsqueeze(1))
-        vc = unpack_bits(ckv.v_payload, bits, dv).float().view(n_q, h, dv // gv, gv)
+        vc = unpack_float(ckv.v_payload, bits, dv).reshape(n_q, h, dv // gv, gv)
         v = vc.mul_(ckv.v_scales.float().unsqueeze(-1)).add_(ckv.v_zeros.float().unsqueeze(-1))
         return k.view(n_q, h, d).to(ckv.dtype), v.view(n_q, h, dv).to(ckv.dtype)

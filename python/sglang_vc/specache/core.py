@@ -155,8 +155,7 @@ def attend_fetching(
     after the attention) and attend again with them substituted. The scores over the
     payload are computed once: the second attention rescores only the fetched rows."""
     scores = _Scores.of(q, kq, k_tail, q_start, scale)
-    first = scores.attend(vq, v_tail, None)
-    rows = fetch(select_topk(first.probs[0], kq.shape[1], topk))
+    rows = fetch(select_topk(scores.probs()[0], kq.shape[1], topk))
     return scores.attend(vq, v_tail, rows), rows
 
 
@@ -185,16 +184,27 @@ class _Scores:
         s_t.masked_fill_((n_q + torch.arange(m, device=q.device))[None, :] > last[:, None], float("-inf"))
         return cls(qh, s_p, s_t, t, scale, q.dtype)
 
+    def probs(self) -> Tensor:
+        """``[T, Hq, n_q]``: each query's attention probabilities over the payload rows,
+        as :meth:`attend` without rows computes them, without the values' product (the
+        first pass of :func:`attend_fetching` needs only these)."""
+        h, tg, n_q = self.payload.shape
+        p_p, _ = self._softmax(self.payload)
+        return p_p.view(h, self.t, tg // self.t, n_q).transpose(0, 1).reshape(self.t, -1, n_q)
+
+    def _softmax(self, s_p: Tensor) -> tuple[Tensor, Tensor]:
+        top = functools.reduce(torch.maximum, [s.amax(2, keepdim=True) for s in (s_p, self.tail) if s.shape[2]])
+        p_p, p_t = torch.exp(s_p - top), torch.exp(self.tail - top)
+        norm = p_p.sum(2, keepdim=True) + p_t.sum(2, keepdim=True)
+        return p_p.div_(norm), p_t.div_(norm)
+
     def attend(self, vq: Tensor, v_tail: Tensor, rows: Optional[Rows]) -> Attended:
         h, tg, n_q = self.payload.shape
         s_p = self.payload
         if rows is not None and rows.num_rows:
             idx = rows.positions.unsqueeze(1).expand(-1, tg, -1)  # [H, T*g, k] (on the scores' device)
             s_p = s_p.scatter(2, idx, torch.matmul(self.q, rows.k.float().permute(1, 2, 0)) * self.scale)
-        top = functools.reduce(torch.maximum, [s.amax(2, keepdim=True) for s in (s_p, self.tail) if s.shape[2]])
-        p_p, p_t = torch.exp(s_p - top), torch.exp(self.tail - top)
-        norm = p_p.sum(2, keepdim=True) + p_t.sum(2, keepdim=True)
-        p_p, p_t = p_p.div_(norm), p_t.div_(norm)
+        p_p, p_t = self._softmax(s_p)
         out = torch.matmul(p_p, vq.float().transpose(0, 1)) + torch.matmul(p_t, v_tail.float().transpose(0, 1))
         if rows is not None and rows.num_rows:
             # the fetched rows' values replace their low-bit ones: add p * (v_full - v_low)
