@@ -186,11 +186,9 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         self.host.retain(runtime.compressed_rids())
         # pool room for the verify of the longest compressed span (eq. 5: the device budget
         # counts a verifier's full KV), held back from SGLang's admission -- but never the
-        # slots the next two decode steps reserve for every request holding a row (not only
-        # this batch's: after a prefill, the running batch decodes next)
-        rows_held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
+        # slots the batch's next two decode steps reserve
         self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0),
-                          keep_free=2 * max(rows_held, len(batch.reqs)) * get_alloc_reserve_per_decode())
+                          keep_free=2 * len(batch.reqs) * get_alloc_reserve_per_decode())
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
