@@ -45,8 +45,10 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
 @functools.lru_cache(maxsize=None)
 def _code_table(bits: int, device: torch.device) -> Tensor:
     """float32 ``[256, 8 // bits]``: the codes of every byte value, lowest field first."""
-    fields = torch.arange(256, dtype=torch.int32)[:, None] >> (torch.arange(8 // bits, dtype=torch.int32) * bits)
-    return (fields & ((1 << bits) - 1)).float().to(device)
+    # built where it is used (no host-to-device copy, once per device and width)
+    shifts = torch.arange(8 // bits, dtype=torch.int32, device=device) * bits
+    fields = torch.arange(256, dtype=torch.int32, device=device)[:, None] >> shifts
+    return (fields & ((1 << bits) - 1)).float()
 
 
 def unpack_float(packed: Tensor, bits: int, n: int) -> Tensor:
