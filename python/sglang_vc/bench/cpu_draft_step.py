@@ -7,8 +7,8 @@ for. Two calls on the same tensors (smollm2-135m's heads by default, float32):
 
 * ``full``: SGLang's own ``torch_native`` decode (``_run_sdpa_forward_decode``, what a
   plain CPU server runs) for one request whose rows are scattered over the pool;
-* ``specache``: the VERICACHE drafter's CPU path (``SpeCacheDrafter.attend`` without a
-  GPU): the 2-bit payload dequantized (``KIVI.dequantize``), the tail gathered from the
+* ``specache``: the calls VERICACHE's drafter makes on the CPU (``SpeCacheDrafter.attend``
+  without a GPU, outside its runtime): the 2-bit payload dequantized (``KIVI.dequantize``), the tail gathered from the
   pool, SpeCache's attention with ``--topk`` rows per KV head fetched and substituted
   (``specache.core.attend_fetching``).
 

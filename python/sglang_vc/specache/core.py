@@ -188,9 +188,12 @@ class _Scores:
         """``[T, Hq, n_q]``: each query's attention probabilities over the payload rows,
         as :meth:`attend` without rows computes them, without the values' product (the
         first pass of :func:`attend_fetching` needs only these)."""
-        h, tg, n_q = self.payload.shape
-        p_p, _ = self._softmax(self.payload)
-        return p_p.view(h, self.t, tg // self.t, n_q).transpose(0, 1).reshape(self.t, -1, n_q)
+        return self._per_query(self._softmax(self.payload)[0])
+
+    def _per_query(self, x: Tensor) -> Tensor:
+        """``[H, T*g, c]`` grouped by KV head -> ``[T, Hq, c]`` per query and query head."""
+        h, tg, c = x.shape
+        return x.view(h, self.t, tg // self.t, c).transpose(0, 1).reshape(self.t, -1, c)
 
     def _softmax(self, s_p: Tensor) -> tuple[Tensor, Tensor]:
         top = functools.reduce(torch.maximum, [s.amax(2, keepdim=True) for s in (s_p, self.tail) if s.shape[2]])
@@ -199,7 +202,7 @@ class _Scores:
         return p_p.div_(norm), p_t.div_(norm)
 
     def attend(self, vq: Tensor, v_tail: Tensor, rows: Optional[Rows]) -> Attended:
-        h, tg, n_q = self.payload.shape
+        tg = self.payload.shape[1]
         s_p = self.payload
         if rows is not None and rows.num_rows:
             idx = rows.positions.unsqueeze(1).expand(-1, tg, -1)  # [H, T*g, k] (on the scores' device)
@@ -210,7 +213,4 @@ class _Scores:
             # the fetched rows' values replace their low-bit ones: add p * (v_full - v_low)
             v_low = vq.gather(0, rows.positions.t().unsqueeze(-1).expand(-1, -1, vq.shape[2]))
             out += torch.matmul(p_p.gather(2, idx), (rows.v.float() - v_low.float()).transpose(0, 1))
-        t, g = self.t, tg // self.t
-        out = out.view(h, t, g, -1).transpose(0, 1).reshape(t, h * g, -1)
-        probs = p_p.view(h, t, g, n_q).transpose(0, 1).reshape(t, h * g, n_q)
-        return Attended(out.to(self.dtype), probs)
+        return Attended(self._per_query(out).to(self.dtype), self._per_query(p_p))
