@@ -125,6 +125,60 @@ def test_headroom_fits_to_the_longest_span_and_gives_everything_back():
     assert headroom.size == 3 and rt.allocator.available_size() == 4
 
 
+def test_a_verify_that_waited_too_long_takes_the_decode_room(caplog):
+    """Verifies that keep waiting for room with no token committed (every request holding
+    a slot waits to verify, so none would ever be freed) make the headroom grow into the
+    decode room it otherwise leaves SGLang: SGLang retracts a request if it must, and the
+    verify runs. Short of the limit it leaves that room; one warning per episode."""
+    from sglang_vc.vericache.staging import STARVED_AFTER
+
+    rt = _runtime(size=20)
+    headroom = VerifyHeadroom(rt.allocator)
+    rt.allocator.alloc(10)
+    headroom.fit(9, keep_free=6, stalled=STARVED_AFTER - 1)
+    assert headroom.size == 4 and rt.allocator.available_size() == 6
+    with caplog.at_level("WARNING", logger="sglang_vc.vericache.staging"):
+        headroom.fit(9, keep_free=6, stalled=STARVED_AFTER)
+        assert headroom.size == 9 and rt.allocator.available_size() == 1
+        headroom.fit(10, keep_free=6, stalled=STARVED_AFTER + 1)
+    assert headroom.size == 10 and rt.allocator.available_size() == 0
+    assert len([r for r in caplog.records if "waited for pool room" in r.getMessage()]) == 1
+    headroom.yield_to_decode(3)  # starved: it keeps the decode room it took
+    assert headroom.size == 10
+
+
+def test_the_headroom_evicts_cached_prefixes_it_lacks():
+    """Short of free slots, the headroom asks SGLang's prefix cache for what it lacks
+    beyond the decode room it leaves, as SGLang's own allocations do."""
+    rt = _runtime(size=20)
+    cached = rt.allocator.alloc(12)  # a cached prefix: evictable
+    asked = []
+
+    def evict(n):
+        asked.append(n)
+        rt.allocator.free(cached[:n])
+
+    headroom = VerifyHeadroom(rt.allocator, evict)
+    headroom.fit(9, keep_free=2)
+    assert asked == [3] and headroom.size == 9 and rt.allocator.available_size() == 2
+
+
+def test_the_headroom_yields_to_sglangs_next_decode():
+    """What SGLang's next decode lacks comes back from the headroom (else SGLang would
+    retract a request), never more than it holds, and none while a forward uses it."""
+    rt = _runtime(size=20)
+    headroom = VerifyHeadroom(rt.allocator)
+    headroom.fit(8)
+    headroom.yield_to_decode(3)
+    assert headroom.size == 5 and rt.allocator.available_size() == 15
+    headroom.take(2)
+    headroom.yield_to_decode(3)  # a forward holds some
+    assert headroom.size == 5
+    headroom.give_back()
+    headroom.yield_to_decode(9)
+    assert headroom.size == 0 and rt.allocator.available_size() == 20
+
+
 def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
     rt = _runtime()
     host, full, spans = _compressed_row(rt, 2, p=1, n=9, n_keep=3)

@@ -323,6 +323,25 @@ def _report_waiting_demand(result, *args, **kwargs):
     return None
 
 
+def _headroom_yields_to_decode(*args, **kwargs):
+    """VERICACHE holds pool slots back for its verifies (the verify headroom). SGLang
+    retracts a running request when the batch's next decode does not fit the pool (its
+    admission does not count a speculative request's per-step reserve), and has no seam
+    for a plugin's reservation to give way first: here the headroom gives the decode what
+    it lacks, unless verifies starve (:mod:`sglang_vc.vericache.staging`). A retraction
+    would prefill and compress a request again."""
+    from sglang_vc.kvruntime import current_runtime
+
+    runtime = current_runtime()
+    headroom = runtime.held_back if runtime is not None else None
+    batch = args[1] if len(args) > 1 else kwargs.get("batch")
+    if headroom is None or not headroom.size or batch is None or batch.is_empty():
+        return None
+    if not batch.check_decode_mem():
+        headroom.yield_to_decode(batch.new_tokens_required_next_decode())
+    return None
+
+
 def _switch_remote_requests_to_local(*args, **kwargs):
     """VERICACHE_REMOTE (path P2, and the fallback of a failed verify): a request whose
     prefix's full KV has arrived leaves the running batch by SGLang's own retraction and
@@ -509,6 +528,11 @@ def install() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         _report_waiting_demand,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
+        _headroom_yields_to_decode,
+        HookType.BEFORE,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",

@@ -23,7 +23,10 @@ the span comes from :class:`VerifyHeadroom`: slots the worker holds back in the 
 many as the longest compressed span of the batch (the paper's eq. 5 counts a verifier's
 full KV in the device budget), so at least one verifier per forward always finds room. A
 verifier that finds none waits an iteration (``verify_deferrals``): it commits nothing
-and drafts again.
+and drafts again. The headroom leaves SGLang the slots its next decode tops the running
+requests up with, unless :data:`STARVED_AFTER` verifies waited with no token committed in
+between: then it takes them too (SGLang retracts a request if it must), so no verify
+waits forever.
 
 No host synchronisation: the slots, the row indices and the saved mapping are device
 tensors built from host-known sizes.
@@ -47,6 +50,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEADROOM_ONLY_ENV = "SGLANG_VC_STAGE_IN_HEADROOM_ONLY"
+
+# After this many verifies waited for pool room with no request committing a token in
+# between, the headroom grows into the running batch's decode room too: every request
+# holding a slot may be waiting to verify, so none would ever be freed. SGLang retracts a
+# request instead if it must (it prefills again: the correct, slower path), and no verify
+# waits forever. (While some request commits, slots come free as requests finish.)
+STARVED_AFTER = 4
 
 
 @dataclasses.dataclass
@@ -202,23 +212,39 @@ class VerifyHeadroom:
     compressed request is left. One forward's verifiers take them in turn (``take``) and
     give them all back after it (``give_back``)."""
 
-    def __init__(self, allocator):
+    def __init__(self, allocator, evict: Optional[Callable[[int], object]] = None):
         self.allocator = allocator
+        self.evict = evict  # frees n slots from SGLang's prefix cache (its unlocked entries)
         self.slots: Optional[torch.Tensor] = None  # the held slots (the allocator's device)
         self.used = 0  # taken in the forward now running
+        self._starved = False  # a verify waits too long (warned once per episode)
 
     @property
     def size(self) -> int:
         return 0 if self.slots is None else self.slots.numel()  # host metadata: no sync
 
-    def fit(self, need: int, keep_free: int = 0) -> None:
-        """Hold ``need`` slots: grow from the allocator's free slots, leaving it
-        ``keep_free`` (the running batch's next decode steps: taking those would make SGLang
-        retract a request, which prefills and compresses again), shrink back to it. Not
-        while a forward holds some."""
+    def fit(self, need: int, keep_free: int = 0, stalled: int = 0) -> None:
+        """Hold ``need`` slots: grow from the allocator's free slots (evicting SGLang's
+        cached prefixes where they fall short), leaving it ``keep_free`` (the running
+        batch's next decode steps: taking those would make SGLang retract a request, which
+        prefills and compresses again) unless ``stalled`` (verifies that waited, nothing
+        committed since) reached :data:`STARVED_AFTER`; shrink back to ``need``. Not while
+        a forward holds some."""
         if self.used:
             return
+        starved = stalled >= STARVED_AFTER
+        if need > self.size and starved:
+            if not self._starved:
+                logger.warning("VERICACHE: %d verifies waited for pool room with no token committed; the "
+                               "verify headroom takes the running batch's decode room (SGLang may retract a "
+                               "request, which prefills again)", stalled)
+            stats.add("vericache", headroom_starved=1)
+            keep_free = 0
+        self._starved = starved
         if need > self.size:
+            short = need - self.size - (self.allocator.available_size() - keep_free)
+            if short > 0 and self.evict is not None:
+                self.evict(short)  # cached prefixes make room, as they do for SGLang's own allocations
             n = min(need - self.size, self.allocator.available_size() - keep_free)
             more = self.allocator.alloc(n) if n > 0 else None
             if more is not None and more.numel():
@@ -229,6 +255,17 @@ class VerifyHeadroom:
         elif need < self.size:
             self.allocator.free(self.slots[need:].clone())
             self.slots = self.slots[:need] if need else None
+
+    def yield_to_decode(self, n: int) -> None:
+        """Give ``n`` held slots back to the allocator: SGLang's next decode lacks them (it
+        would retract a request). Not while verifies starve (they take that room on
+        purpose), nor while a forward holds some."""
+        n = min(n, self.size)
+        if self._starved or self.used or n <= 0:
+            return
+        stats.add("vericache", headroom_yielded=n)
+        self.allocator.free(self.slots[self.size - n :].clone())
+        self.slots = self.slots[: self.size - n] if self.size > n else None
 
     def take(self, n: int) -> Optional[torch.Tensor]:
         if self.size - self.used < n:

@@ -49,6 +49,7 @@ import torch
 from sgl_kernel_ext.payload_batch import to_device
 
 from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
+from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
@@ -116,6 +117,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         self._runtime = None
         self.headroom: Optional[VerifyHeadroom] = None  # set with the runtime
         self._staggered: Optional[StaggeredSchedule] = None
+        self._stalled_verifies = 0  # verifies that waited for pool room, nothing committed since
         self._bandwidth: Optional[float] = None
         if schedule is flags.Schedule.STAGGERED:
             # the link is measured once, here rather than in the first decode iteration (the
@@ -131,7 +133,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             if self.compress_when is flags.CompressWhen.MEMORY_BINDS:
                 self._runtime.compress_gate = self._full_kv_while_memory_free
             self._runtime.full_kv_kept = self.host.kept
-            self.headroom = self._runtime.held_back = VerifyHeadroom(self._runtime.allocator)
+            self.headroom = self._runtime.held_back = VerifyHeadroom(
+                self._runtime.allocator, lambda n: evict_from_tree_cache(self._runtime.tree_cache, n))
             self._install_specache_drafter(self._runtime)
         return self._runtime
 
@@ -185,10 +188,14 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             self.host.flush()  # what no compressor selected moves to the host whole
         self.host.retain(runtime.compressed_rids())
         # pool room for the verify of the longest compressed span (eq. 5: the device budget
-        # counts a verifier's full KV), held back from SGLang's admission -- but never the
-        # slots the batch's next two decode steps reserve
+        # counts a verifier's full KV), held back from SGLang's admission -- but not the
+        # slots SGLang tops every running request up with at its next decode (after a
+        # prefill the running batch decodes next, not only this batch), unless a verify
+        # has waited too long for it
+        rows_held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
         self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0),
-                          keep_free=2 * len(batch.reqs) * get_alloc_reserve_per_decode())
+                          keep_free=max(rows_held, len(batch.reqs)) * get_alloc_reserve_per_decode(),
+                          stalled=self._stalled_verifies)
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
@@ -370,8 +377,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         drafters = plan.of(Role.DRAFT)
         # a verifier's full KV goes into pool slots for its verify: free ones, else the headroom's
         staging = PoolStaging(self.runtime, lambda layer_id: {}, self.headroom)
-        verifiers = []
-        for s in plan.of(Role.VERIFY):
+        verifiers, due = [], plan.of(Role.VERIFY)
+        for s in due:
             if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
                 s.track.reload = self._reload_one(s.track)  # not started on time: now
                 s.track.reload_started_at = plan.iteration
@@ -384,6 +391,10 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
                 self._defer_verify(plan, s)
                 continue
             verifiers.append(s)
+        waits = len(due) - len(verifiers)
+        # verifies that waited with nothing committed in between (every request holding a
+        # slot may be waiting to verify: then none would ever be freed; see VerifyHeadroom.fit)
+        self._stalled_verifies = 0 if verifiers or full else self._stalled_verifies + waits
 
         phases = {"plan_s": time.perf_counter() - started}
         logits_output = None  # SGLang's logprob outputs, where the batch asks for them
