@@ -222,3 +222,37 @@ def test_the_payload_store_comes_out_of_sglangs_kv_budget():
     assert abs(pool * (1 + PAYLOAD_STORE_FRACTION) - (10 << 30)) < 2  # the store's budget fills the rest
     off = types.SimpleNamespace(server_args=types.SimpleNamespace(), is_draft_worker=False)
     assert _payload_store_inside_the_budget(10 << 30, off) is None
+
+
+def test_the_scheduler_hook_gives_the_decode_what_it_lacks(monkeypatch):
+    """Before SGLang's ``update_running_batch`` checks the next decode's room, the hook
+    has the headroom give back what that decode lacks (SGLang would retract a request
+    otherwise), and nothing when it fits."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_vc import hooks
+    from sglang_vc.kvruntime import runtime as runtime_mod
+
+    assert callable(Scheduler.update_running_batch)  # the hook's target
+    rt = _runtime(size=20)
+    headroom = VerifyHeadroom(rt.allocator)
+    headroom.fit(8)
+    monkeypatch.setattr(runtime_mod, "_runtime", types.SimpleNamespace(held_back=headroom))
+
+    class Batch:
+        def __init__(self, need):
+            self.need = need
+
+        def is_empty(self):
+            return False
+
+        def check_decode_mem(self):
+            return rt.allocator.available_size() >= self.need
+
+        def new_tokens_required_next_decode(self):
+            return self.need
+
+    hooks._headroom_yields_to_decode(None, Batch(10))  # 12 free: it fits
+    assert headroom.size == 8
+    hooks._headroom_yields_to_decode(None, Batch(15))  # 3 short
+    assert headroom.size == 5 and rt.allocator.available_size() == 15

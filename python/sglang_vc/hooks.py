@@ -337,8 +337,8 @@ def _headroom_yields_to_decode(*args, **kwargs):
     batch = args[1] if len(args) > 1 else kwargs.get("batch")
     if headroom is None or not headroom.size or batch is None or batch.is_empty():
         return None
-    if not batch.check_decode_mem():
-        headroom.yield_to_decode(batch.new_tokens_required_next_decode())
+    if not batch.check_decode_mem():  # (it has evicted what cached prefixes could give)
+        headroom.yield_to_decode(batch.new_tokens_required_next_decode() - headroom.allocator.available_size())
     return None
 
 
