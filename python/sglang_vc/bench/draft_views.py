@@ -239,7 +239,7 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
     """One view on one prompt: a result row with the compressors' fields (see the module
     docstring for the definitions). ``lp_ref[t]``: the full model's log-probs of step ``t``
     run the same way (one teacher-forced forward)."""
-    from .fidelity_metrics import _cumsum, kl_along
+    from .fidelity_metrics import _cumsum, kl_along, matched_drafts
     from .lossy_hf import build_cache
 
     T, y = ctx.T, ctx.y
@@ -286,19 +286,7 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
         try:
             use(view)
             dc = build_cache(ctx.traj_base, T + p - 1, view)  # committed KV is exact
-            k, size = 0, first_chunk
-            while k < cap_x:
-                n = min(size, cap_x - k)
-                lg = sess.forward(dc, y[p - 1 + k : p - 1 + k + n])  # last committed token, then the drafts
-                work["forwards"] += 1
-                work["tokens"] += n
-                am = lg.argmax(-1).tolist()
-                for i in range(n):
-                    if am[i] != y[p + k + i]:
-                        return k + i
-                k += n
-                size *= 2
-            return k
+            return matched_drafts(lambda ids: sess.forward(dc, ids), y, p, cap_x, first_chunk, work)
         finally:
             release()
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 def _kl(lp_full, lp_lossy) -> float:
@@ -31,3 +31,25 @@ def _cumsum(xs: Sequence[float]) -> list[float]:
         s += x
         out.append(s)
     return out
+
+
+def matched_drafts(forward: Callable, y: Sequence[int], p: int, cap_x: int, first_chunk: int,
+                   work: dict, grow: bool = True) -> int:
+    """How many drafts from the committed prefix ``y[:p]`` follow the trajectory ``y`` (at
+    most ``cap_x``): the last committed token and the matching drafts go through
+    ``forward`` (token ids -> logits ``[n, V]``) in chunks of ``first_chunk`` tokens (then
+    2x, 4x, ... with ``grow``), stopping at the first argmax that leaves ``y``. ``work``
+    counts the forwards and tokens."""
+    k, size = 0, first_chunk
+    while k < cap_x:
+        n = min(size, cap_x - k)
+        am = forward(y[p - 1 + k : p - 1 + k + n]).argmax(-1).tolist()
+        work["forwards"] += 1
+        work["tokens"] += n
+        for i in range(n):
+            if am[i] != y[p + k + i]:
+                return k + i
+        k += n
+        if grow:
+            size *= 2
+    return k

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .draft_views import VIEW_KINDS, ViewContext, ViewSpec, evaluate_view, parse_view
-from .fidelity_metrics import _cumsum, kl_along
+from .fidelity_metrics import _cumsum, kl_along, matched_drafts
 
 DEFAULT_RATIO = 0.25
 KVZIP_PROMPT = "\n\nRepeat the previous context:\n"
@@ -363,22 +363,8 @@ def run_prompt(sess, tokenizer, ids: list[int], specs: Sequence[CompressorSpec],
             st = snapshots[p].snapshot() if online else lossy
             sess.activate(st)
             dc = build_cache(traj_base, T + p - 1, st)  # committed KV is exact
-            k = 0
-            size = 1 if online else first_chunk
-            while k < cap_x:
-                n = min(size, cap_x - k)
-                inputs = y[p - 1 + k : p - 1 + k + n]  # the last committed token, then the matching drafts
-                lg = sess.step(dc, inputs[0])[None] if n == 1 else sess.forward(dc, inputs)
-                work["forwards"] += 1
-                work["tokens"] += n
-                am = lg.argmax(-1).tolist()
-                for i in range(n):
-                    if am[i] != y[p + k + i]:
-                        return k + i
-                k += n
-                if not online:
-                    size *= 2
-            return k
+            forward = (lambda ids: sess.step(dc, ids[0])[None] if len(ids) == 1 else sess.forward(dc, ids))
+            return matched_drafts(forward, y, p, cap_x, 1 if online else first_chunk, work, grow=not online)
 
         def matched(p: int, cap_x: int) -> int:
             if p in memo:
