@@ -253,8 +253,7 @@ class VerifyHeadroom:
             if self.size < need:
                 stats.add("vericache", headroom_short=1)
         elif need < self.size:
-            self.allocator.free(self.slots[need:].clone())
-            self.slots = self.slots[:need] if need else None
+            self._shrink_to(need)
 
     def yield_to_decode(self, n: int) -> None:
         """Give ``n`` held slots back to the allocator: SGLang's next decode lacks them (it
@@ -264,8 +263,12 @@ class VerifyHeadroom:
         if self._starved or self.used or n <= 0:
             return
         stats.add("vericache", headroom_yielded=n)
-        self.allocator.free(self.slots[self.size - n :].clone())
-        self.slots = self.slots[: self.size - n] if self.size > n else None
+        self._shrink_to(self.size - n)
+
+    def _shrink_to(self, size: int) -> None:
+        """Hold the first ``size`` slots; the rest go back to the allocator."""
+        self.allocator.free(self.slots[size:].clone())
+        self.slots = self.slots[:size] if size else None
 
     def take(self, n: int) -> Optional[torch.Tensor]:
         if self.size - self.used < n:
