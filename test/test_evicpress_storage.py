@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -504,6 +505,74 @@ def test_two_evicpress_servers_share_contexts_through_seaweedfs(tmp_path, monkey
                     assert described["storage_copies"] == ["full"], described
     # B answers from A's full copy exactly as A did from its prefill
     assert outs["b"]["output_ids"] == outs["a"]["output_ids"]
+
+
+@pytest.mark.slow
+def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_seaweedfs(tmp_path, monkeypatch, tokenizer):
+    """What plain HiCache gives a second server, EvicPress keeps: on one SeaweedFS store,
+    server A computes an ordinary prompt (shorter than ``--evicpress-auto-context-tokens``:
+    not a context) and a registered context; after its device and host are flushed, A
+    reads the prompt back from storage (HiCache's pages and prefetch). Server B, started
+    after it on the same store, reads the prompt from storage too (at least the prompt
+    less one page cached, A's tokens), and serves the context from its compressed
+    storage copy (``--evicpress-load-copy kivi@4b``), which HiCache's write-through left
+    to EvicPress."""
+    import requests
+
+    from conftest import real_text_passages
+    from sglang_vc.testing.server import ServerProcess
+
+    texts = real_text_passages(4, words=400)
+    doc = tokenizer(texts[0])["input_ids"][:400]
+    plain = tokenizer(texts[2])["input_ids"][:200]  # below the 256 tokens of an automatic context
+    question = tokenizer("\n\nQuestion: What is this text about?\nAnswer:", add_special_tokens=False)["input_ids"]
+
+    def api(srv, method, path, body=None):
+        r = requests.request(method, srv.url + path, json=body, timeout=300)
+        assert r.status_code == 200, (r.status_code, r.text, srv.log_tail(30))
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+    with seaweedfs(tmp_path, monkeypatch) as endpoint:
+        extra = json.dumps({"endpoint": endpoint, "bucket": "sglang-hicache", "prefetch_threshold": 64})
+        args = ["--dtype", "float32", "--max-total-tokens", "4096", "--enable-hierarchical-cache",
+                "--hicache-ratio", "2", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+                "--radix-cache-backend", "evicpress", "--hicache-storage-backend", "seaweedfs",
+                "--hicache-storage-backend-extra-config", extra, "--hicache-storage-prefetch-policy",
+                "wait_complete", "--evicpress-no-profiler", "--evicpress-disk-bandwidth", "1"]
+        with ServerProcess(args, log_path=tmp_path / "server-a.log", timeout=420) as a:
+            api(a, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": doc})
+            a.generate(input_ids=doc + question, max_new_tokens=8, ignore_eos=True)  # miss: stored by EvicPress
+            first = a.generate(input_ids=plain, max_new_tokens=8, ignore_eos=True)
+            assert first["meta_info"]["cached_tokens"] == 0
+            counters = api(a, "GET", "/evicpress/status")["counters"]
+            assert counters.get("misses") == 1 and counters.get("storage_copies_written") == 2, counters
+            assert counters.get("write_through_left_to_evicpress", 0) >= 1, counters  # the context's rows
+            # HiCache writes the prompt's pages to storage after its host backup; SGLang
+            # flushes only once that is done (idle): wait for both
+            deadline, again = time.monotonic() + 120, None
+            while time.monotonic() < deadline:
+                if requests.post(a.url + "/flush_cache", timeout=60).status_code != 200:
+                    time.sleep(1)
+                    continue
+                again = a.generate(input_ids=plain, max_new_tokens=8, ignore_eos=True)
+                if again["meta_info"]["cached_tokens"] >= len(plain) - 1:
+                    break
+                time.sleep(2)
+            assert again["meta_info"]["cached_tokens"] >= len(plain) - 1, again["meta_info"]
+            assert again["output_ids"] == first["output_ids"]
+        with ServerProcess(args + ["--evicpress-load-copy", "kivi@4b"], log_path=tmp_path / "server-b.log",
+                           timeout=420) as b:
+            out = b.generate(input_ids=plain, max_new_tokens=8, ignore_eos=True)
+            assert out["meta_info"]["cached_tokens"] >= len(plain) - 1, out["meta_info"]  # page size 1
+            assert out["output_ids"] == first["output_ids"]
+            api(b, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": doc})
+            c0 = api(b, "GET", "/evicpress/status")["counters"]
+            served = b.generate(input_ids=doc + question, max_new_tokens=8, ignore_eos=True)
+            c1 = api(b, "GET", "/evicpress/status")["counters"]
+            assert c1.get("hits_disk", 0) == c0.get("hits_disk", 0) + 1 and not c1.get("misses"), (c0, c1)
+            assert served["meta_info"]["cached_tokens"] >= len(doc), served["meta_info"]
+            described = api(b, "GET", "/evicpress/contexts/doc")
+            assert described["placement"]["config"] == "kivi@4b", described
 
 
 # -- storage copies: every computed context reaches the shared store -------------------------

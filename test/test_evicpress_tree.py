@@ -87,19 +87,20 @@ def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
     epx.api(s, "POST", "/evicpress/evict_device")
     assert epx.ask(s, tokenizer, b, ignore_eos=True)["output_ids"] == first_b  # from the host again
 
-    # Moved to the disk, a's host backup is released and evicted: the host pool holds
-    # only what the host tier's placements say, and a answers from the disk.
+    # Moved to the disk, a's host backup is released and evicted: a answers from the
+    # disk, not from what is left in the host pool. The host pool also holds HiCache's
+    # own backups of the plain rows after a context (the questions), written through
+    # once their parent (the context's host copy) was backed up.
     def untracked(status):  # host pool bytes the host tier does not hold
         return status["host_pool_used_bytes"] - status["tiers"]["host"]["used_bytes"]
 
     status = epx.api(s, "GET", "/evicpress/status")
     assert epx.placement(s, "a")["tier"] == "host" and status["host_backups"] == 1
-    before = untracked(status)  # b's released backup: its rows are on the device tier
-    assert before <= status["tiers"]["device"]["used_bytes"]
+    before = untracked(status)  # b's released backup (its rows are on the device tier), questions
     epx.api(s, "POST", "/evicpress/contexts/a/placement", {"tier": "disk", "config": "full"})
     epx.api(s, "POST", "/evicpress/evict_device")
     status = epx.api(s, "GET", "/evicpress/status")
-    assert status["host_backups"] == 0 and untracked(status) == before, status
+    assert status["host_backups"] == 0 and untracked(status) <= before, (before, status)
     c0 = epx.counters(s)
     out = epx.ask(s, tokenizer, a, ignore_eos=True)
     assert out["output_ids"] == first_a and out["meta_info"]["cached_tokens_details"]["host"] == 0, out["meta_info"]

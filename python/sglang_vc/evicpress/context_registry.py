@@ -89,6 +89,21 @@ class ContextRegistry:
             self.querylog.forget(ctx.ctx_id)
             return True
 
+    def covering(self, token_ids, namespace, start: int) -> Optional[Context]:
+        """A context in ``namespace`` whose tokens run past position ``start`` of
+        ``token_ids`` (the root-to-node path of a radix-tree span starting at ``start``):
+        that span is the context's, stored by EvicPress, not by HiCache's write-through."""
+        ids = as_token_array(token_ids)
+        with self.lock:
+            if len(ids) >= self.INDEX_TOKENS:
+                candidates = [self.contexts[c] for c in self._index.get(self._key(ids, namespace), ())]
+            else:  # a path shorter than the index key: a node of a few tokens at the root
+                candidates = [c for c in self.contexts.values() if c.namespace == namespace]
+            for ctx in candidates:
+                if common_prefix_len(ids, ctx.token_ids) > start:
+                    return ctx
+        return None
+
     def match(self, token_ids, namespace=None) -> Optional[tuple[Context, int]]:
         """The registered context sharing the longest prefix with ``token_ids``, and
         that prefix length; None unless it covers at least half of the context."""

@@ -265,11 +265,13 @@ class HostTierStore(ByteBudget):
     * Compressed copies (which SGLang's per-token backup cannot represent) and full
       copies arriving from another tier are blobs in pool slots (:class:`HostSlotStore`).
 
-    Both come out of the same pool allocator and one byte budget. A backup EvicPress
-    releases (the context was demoted or dropped) stays in SGLang's tree until SGLang's
-    host LRU evicts it; the radix cache has that done at every scheduler step
-    (:meth:`excess_slots`), so the host tier never serves more than its placements say,
-    and a blob that finds no free slots evicts them first (``free_host``).
+    Both come out of the same pool allocator and one byte budget, beside the backups
+    HiCache's write-through makes of plain prefixes. A backup EvicPress releases (the
+    context was demoted or dropped) stays in SGLang's tree until SGLang's host LRU
+    evicts it; the radix cache asks for that at the next scheduler step
+    (``_trim_host_pool``), so a context does not keep answering from the host beyond
+    its placement. A blob that finds no free slots evicts SGLang's least recently used
+    backups first (``free_host``).
     """
 
     def __init__(self, slots: HostSlotStore, tree: HostTree,
@@ -292,14 +294,10 @@ class HostTierStore(ByteBudget):
 
     @property
     def pool_used_bytes(self) -> int:
-        """Bytes of the HiCache host pool in use: EvicPress's copies, plus backups it
-        released that SGLang has not evicted yet (:meth:`excess_slots`)."""
+        """Bytes of the HiCache host pool in use: EvicPress's copies, HiCache's backups of
+        plain prefixes, and backups EvicPress released that SGLang has not evicted yet."""
         pool = self.slots.pool
         return (int(pool.size) - int(pool.available_size())) * self.slot_bytes
-
-    def excess_slots(self) -> int:
-        """Host pool slots beyond what EvicPress holds (released backups)."""
-        return max(0, (self.pool_used_bytes - self.used_bytes) // self.slot_bytes)
 
     def __contains__(self, key: str) -> bool:
         return key in self.backed or key in self.slots

@@ -8,16 +8,19 @@
   private node of its kept rows for a token-dropped one (``n_keep`` slots); other device
   copies are SGLang's LRU cache of what requests loaded;
 * **host tier** -- the HiCache host pool SGLang allocates for ``--enable-hierarchical-cache``.
-  The tree no longer backs every node up by itself (write-through threshold set out of
-  reach, write-back off): EvicPress decides what goes there (:mod:`.host_tier`). A full
-  copy is the tree's own backup of the context's nodes, written by the HiCache
-  controller; a request that finds it evicted from the device is SGLang's host hit,
-  loaded back by the scheduler. A compressed copy is a blob in pool slots, so it takes
-  fewer host slots;
+  Plain prefixes are written through to it, and from it to the storage backend, by
+  SGLang's rules, as with plain HiCache; the rows of EvicPress's contexts (and its
+  private namespaces) are skipped there (:meth:`TreeRows.owned_by_evicpress`, see
+  :mod:`.tree_rows`): EvicPress decides where they go (:mod:`.host_tier`). A full
+  copy on the host is the tree's own backup of the context's nodes, written by the
+  HiCache controller when the policy places it there; a request that finds it evicted
+  from the device is SGLang's host hit, loaded back by the scheduler. A compressed copy
+  is a blob in pool slots, so it takes fewer host slots;
 * **storage tier** -- :class:`~.storage_tier.StorageTier` on the HiCache storage backend
   SGLang builds from ``--hicache-storage-backend`` (``file``, ``seaweedfs``...; with
   ``--evicpress-disk-dir`` our checksummed ``evicpress_file``), shared by every server of
-  the model: a context one server stored is a storage hit for another.
+  the model: a context one server stored is a storage hit for another, and so is a plain
+  prefix (HiCache's own pages and prefetch, on the same backend).
 
 A request whose prompt starts with a known context (registered through the API, or a
 long prompt seen before) is looked up in ``match_prefix``: if the device tree has the
@@ -77,6 +80,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -86,6 +90,7 @@ import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV, UpdatePendingBackupOnNodeSplit
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from . import codec, flags
@@ -151,6 +156,11 @@ def evicpress_factory(ctx):
             "--radix-cache-backend evicpress needs SGLang's hierarchical cache for its host "
             "tier: --enable-hierarchical-cache (with --hicache-size or --hicache-ratio)"
         )
+    if getattr(ctx.server_args, "hicache_write_policy", None) == "write_back":
+        # write-back backs nodes up inside SGLang's eviction walk, where EvicPress cannot
+        # leave its contexts' rows to its own placement
+        raise ValueError("--radix-cache-backend evicpress needs --hicache-write-policy "
+                         "write_through or write_through_selective, not write_back")
     if ctx.tp_size > 1 or ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
         raise NotImplementedError(
             "--radix-cache-backend evicpress supports one TP rank, full-attention models "
@@ -161,6 +171,7 @@ def evicpress_factory(ctx):
 
 class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
     evicpress: Optional[EvicPressManager] = None
+    _inserting_key: Optional[RadixKey] = None
 
     # ------------------------------------------------------------------ set-up
     def init_hicache(self, server_args, params) -> None:
@@ -172,9 +183,6 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
 
         if self.cache_controller is None:
             raise ValueError("evicpress: the HiCache controller was not created")
-        # EvicPress owns the host pool: the tree never writes its nodes there itself.
-        self.write_through_threshold = 1 << 62
-        self.is_write_back = False
 
         ep = dict(flags.settings_of(get_vc_config(server_args)))
         pool = self.token_to_kv_pool_allocator.get_kvcache()
@@ -195,12 +203,14 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
                              lambda key: self.evicpress.context_of_key(key))
         # The storage tier: the HiCache storage backend SGLang built from
         # --hicache-storage-backend (ours for --evicpress-disk-dir). EvicPress decides
-        # what goes there; the tree's own page backups and prefetches stay off.
+        # what of its contexts goes there; HiCache's page backups and prefetches of
+        # plain prefixes use the same backend.
         backend = self.cache_controller.storage_backend
         if backend is None:
             raise ValueError("evicpress: no HiCache storage backend (--hicache-storage-backend "
                              "or --evicpress-disk-dir)")
-        self.enable_storage = False
+        self._released = []  # host backups EvicPress released (tree_rows._trim_host_pool)
+        self._own_backups: set = set()  # tree nodes EvicPress backed up to the host itself
         model_id = f"{server_args.served_model_name}|{pool.dtype}|{dims.layers}x{dims.heads}x{dims.head_dim}"
         disk = StorageTier(backend, int(ep["disk_size_gb"] * flags.GB), namespace=model_id)
         # storage copies of every computed context (--evicpress-storage-copies): on the
@@ -253,6 +263,8 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
     def reset(self) -> None:
         super().reset()
         if self.evicpress is not None:
+            self._released = []
+            self._own_backups.clear()
             self.evicpress.on_host_cleared()
             self._reqs.clear()
             self._private.clear()
@@ -330,6 +342,36 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         return rows
 
     # ------------------------------------------------------------------ SGLang hooks
+    def insert(self, params: InsertParams):
+        # the key whose path SGLang writes through meanwhile (owned_by_evicpress)
+        self._inserting_key = params.key
+        try:
+            return super().insert(params)
+        finally:
+            self._inserting_key = None
+
+    def _apply_cache_action(self, action) -> None:
+        if self.evicpress is not None and isinstance(action, BackupKV):
+            # the tree's write-through of a node chain (root first) stops before the
+            # first node EvicPress stores itself: HiCache keeps a chain contiguous
+            keep = list(itertools.takewhile(lambda n: not self.owned_by_evicpress(n), action.node_ids))
+            if len(keep) < len(action.node_ids):
+                self.evicpress.count(write_through_left_to_evicpress=len(action.node_ids) - len(keep))
+                if not keep:
+                    return
+                action = BackupKV(node_ids=keep)
+        elif isinstance(action, UpdatePendingBackupOnNodeSplit) and action.old_node_id in self._own_backups:
+            self._own_backups.update((action.new_node_id, action.new_child_node_id))
+        super()._apply_cache_action(action)
+
+    def write_backup_storage(self, node_id) -> None:
+        # A context's full host copy is the tree's backup of its nodes: its storage
+        # copies are EvicPress's (storage_copies), not HiCache's pages too.
+        if self.evicpress is not None and self.stored_by_evicpress(node_id):
+            self._own_backups.discard(node_id)
+            return
+        super().write_backup_storage(node_id)
+
     def match_prefix(self, params: MatchPrefixParams):
         if self.evicpress is not None and params.req is not None and not self.disable:
             try:

@@ -7,6 +7,14 @@ injecting a copy into the tree, pinning it, and the HiCache backups of the host 
 The request path (``match_prefix`` and the hooks around a request) stays in
 :mod:`.radix`; both work on the same tree, so this is a mixin of that class, not an
 object of its own.
+
+**Who stores which rows.** HiCache writes the tree through to the host pool and the
+storage backend by SGLang's rules, except the rows EvicPress stores itself
+(:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces, and every
+span that starts inside a registered context (the context's placement and storage
+copies are EvicPress's; HiCache backs a node up only after its parent, so the rows
+after a context follow it). A context's full host copy is still the tree's own backup
+of its nodes, written when EvicPress places it there.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class _Pin:
     key: RadixKey
     lock: Any
     node: Any = None
+    slots: int = 0  # host slots of a backup
 
 
 class TreeRows:
@@ -72,6 +81,21 @@ class TreeRows:
 
     def _floor(self, n: int) -> int:
         return n // self.page_size * self.page_size
+
+    def owned_by_evicpress(self, node_id) -> bool:
+        """Whether tree node ``node_id``, which SGLang writes through to the host while
+        it inserts a key (kept by :meth:`~.radix.EvicPressRadixCache.insert`; the node
+        lies on that key's path), holds rows EvicPress stores itself (module docstring)."""
+        key = self._inserting_key
+        if key is None or _private(key.extra_key):
+            return self.stored_by_evicpress(node_id)
+        start = self.tree_core.collect_path_info([node_id])[0][-1].path_start
+        return self.evicpress.covering(key.raw_token_ids(), key.extra_key, start) is not None
+
+    def stored_by_evicpress(self, node_id) -> bool:
+        """Whether the host backup of ``node_id`` is EvicPress's (a context's full host
+        copy, or lossy and profiler rows): HiCache does not write it to storage."""
+        return node_id in self._own_backups or _private(self.tree_core.prefetch_anchor_info(node_id)[0])
 
     def _device_match(self, key: RadixKey):
         """(device tokens, last device node, their device indices) for ``key``."""
@@ -187,10 +211,12 @@ class TreeRows:
         if have < n:
             return None  # not on the device: the caller stores a blob instead
         for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
+            self._own_backups.add(node_id)  # the storage copies are EvicPress's, not HiCache's
             if not self.tree_core.is_backuped(node_id) and not self.backup_node_for_write_back(node_id):
                 logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
                 return None
-        return _Pin(key, self.inc_host_lock_ref(node).to_dec_params(), node)
+        self._released = [p for p in self._released if p.node != node]  # held again
+        return _Pin(key, self.inc_host_lock_ref(node).to_dec_params(), node, n)
 
     def read_backed(self, pin: _Pin) -> Optional[FullKV]:
         r = self._match_tree(MatchPrefixParams(key=pin.key))
@@ -214,18 +240,31 @@ class TreeRows:
 
     def release_backed(self, pin: _Pin) -> None:
         self.dec_host_lock_ref(pin.node, pin.lock)
+        self._released.append(pin)  # evicted by _trim_host_pool
 
     def free_host(self, num_slots: int) -> int:
         return self.evict_host(num_slots)
 
     def _trim_host_pool(self) -> None:
-        """Evict the HiCache backups EvicPress released (SGLang's host LRU: the ones it
-        still holds are host-locked): a context the policy demoted or dropped must not
-        keep answering from the host pool beyond the host tier's budget. A released
-        backup whose rows are also on the device (a context promoted to the device tier)
-        is not evictable from the host until its device copy is evicted; such copies
-        are bounded by the device tier's size."""
-        excess = self.evicpress.host.excess_slots()
+        """Evict the HiCache backups of contexts EvicPress released (demoted or dropped):
+        such a context must not keep answering from the host pool beyond its placement.
+        SGLang's host LRU evicts only rows no longer on the device and has no eviction
+        of one node, so it is asked once for as many rows as a released backup holds
+        on the host alone (its least recently used rows go first: usually the released
+        ones; if other rows went, the backup is left to the LRU like a plain prefix's).
+        A released backup still on the device waits until SGLang evicts its device rows."""
+        excess, keep = 0, []
+        for pin in self._released:
+            try:
+                if not self.tree_core.is_backuped(pin.node):
+                    continue  # gone from the host
+                if self.tree_core.is_full_device_evicted(pin.node):
+                    excess += pin.slots
+                else:
+                    keep.append(pin)
+            except KeyError:  # the node left the tree
+                continue
+        self._released = keep
         if excess:
             self.evict_host(excess)
 
@@ -276,6 +315,10 @@ class TreeRows:
             self.evict(EvictParams(num_tokens=n))
         self._trim_host_pool()  # evicted backed-up nodes went to the host: drop released ones
         return n
+
+
+def _private(namespace: Optional[str]) -> bool:
+    return namespace is not None and namespace.startswith(PROFILE_NAMESPACE)
 
 
 def _digest(kv: FullKV) -> str:
