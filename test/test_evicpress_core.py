@@ -607,3 +607,25 @@ def test_a_request_is_marked_exact_only_when_its_own_lossy_rows_were_rewritten()
     knorm = CompressionConfig.parse("knorm@0.5")
     cache._private = {"d": _PrivatePrefix("evicpress:drop:doc:knorm@0.5:100", 100, 50, knorm, "doc")}
     assert cache.install_full(ctx, None) == 0  # returns before touching the tree
+
+
+def test_covering_finds_the_context_a_tree_span_starts_in():
+    """``covering(path, namespace, start)``: the span of a radix-tree node that starts
+    at ``start`` on ``path`` is EvicPress's when a context's tokens run past ``start``
+    (HiCache's write-through skips it); the rows after the context, another namespace,
+    or a path that leaves the context before ``start`` are not."""
+    from sglang_vc.evicpress.context import KVDims, Settings
+    from sglang_vc.evicpress.host_tier import RamHostStore
+    from sglang_vc.evicpress.manager import EvicPressManager
+
+    dims = KVDims(layers=1, heads=1, head_dim=8, v_heads=1, v_head_dim=8, itemsize=4)
+    mgr = EvicPressManager(Settings(prefill_measured=False), dims, RamHostStore(1 << 20), RamHostStore(1 << 20))
+    ctx = mgr.register(list(range(100, 300)), ctx_id="doc")
+    prompt = list(range(100, 300)) + [7, 8, 9]
+    assert mgr.covering(prompt, None, 0) is ctx
+    assert mgr.covering(prompt[:64], None, 32) is ctx  # a first chunk, shorter than half the context
+    assert mgr.covering(prompt, None, 199) is ctx
+    assert mgr.covering(prompt, None, 200) is None  # the question after the context
+    assert mgr.covering(prompt, "other", 0) is None
+    assert mgr.covering(list(range(100, 150)) + [1] * 100, None, 60) is None  # left the context at 50
+    assert mgr.covering(prompt[:4], None, 2) is ctx  # shorter than the index key

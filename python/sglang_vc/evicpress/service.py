@@ -112,6 +112,11 @@ def check_server_args(vc_config, server_args) -> bool:
              "(its host tier is the HiCache host pool)")
     if getattr(server_args, "disable_radix_cache", False):
         _die("--radix-cache-backend evicpress cannot run with --disable-radix-cache")
+    if getattr(server_args, "hicache_write_policy", None) == "write_back":
+        # write-back backs nodes up inside SGLang's eviction walk, where the rows
+        # EvicPress stores itself cannot be left out (radix.py)
+        _die("--radix-cache-backend evicpress needs --hicache-write-policy write_through "
+             "or write_through_selective, not write_back")
     layout = getattr(server_args, "hicache_mem_layout", "layer_first")
     if layout not in ("layer_first", "page_first"):
         _die(f"--radix-cache-backend evicpress needs --hicache-mem-layout layer_first or page_first, got {layout}")

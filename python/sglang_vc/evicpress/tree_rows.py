@@ -211,8 +211,11 @@ class TreeRows:
         if have < n:
             return None  # not on the device: the caller stores a blob instead
         for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
-            self._own_backups.add(node_id)  # the storage copies are EvicPress's, not HiCache's
-            if not self.tree_core.is_backuped(node_id) and not self.backup_node_for_write_back(node_id):
+            if self.tree_core.is_backuped(node_id):
+                continue
+            self._own_backups.add(node_id)  # its storage copies are EvicPress's, not HiCache's pages
+            if not self.backup_node_for_write_back(node_id):
+                self._own_backups.discard(node_id)
                 logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
                 return None
         self._released = [p for p in self._released if p.node != node]  # held again
