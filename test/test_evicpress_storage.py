@@ -355,6 +355,22 @@ def test_backend_detects_damage_and_budget(store_dir):
     assert backend.stats.corrupted == 1 and not backend.exists("a")
 
 
+def test_hicache_pages_give_way_to_the_tier_and_to_newer_pages(store_dir):
+    """HiCache's pages (``batch_set``) are a cache inside ``capacity_gb``: the oldest are
+    deleted to make room for a tier object (``set``) or a newer page; tier objects never
+    are (a tier object that does not fit beside other tier objects is refused)."""
+    page = lambda v: torch.full((1000,), v, dtype=torch.uint8)  # noqa: E731
+    backend = make_backend(BACKEND_NAME, store_dir, capacity_gb=4096 / (1 << 30))  # about 3 pages
+    assert backend.batch_set(["p1", "p2", "p3"], [page(1), page(2), page(3)])
+    assert backend.batch_set(["p4"], [page(4)])  # the oldest page goes
+    assert [backend.exists(k) for k in ("p1", "p2", "p3", "p4")] == [False, True, True, True]
+    assert backend.set("tier", torch.zeros(2000, dtype=torch.uint8))  # two more pages go
+    assert [backend.exists(k) for k in ("p2", "p3", "p4", "tier")] == [False, False, True, True]
+    assert backend.stats.pages_evicted == 3
+    assert not backend.set("tier-2", torch.zeros(3000, dtype=torch.uint8))  # only tier objects left to free
+    assert backend.exists("tier") and torch.equal(backend.get("p4", torch.empty(1000, dtype=torch.uint8)), page(4))
+
+
 def test_backend_scopes_and_second_server(store_dir):
     one = make_backend(BACKEND_NAME, store_dir)
     assert one.set("page", torch.arange(10))

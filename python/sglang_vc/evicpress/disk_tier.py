@@ -63,6 +63,7 @@ class DiskTierStats:
     deletes: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    pages_evicted: int = 0  # evicpress_file: HiCache pages deleted to make room
 
 
 def _key_bytes(key: Key) -> bytes:

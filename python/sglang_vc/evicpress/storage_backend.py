@@ -18,9 +18,11 @@ Configuration (``--hicache-storage-backend-extra-config``)::
 ``path`` (required) is shared by every server and model that should see each other's
 entries; each model and rank scope (SGLang's own rule, :func:`key_scope`, as the
 ``seaweedfs`` backend and the ``file`` backend's key suffix use) gets a sub-directory and
-a key prefix. ``capacity_gb`` (required) bounds what this backend object writes: a
-``set`` that does not fit returns False. The backend never evicts (like SGLang's
-``seaweedfs`` backend): its callers decide what to delete. ``fsync`` (default true)
+a key prefix. ``capacity_gb`` (required) bounds what this backend object writes. The
+objects of EvicPress's storage tier (``set``) are never evicted: the tier decides what to
+delete, and a ``set`` that does not fit returns False. HiCache's pages of plain prefixes
+(``batch_set``) are a cache inside the same budget: the oldest pages this object wrote
+are deleted to make room for a tier object or a newer page. ``fsync`` (default true)
 syncs each file and the directory before a write returns. Other keys are ignored (the
 extra config also carries SGLang's own keys, e.g. ``prefetch_threshold``).
 
@@ -35,10 +37,12 @@ keys yourself with ``--hicache-storage-backend dynamic``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -134,6 +138,10 @@ class EvicPressFileStorage(HiCacheStorage):
         dir_name = "_".join(_UNSAFE.sub("_", p) for p in scope).lstrip(".") or "default"
         self.root = self.config.path / dir_name
         self.store = DiskTierStore(self.root, self.config.capacity_bytes, fsync=self.config.fsync)
+        # HiCache's pages this object wrote (key -> bytes on disk), oldest first: evicted
+        # to make room
+        self._pages: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._lock = threading.Lock()
         logger.info(
             "%s HiCache backend at %s (%.2f GB, %d existing objects)",
             BACKEND_NAME, self.root, self.config.capacity_bytes / GB, len(self.store),
@@ -164,8 +172,30 @@ class EvicPressFileStorage(HiCacheStorage):
                 f"{BACKEND_NAME} stores tensors (the generic page interface), got "
                 f"{type(page).__name__}"
             )
+        return self._put(key, page, is_page=False)
+
+    def _put(self, key: str, page: torch.Tensor, is_page: bool) -> bool:
         flat = page.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return self.store.put(self._key(key), memoryview(flat.numpy()))
+        name = self._key(key)
+        with self._lock:
+            size = DiskTierStore.entry_bytes(name, flat.numel())
+            over = self.store.used_bytes - (self.store.size_of(name) or 0) + size - self.store.capacity_bytes
+            # evict only when the pages (the other ones) can make room: never in vain
+            if 0 < over <= sum(n for k, n in self._pages.items() if k != key):
+                for oldest in list(self._pages):
+                    if over <= 0:
+                        break
+                    if oldest != key:
+                        over -= self._pages.pop(oldest)
+                        self.store.delete(self._key(oldest))
+                        self.stats.pages_evicted += 1
+            ok = self.store.put(name, memoryview(flat.numpy()))
+            if is_page and ok:
+                self._pages[key] = size
+                self._pages.move_to_end(key)
+            elif not is_page:
+                self._pages.pop(key, None)  # a tier object under a page's key is the tier's now
+            return ok
 
     def get(
         self,
@@ -196,7 +226,9 @@ class EvicPressFileStorage(HiCacheStorage):
 
     def delete(self, key: str) -> bool:
         """Remove ``key``'s object; False when there was none."""
-        return self.store.delete(self._key(key))
+        with self._lock:
+            self._pages.pop(key, None)
+            return self.store.delete(self._key(key))
 
     # -- batches (the generic page interface) -------------------------------------------
     def batch_get(
@@ -216,13 +248,14 @@ class EvicPressFileStorage(HiCacheStorage):
         target_sizes: Optional[Any] = None,
     ) -> bool:
         pages = values if values is not None else target_locations
-        return all(self.set(k, v) for k, v in zip(keys, pages))
+        return all(self._put(k, v, is_page=True) for k, v in zip(keys, pages))
 
     def clear(self) -> None:
         """Remove every object of this scope (other models' directories are left alone).
         Not concurrent with other calls (SGLang clears storage with I/O stopped)."""
         for path in self.root.glob("*" + SUFFIX):
             path.unlink(missing_ok=True)
+        self._pages.clear()
         stats = self.store.stats
         self.store = DiskTierStore(self.root, self.config.capacity_bytes, fsync=self.config.fsync)
         self.store.stats = stats

@@ -12,9 +12,10 @@ object of its own.
 storage backend by SGLang's rules, except the rows EvicPress stores itself
 (:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces, and every
 span that starts inside a registered context (the context's placement and storage
-copies are EvicPress's; HiCache backs a node up only after its parent, so the rows
-after a context follow it). A context's full host copy is still the tree's own backup
-of its nodes, written when EvicPress places it there.
+copies are EvicPress's). HiCache backs a node up only after its parent, so the rows
+after a context are written through once the context's own rows are on the host. A
+context's full host copy is still the tree's own backup of its nodes, written when
+EvicPress places it there.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ class TreeRows:
         it inserts a key (kept by :meth:`~.radix.EvicPressRadixCache.insert`; the node
         lies on that key's path), holds rows EvicPress stores itself (module docstring)."""
         key = self._inserting_key
-        if key is None or _private(key.extra_key):
+        if key is None:
             return self.stored_by_evicpress(node_id)
+        if _private(key.extra_key):
+            return True  # lossy and profiler rows: never a plain prefix
         start = self.tree_core.collect_path_info([node_id])[0][-1].path_start
         return self.evicpress.covering(key.raw_token_ids(), key.extra_key, start) is not None
 
