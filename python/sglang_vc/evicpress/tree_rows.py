@@ -268,8 +268,8 @@ class TreeRows:
                     excess += pin.slots
                 else:
                     keep.append(pin)
-            except KeyError:  # the node left the tree
-                continue
+            except (KeyError, ValueError, IndexError):  # the node left the tree (the interface's
+                continue  # missing handles raise KeyError; tolerant of a core that says otherwise)
         self._released = keep
         if excess:
             self.evict_host(excess)
