@@ -610,10 +610,11 @@ def test_a_request_is_marked_exact_only_when_its_own_lossy_rows_were_rewritten()
 
 
 def test_covering_finds_the_context_a_tree_span_starts_in():
-    """``covering(path, namespace, start)``: the span of a radix-tree node that starts
-    at ``start`` on ``path`` is EvicPress's when a context's tokens run past ``start``
+    """``covering(key, namespace, start)``: the span of a radix-tree node that starts
+    at ``start`` on the key being inserted is EvicPress's when the key is the context's
+    request (or a prefill chunk of it) and the context's tokens run past ``start``
     (HiCache's write-through skips it); the rows after the context, another namespace,
-    or a path that leaves the context before ``start`` are not."""
+    and a plain prompt that only shares a header with the context are not."""
     from sglang_vc.evicpress.context import KVDims, Settings
     from sglang_vc.evicpress.host_tier import RamHostStore
     from sglang_vc.evicpress.manager import EvicPressManager
@@ -627,5 +628,9 @@ def test_covering_finds_the_context_a_tree_span_starts_in():
     assert mgr.covering(prompt, None, 199) is ctx
     assert mgr.covering(prompt, None, 200) is None  # the question after the context
     assert mgr.covering(prompt, "other", 0) is None
-    assert mgr.covering(list(range(100, 150)) + [1] * 100, None, 60) is None  # left the context at 50
+    header_only = list(range(100, 150)) + [1] * 100  # leaves the context at 50 of 200 tokens
+    assert mgr.covering(header_only, None, 60) is None
+    assert mgr.covering(header_only, None, 0) is None  # its header is a plain prefix too
+    assert mgr.covering(header_only[:40], None, 0) is ctx  # a chunk ending in the context: can't tell yet
+    assert mgr.covering(list(range(100, 200)) + [1] * 100, None, 0) is ctx  # half the context: its request
     assert mgr.covering(prompt[:4], None, 2) is ctx  # shorter than the index key

@@ -532,7 +532,8 @@ def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_sea
     after it on the same store, reads the prompt from storage too (at least the prompt
     less one page cached, A's tokens), and serves the context from its compressed
     storage copy (``--evicpress-load-copy kivi@4b``), which HiCache's write-through left
-    to EvicPress."""
+    to EvicPress. A plain prompt that only shares a header with the context is a plain
+    prefix, header included: it is read back from storage on both servers too."""
     import requests
 
     from conftest import real_text_passages
@@ -541,6 +542,7 @@ def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_sea
     texts = real_text_passages(4, words=400)
     doc = tokenizer(texts[0])["input_ids"][:400]
     plain = tokenizer(texts[2])["input_ids"][:200]  # below the 256 tokens of an automatic context
+    shared = doc[:40] + tokenizer(texts[3])["input_ids"][:160]  # the context's first 40 tokens, then its own
     question = tokenizer("\n\nQuestion: What is this text about?\nAnswer:", add_special_tokens=False)["input_ids"]
 
     def api(srv, method, path, body=None):
@@ -560,6 +562,8 @@ def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_sea
             a.generate(input_ids=doc + question, max_new_tokens=8, ignore_eos=True)  # miss: stored by EvicPress
             first = a.generate(input_ids=plain, max_new_tokens=8, ignore_eos=True)
             assert first["meta_info"]["cached_tokens"] == 0
+            first_shared = a.generate(input_ids=shared, max_new_tokens=8, ignore_eos=True)
+            assert first_shared["meta_info"]["cached_tokens"] <= 40
             counters = api(a, "GET", "/evicpress/status")["counters"]
             assert counters.get("misses") == 1 and counters.get("storage_copies_written") == 2, counters
             assert counters.get("write_through_left_to_evicpress", 0) >= 1, counters  # the context's rows
@@ -571,16 +575,23 @@ def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_sea
                     time.sleep(1)
                     continue
                 again = a.generate(input_ids=plain, max_new_tokens=8, ignore_eos=True)
-                if again["meta_info"]["cached_tokens"] >= len(plain) - 1:
+                again_shared = a.generate(input_ids=shared, max_new_tokens=8, ignore_eos=True)
+                if (again["meta_info"]["cached_tokens"] >= len(plain) - 1
+                        and again_shared["meta_info"]["cached_tokens"] >= len(shared) - 1):
                     break
                 time.sleep(2)
             assert again["meta_info"]["cached_tokens"] >= len(plain) - 1, again["meta_info"]
             assert again["output_ids"] == first["output_ids"]
+            assert again_shared["meta_info"]["cached_tokens"] >= len(shared) - 1, again_shared["meta_info"]
+            assert again_shared["output_ids"] == first_shared["output_ids"]
         with ServerProcess(args + ["--evicpress-load-copy", "kivi@4b"], log_path=tmp_path / "server-b.log",
                            timeout=420) as b:
             out = b.generate(input_ids=plain, max_new_tokens=8, ignore_eos=True)
             assert out["meta_info"]["cached_tokens"] >= len(plain) - 1, out["meta_info"]  # page size 1
             assert out["output_ids"] == first["output_ids"]
+            out = b.generate(input_ids=shared, max_new_tokens=8, ignore_eos=True)
+            assert out["meta_info"]["cached_tokens"] >= len(shared) - 1, out["meta_info"]
+            assert out["output_ids"] == first_shared["output_ids"]
             api(b, "POST", "/evicpress/contexts", {"id": "doc", "token_ids": doc})
             c0 = api(b, "GET", "/evicpress/status")["counters"]
             served = b.generate(input_ids=doc + question, max_new_tokens=8, ignore_eos=True)

@@ -90,9 +90,13 @@ class ContextRegistry:
             return True
 
     def covering(self, token_ids, namespace, start: int) -> Optional[Context]:
-        """A context in ``namespace`` whose tokens run past position ``start`` of
-        ``token_ids`` (the root-to-node path of a radix-tree span starting at ``start``):
-        that span is the context's, stored by EvicPress, not by HiCache's write-through."""
+        """The context whose rows the radix-tree span starting at ``start`` of
+        ``token_ids`` (a key being inserted) holds, if any: that span is stored by
+        EvicPress, not by HiCache's write-through. The key must be the context's request
+        (it shares at least what :meth:`match` asks, or it ends inside the context: a
+        prefill chunk) and the span must start before the key leaves the context. A
+        plain prompt that only shares a header with a context is a plain prefix,
+        header included."""
         ids = as_token_array(token_ids)
         with self.lock:
             if len(ids) >= self.INDEX_TOKENS:
@@ -100,7 +104,9 @@ class ContextRegistry:
             else:  # a path shorter than the index key: a node of a few tokens at the root
                 candidates = [c for c in self.contexts.values() if c.namespace == namespace]
             for ctx in candidates:
-                if common_prefix_len(ids, ctx.token_ids) > start:
+                n = common_prefix_len(ids, ctx.token_ids)
+                uses = n == len(ids) or n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2)
+                if uses and n > start:
                     return ctx
         return None
 
