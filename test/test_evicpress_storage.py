@@ -370,6 +370,14 @@ def test_hicache_pages_give_way_to_the_tier_and_to_newer_pages(store_dir):
     assert not backend.set("tier-2", torch.zeros(3000, dtype=torch.uint8))  # only tier objects left to free
     assert backend.exists("tier") and torch.equal(backend.get("p4", torch.empty(1000, dtype=torch.uint8)), page(4))
 
+    # a restart finds the pages in the directory (marked evictable in their header) and
+    # gives them way as before; the tier's object stays
+    again = make_backend(BACKEND_NAME, store_dir, capacity_gb=4096 / (1 << 30))
+    assert again.batch_set(["p5"], [page(5)])  # p4 (found at start-up) goes
+    assert again.set("tier-3", torch.zeros(1000, dtype=torch.uint8))  # then p5
+    assert [again.exists(k) for k in ("p4", "p5", "tier", "tier-3")] == [False, False, True, True]
+    assert again.stats.pages_evicted == 2
+
 
 def test_backend_scopes_and_second_server(store_dir):
     one = make_backend(BACKEND_NAME, store_dir)

@@ -42,7 +42,8 @@ MAGIC = b"EVPK"
 VERSION = 1
 KIND_BYTES = 0
 KIND_TENSORS = 1
-_HEAD = struct.Struct("<4sBBHIQ16s")  # 36 bytes
+_HEAD = struct.Struct("<4sBBHIQ16s")  # 36 bytes: magic, version, kind, flags, key and payload lengths, digest
+FLAG_EVICTABLE = 1  # a cache entry its writer may delete to make room (evicpress_file's HiCache pages)
 _FIXED = _HEAD.size - 16  # the fields the digest covers (all but the digest)
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
@@ -163,13 +164,14 @@ class DiskTierStore(ByteBudget):
         return self._sizes.get(self.file_name(key))
 
     # -- operations ---------------------------------------------------------------------
-    def put(self, key: Key, data: Data) -> bool:
+    def put(self, key: Key, data: Data, flags: int = 0) -> bool:
         """Store ``data`` (bytes, or a dict name -> tensor) under ``key``, replacing any
         previous entry. False, with nothing written, when it does not fit or the write
-        fails; the previous entry of ``key`` is then left as it was."""
+        fails; the previous entry of ``key`` is then left as it was. ``flags`` (e.g.
+        :data:`FLAG_EVICTABLE`) are kept in the header, under the digest."""
         kb = _key_bytes(key)
         kind, payload = _encode(data)
-        fixed = _HEAD.pack(MAGIC, VERSION, kind, 0, len(kb), len(payload), b"\0" * 16)[:_FIXED]
+        fixed = _HEAD.pack(MAGIC, VERSION, kind, flags, len(kb), len(payload), b"\0" * 16)[:_FIXED]
         header = fixed + _digest(fixed, kb, payload)
         total = len(header) + len(kb) + len(payload)
         name = self.file_name(key)
@@ -252,6 +254,30 @@ class DiskTierStore(ByteBudget):
                 self.stats.deletes += 1
             return existed
 
+    def entries(self) -> list[tuple[bytes, int, int, float]]:
+        """(key, flags, bytes, mtime) of every indexed entry, from each file's header
+        (not verified: a damaged entry is found when read). Files that vanished or do not
+        parse are left out."""
+        out = []
+        with self._lock:
+            names = list(self._sizes.items())
+        for name, size in names:
+            path = self.root / name
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(_HEAD.size)
+                    if len(head) < _HEAD.size:
+                        continue
+                    magic, version, _, flags, klen, _, _ = _HEAD.unpack(head)
+                    if magic != MAGIC or version != VERSION:
+                        continue
+                    key = f.read(klen)
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            out.append((key, flags, size, mtime))
+        return out
+
     # -- internals ----------------------------------------------------------------------
     def _read(self, path: Path) -> bytes:
         if not self.drop_cache:
@@ -266,7 +292,7 @@ class DiskTierStore(ByteBudget):
         """(kind, key, payload) of a well-formed entry, else None."""
         if len(blob) < _HEAD.size:
             return None
-        magic, version, kind, _, klen, plen, digest = _HEAD.unpack_from(blob)
+        magic, version, kind, _flags, klen, plen, digest = _HEAD.unpack_from(blob)
         if magic != MAGIC or version != VERSION or kind not in (KIND_BYTES, KIND_TENSORS):
             return None
         if len(blob) != _HEAD.size + klen + plen:  # truncated or trailing garbage

@@ -21,8 +21,9 @@ entries; each model and rank scope (SGLang's own rule, :func:`key_scope`, as the
 a key prefix. ``capacity_gb`` (required) bounds what this backend object writes. The
 objects of EvicPress's storage tier (``set``) are never evicted: the tier decides what to
 delete, and a ``set`` that does not fit returns False. HiCache's pages of plain prefixes
-(``batch_set``) are a cache inside the same budget: the oldest pages this object wrote
-are deleted to make room for a tier object or a newer page. ``fsync`` (default true)
+(``batch_set``) are a cache inside the same budget, marked evictable in their file
+header: the oldest pages of this scope (written by this object, or found in the
+directory at start-up) are deleted to make room for a tier object or a newer page. ``fsync`` (default true)
 syncs each file and the directory before a write returns. Other keys are ignored (the
 extra config also carries SGLang's own keys, e.g. ``prefetch_threshold``).
 
@@ -50,7 +51,7 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from .disk_tier import SUFFIX, DiskTierStats, DiskTierStore
+from .disk_tier import FLAG_EVICTABLE, SUFFIX, DiskTierStats, DiskTierStore
 
 __all__ = [
     "BACKEND_NAME",
@@ -138,14 +139,27 @@ class EvicPressFileStorage(HiCacheStorage):
         dir_name = "_".join(_UNSAFE.sub("_", p) for p in scope).lstrip(".") or "default"
         self.root = self.config.path / dir_name
         self.store = DiskTierStore(self.root, self.config.capacity_bytes, fsync=self.config.fsync)
-        # HiCache's pages this object wrote (key -> bytes on disk), oldest first: evicted
-        # to make room
+        # HiCache's pages of this scope (key -> bytes on disk), oldest first: evicted to
+        # make room. Pages an earlier run left count in the budget, so they are adopted.
         self._pages: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._page_bytes = 0
         self._lock = threading.Lock()
+        self._adopt_pages()
         logger.info(
-            "%s HiCache backend at %s (%.2f GB, %d existing objects)",
-            BACKEND_NAME, self.root, self.config.capacity_bytes / GB, len(self.store),
+            "%s HiCache backend at %s (%.2f GB, %d existing objects, %d of them evictable pages)",
+            BACKEND_NAME, self.root, self.config.capacity_bytes / GB, len(self.store), len(self._pages),
         )
+
+    def _adopt_pages(self) -> None:
+        prefix = f"{self.key_prefix}/" if self.key_prefix else ""
+        found = []
+        for raw, flags, size, mtime in self.store.entries():
+            key = raw.decode("utf-8", errors="replace")
+            if flags & FLAG_EVICTABLE and key.startswith(prefix):
+                found.append((mtime, key[len(prefix):], size))
+        for _, key, size in sorted(found):
+            self._pages[key] = size
+            self._page_bytes += size
 
     @property
     def stats(self) -> DiskTierStats:
@@ -180,22 +194,29 @@ class EvicPressFileStorage(HiCacheStorage):
         with self._lock:
             size = DiskTierStore.entry_bytes(name, flat.numel())
             over = self.store.used_bytes - (self.store.size_of(name) or 0) + size - self.store.capacity_bytes
-            # evict only when the pages (the other ones) can make room: never in vain
-            if 0 < over <= sum(n for k, n in self._pages.items() if k != key):
+            # evict only when the pages (the other ones) can make room: never in vain. A
+            # page another server already deleted still frees its bytes of this object's
+            # count (the budget counts what this object wrote or found)
+            if 0 < over <= self._page_bytes - self._pages.get(key, 0):
                 for oldest in list(self._pages):
                     if over <= 0:
                         break
                     if oldest != key:
-                        over -= self._pages.pop(oldest)
+                        over -= self._forget_page(oldest)
                         self.store.delete(self._key(oldest))
                         self.stats.pages_evicted += 1
-            ok = self.store.put(name, memoryview(flat.numpy()))
-            if is_page and ok:
-                self._pages[key] = size
-                self._pages.move_to_end(key)
-            elif not is_page:
-                self._pages.pop(key, None)  # a tier object under a page's key is the tier's now
+            ok = self.store.put(name, memoryview(flat.numpy()), flags=FLAG_EVICTABLE if is_page else 0)
+            if ok:
+                self._forget_page(key)  # a tier object under a page's key is the tier's now
+                if is_page:
+                    self._pages[key] = size
+                    self._page_bytes += size
             return ok
+
+    def _forget_page(self, key: str) -> int:
+        size = self._pages.pop(key, 0)
+        self._page_bytes -= size
+        return size
 
     def get(
         self,
@@ -205,6 +226,8 @@ class EvicPressFileStorage(HiCacheStorage):
     ) -> torch.Tensor | None:
         data = self.store.get(self._key(key))
         if data is None:
+            with self._lock:
+                self._forget_page(key)  # absent or damaged (deleted by the store)
             return None
         if target_location is None:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -227,7 +250,7 @@ class EvicPressFileStorage(HiCacheStorage):
     def delete(self, key: str) -> bool:
         """Remove ``key``'s object; False when there was none."""
         with self._lock:
-            self._pages.pop(key, None)
+            self._forget_page(key)
             return self.store.delete(self._key(key))
 
     # -- batches (the generic page interface) -------------------------------------------
@@ -256,6 +279,7 @@ class EvicPressFileStorage(HiCacheStorage):
         for path in self.root.glob("*" + SUFFIX):
             path.unlink(missing_ok=True)
         self._pages.clear()
+        self._page_bytes = 0
         stats = self.store.stats
         self.store = DiskTierStore(self.root, self.config.capacity_bytes, fsync=self.config.fsync)
         self.store.stats = stats
