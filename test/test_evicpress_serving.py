@@ -642,6 +642,7 @@ def test_token_dropping_flags_select_the_lossy_attention_backend():
         (None, ["--evicpress-disk-dir", "/tmp/x"], True, "--radix-cache-backend evicpress"),
         (None, ["--evicpress-alpha", "2"], False, "--radix-cache-backend evicpress"),
         ("evicpress", ["--evicpress-disk-dir", "/tmp/x"], "write_back", "not write_back"),
+        ("evicpress", ["--evicpress-disk-dir", "/tmp/x"], "buffer_only", "not buffer_only"),
     ],
 )
 def test_inconsistent_flags_rejected(backend, ep, hicache, message, capsys):
@@ -659,7 +660,8 @@ def test_inconsistent_flags_rejected(backend, ep, hicache, message, capsys):
     sa = SimpleNamespace(radix_cache_backend=backend, enable_hierarchical_cache=bool(hicache),
                          hicache_storage_backend=flag_value(argv, "--hicache-storage-backend")[1],
                          hicache_mem_layout="layer_first", tp_size=1, dp_size=1,
-                         hicache_write_policy=hicache if isinstance(hicache, str) else "write_through")
+                         hicache_write_policy="write_back" if hicache == "write_back" else "write_through",
+                         hicache_host_memory_mode="buffer_only" if hicache == "buffer_only" else "cache")
     with pytest.raises(SystemExit) as exc:
         check_server_args(vc, sa)
     assert exc.value.code == 2

@@ -161,6 +161,10 @@ def evicpress_factory(ctx):
         # leave its contexts' rows to its own placement
         raise ValueError("--radix-cache-backend evicpress needs --hicache-write-policy "
                          "write_through or write_through_selective, not write_back")
+    if getattr(ctx.server_args, "hicache_host_memory_mode", "cache") == "buffer_only":
+        # a buffer-only host pool keeps nothing: EvicPress's host tier is that pool
+        raise ValueError("--radix-cache-backend evicpress needs --hicache-host-memory-mode cache, "
+                         "not buffer_only")
     if ctx.tp_size > 1 or ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
         raise NotImplementedError(
             "--radix-cache-backend evicpress supports one TP rank, full-attention models "

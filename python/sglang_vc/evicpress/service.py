@@ -117,6 +117,10 @@ def check_server_args(vc_config, server_args) -> bool:
         # EvicPress stores itself cannot be left out (radix.py)
         _die("--radix-cache-backend evicpress needs --hicache-write-policy write_through "
              "or write_through_selective, not write_back")
+    if getattr(server_args, "hicache_host_memory_mode", "cache") == "buffer_only":
+        # a buffer-only host pool keeps nothing: EvicPress's host tier is that pool
+        _die("--radix-cache-backend evicpress needs --hicache-host-memory-mode cache, not buffer_only "
+             "(its host tier is the HiCache host pool)")
     layout = getattr(server_args, "hicache_mem_layout", "layer_first")
     if layout not in ("layer_first", "page_first"):
         _die(f"--radix-cache-backend evicpress needs --hicache-mem-layout layer_first or page_first, got {layout}")

@@ -217,7 +217,8 @@ class TreeRows:
         for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
             if self.tree_core.is_backuped(node_id):
                 continue
-            self._own_backups.add(node_id)  # its storage copies are EvicPress's, not HiCache's pages
+            if self.enable_storage:  # its storage copies are EvicPress's, not HiCache's pages
+                self._own_backups.add(node_id)  # (write_backup_storage discards it; never called without storage)
             if not self.backup_node_for_write_back(node_id):
                 self._own_backups.discard(node_id)
                 logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
