@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 import torch
 
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -222,6 +224,39 @@ def test_the_payload_store_comes_out_of_sglangs_kv_budget():
     assert abs(pool * (1 + PAYLOAD_STORE_FRACTION) - (10 << 30)) < 2  # the store's budget fills the rest
     off = types.SimpleNamespace(server_args=types.SimpleNamespace(), is_draft_worker=False)
     assert _payload_store_inside_the_budget(10 << 30, off) is None
+
+
+def test_vericache_sets_its_staged_reloads_aside_in_sglangs_kv_budget():
+    """Under VERICACHE the budget is split three ways: the pool, the payload store and the
+    reloads staged ahead of their verify (``--vc-staging-fraction`` of the pool's bytes),
+    which the staggered schedule's HBM ring then admits against (``runtime.staging_budget``,
+    shown in ``/server_info``'s ``kv_pool``). Other servers set nothing aside for it."""
+    from sglang_vc.hooks import _payload_store_inside_the_budget
+    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, kv_budget_split
+    from sglang_vc.launch_server import parse_args
+    from sglang_vc.vericache import flags
+
+    def configurator(algorithm, *argv):
+        _, sa = parse_args(["--speculative-algorithm", algorithm, *argv])
+        return types.SimpleNamespace(server_args=sa, is_draft_worker=False)
+
+    budget = 10 << 30
+    pool = _payload_store_inside_the_budget(budget, configurator("VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2"))
+    f = flags.DEFAULT_STAGING_FRACTION
+    assert pool == int(budget / (1 + PAYLOAD_STORE_FRACTION + f))
+    split = kv_budget_split()
+    assert split["reload_staging"] == int(f * pool) and split["payload_store"] == int(PAYLOAD_STORE_FRACTION * pool)
+    assert budget - 3 <= sum(split.values()) <= budget  # the three shares fill the budget
+
+    pool = _payload_store_inside_the_budget(budget, configurator("VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2",
+                                                                 "--vc-staging-fraction", "0.5"))
+    assert pool == int(budget / (1 + PAYLOAD_STORE_FRACTION + 0.5)) and kv_budget_split()["reload_staging"] == int(0.5 * pool)
+    # SPECACHE: its payloads are not the compressed-KV runtime's, and it verifies nothing
+    assert _payload_store_inside_the_budget(budget, configurator("SPECACHE")) is None
+    assert kv_budget_split() == {}
+    for bad in ("0", "1.5", "nan"):
+        with pytest.raises(SystemExit):
+            parse_args(["--speculative-algorithm", "VERICACHE", "--vc-staging-fraction", bad])
 
 
 def test_the_scheduler_hook_gives_the_decode_what_it_lacks(monkeypatch):

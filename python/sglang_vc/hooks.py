@@ -394,22 +394,31 @@ def _row_headroom_for_chain_workers(result, *args, **kwargs):
 def _payload_store_inside_the_budget(result, *args, **kwargs):
     """SGLang sizes the KV pool from the device memory left after the weights (with
     ``--mem-fraction-static``); compressed-KV serving keeps its quantized payloads in a
-    store of ``PAYLOAD_STORE_FRACTION`` of the pool's bytes beside the pool, so the pool
-    takes ``1 / (1 + f)`` of that budget and the store the rest: both inside SGLang's
-    memory fraction. SGLang reserves out of this budget only for its own multimodal caches
+    store of ``PAYLOAD_STORE_FRACTION`` of the pool's bytes beside the pool, and VERICACHE
+    its reloads staged ahead of a verify in ``--vc-staging-fraction`` of them, so the pool
+    takes ``1 / (1 + f_payload + f_staging)`` of that budget and the others the rest: all
+    inside SGLang's memory fraction (``/server_info``'s ``kv_pool`` shows the split). SGLang
+    reserves out of this budget only for its own multimodal caches
     (``mm_runtime_reservation_gb``); no seam for a plugin."""
     from sglang_vc.config import get_vc_config
-    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION
+    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, record_kv_budget_split
+    from sglang_vc.vericache.flags import staging_fraction_of
 
     configurator = args[0] if args else None
     if configurator is None or getattr(configurator, "is_draft_worker", False):
         return None
-    if not get_vc_config(getattr(configurator, "server_args", None)).vc_compressor:
+    server_args = getattr(configurator, "server_args", None)
+    f_payload = PAYLOAD_STORE_FRACTION if get_vc_config(server_args).vc_compressor else 0.0
+    f_staging = staging_fraction_of(server_args)
+    if not f_payload and not f_staging:
+        record_kv_budget_split()  # not split
         return None
-    pool = int(result / (1 + PAYLOAD_STORE_FRACTION))
+    pool = int(result / (1 + f_payload + f_staging))
+    record_kv_budget_split(pool=pool, payload_store=int(f_payload * pool), reload_staging=int(f_staging * pool))
     logger.info("KV budget %.2f GB (--mem-fraction-static): pool up to %.2f GB, its quantized payload store "
-                "(%.0f%% of the pool's bytes) up to %.2f GB", result / 2**30, pool / 2**30,
-                100 * PAYLOAD_STORE_FRACTION, (result - pool) / 2**30)
+                "(%.0f%% of the pool's bytes) %.2f GB, reloads staged for verifies (%.1f%%) %.2f GB",
+                result / 2**30, pool / 2**30, 100 * f_payload, f_payload * pool / 2**30,
+                100 * f_staging, f_staging * pool / 2**30)
     return pool
 
 

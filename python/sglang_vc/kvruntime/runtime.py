@@ -43,6 +43,20 @@ MAX_SCORING_QUERIES = 512  # last prompt queries H2O/KVzip score with (memory bo
 PAYLOAD_STORE_FRACTION = 0.25
 
 _runtime: Optional["KVRuntime"] = None
+# How SGLang's KV budget (--mem-fraction-static) was split in this process: recorded by
+# ``hooks._payload_store_inside_the_budget`` when SGLang sizes the pool, before any runtime
+_kv_budget_split: dict[str, int] = {}
+
+
+def record_kv_budget_split(**bytes_of: int) -> None:
+    """Keep the split of SGLang's KV budget (``pool``, ``payload_store``, ``reload_staging``
+    bytes) for the runtime and ``/server_info``."""
+    _kv_budget_split.clear()
+    _kv_budget_split.update({k: int(v) for k, v in bytes_of.items()})
+
+
+def kv_budget_split() -> dict[str, int]:
+    return dict(_kv_budget_split)
 
 
 def get_runtime(model_runner=None) -> "KVRuntime":
@@ -123,6 +137,9 @@ class KVRuntime:
             k0[0].numel() * k0.element_size() + v0[0].numel() * v0.element_size()
         )
         self.payload_budget = int(PAYLOAD_STORE_FRACTION * self.bytes_per_slot * k0.shape[0])
+        # device memory for reloads staged ahead of their verify (VERICACHE): what SGLang's
+        # budget set aside for them when it sized the pool (the worker fills it in otherwise)
+        self.staging_budget = kv_budget_split().get("reload_staging", 0)
         self.payload_bytes = 0
         self.plans: dict[str, RequestPlan] = {}
         self.index: dict[int, CompressedKVIndex] = {}
@@ -399,7 +416,10 @@ class KVRuntime:
     def memory_split(self) -> dict[str, int]:
         """Device memory of compressed-KV serving beside SGLang's pool (``/server_info``)."""
         return {"payload_store_budget_bytes": self.payload_budget, "payload_store_bytes": self.payload_bytes,
-                "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0}
+                "reload_staging_budget_bytes": self.staging_budget,
+                "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0,
+                # SGLang's KV budget (--mem-fraction-static) before the split, where it was split
+                "kv_budget_bytes": sum(kv_budget_split().values())}
 
     def take_returned_slots(self) -> int:
         """Slots compression gave back to the allocator since the last call: room that

@@ -17,6 +17,8 @@ from .names import ALGORITHM, ATTENTION_BACKEND
 from .remote.stream import RemotePath
 
 GROUP = "vericache"
+# the device memory of reloads staged ahead of their verify, per byte of the KV pool
+DEFAULT_STAGING_FRACTION = 0.125
 
 
 class Schedule(str, enum.Enum):
@@ -50,6 +52,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="VERICACHE: host memory for the full KV that compression replaces on the "
         "device (GiB; default unbounded). A request that does not fit decodes from its "
         "full device KV instead of being compressed.",
+    )
+    g.add_argument(
+        "--vc-staging-fraction",
+        type=float,
+        default=DEFAULT_STAGING_FRACTION,
+        metavar="F",
+        help="VERICACHE: device memory for reloads staged ahead of their verify (the staggered "
+        "schedule's HBM ring), as a fraction of the KV pool's bytes (default "
+        f"{DEFAULT_STAGING_FRACTION}). It comes out of SGLang's KV budget "
+        "(--mem-fraction-static) beside the pool, which shrinks by it.",
     )
     g.add_argument(
         "--vc-schedule",
@@ -156,6 +168,8 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
         raise ConfigError(f"--vc-remote-verifier must be an http(s) URL, got {url!r}")
     if not args.vc_remote_timeout > 0:
         raise ConfigError(f"--vc-remote-timeout must be > 0, got {args.vc_remote_timeout}")
+    if not 0 < args.vc_staging_fraction <= 1:
+        raise ConfigError(f"--vc-staging-fraction must be in (0, 1], got {args.vc_staging_fraction}")
     if args.vc_tiering_drafts < 0:
         raise ConfigError(f"--vc-tiering-drafts must be >= 0, got {args.vc_tiering_drafts}")
     try:
@@ -167,7 +181,21 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
             "draft_grammar": args.vc_draft_grammar == "on",
             "compress_when": args.vc_compress_when, "remote_verifier": url,
             "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path,
-            "tiering_drafts": int(args.vc_tiering_drafts)}
+            "tiering_drafts": int(args.vc_tiering_drafts), "staging_fraction": float(args.vc_staging_fraction)}
+
+
+def staging_fraction(settings: Optional[dict]) -> float:
+    """``--vc-staging-fraction`` (VERICACHE servers only: see :func:`staging_fraction_of`)."""
+    f = (settings or {}).get("staging_fraction")
+    return DEFAULT_STAGING_FRACTION if f is None else float(f)
+
+
+def staging_fraction_of(server_args) -> float:
+    """The share of the KV pool's bytes a server reserves beside it for staged reloads:
+    ``--vc-staging-fraction`` under VERICACHE, else 0."""
+    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != ALGORITHM:
+        return 0.0
+    return staging_fraction(settings_of(server_args))
 
 
 def remote_verifier(settings: Optional[dict]) -> Optional[str]:

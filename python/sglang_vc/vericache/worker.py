@@ -290,23 +290,16 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         plan.slots[plan.slots.index(slot)] = Slot(slot.index, Role.WAIT, track)
 
     def _staging_budget(self) -> int:
-        """The HBM ring's capacity: reloads staged ahead are tensors outside SGLang's KV
-        pool (which already holds its share of the device), so they may use half of the
-        device memory free when the schedule starts -- after the weights and the pool
-        took theirs, and less the payload store's budget (SGLang's KV budget keeps it free,
-        ``hooks._payload_store_inside_the_budget``); the other half is left to activations.
-        (The verify forward itself takes ``n - p`` pool slots per verifier: the pool's,
-        inside SGLang's budget, with the verify headroom held back for them, :mod:`.staging`.)"""
-        dev = torch.device(self.device)
-        mem_get_info = getattr(getattr(torch, dev.type, None), "mem_get_info", None)
-        if dev.type != "cpu" and mem_get_info is not None:
-            free = mem_get_info(dev)[0]
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        free -= max(0, self.runtime.payload_budget - self.runtime.payload_bytes)
-        return int(max(0, free) // 2)
+        """The HBM ring's capacity: reloads staged ahead of their verify are tensors beside
+        SGLang's KV pool, in the share of SGLang's KV budget set aside for them
+        (``--vc-staging-fraction``, ``hooks._payload_store_inside_the_budget``: the pool
+        shrank by it). (The verify forward itself takes ``n - p`` pool slots per verifier:
+        the pool's, with the verify headroom held back for them, :mod:`.staging`.)"""
+        if not self.runtime.staging_budget:  # the budget was not split (a pool sized by hand)
+            pool_slots = self.runtime.kv_pool.get_key_buffer(self.runtime.start_layer).shape[0]
+            self.runtime.staging_budget = int(flags.staging_fraction(flags.settings_of(self.server_args))
+                                              * self.runtime.bytes_per_slot * pool_slots)
+        return int(self.runtime.staging_budget)
 
     def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
         """Bytes a verify of this request reloads: 0 for an in-pool drafter (it verifies in
