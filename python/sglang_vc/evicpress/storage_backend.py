@@ -23,7 +23,8 @@ objects of EvicPress's storage tier (``set``) are never evicted: the tier decide
 delete, and a ``set`` that does not fit returns False. HiCache's pages of plain prefixes
 (``batch_set``) are a cache inside the same budget, marked evictable in their file
 header: the oldest pages of this scope (written by this object, or found in the
-directory at start-up) are deleted to make room for a tier object or a newer page. ``fsync`` (default true)
+directory at start-up) are deleted to make room for a tier object or a newer page
+(pages written before the flag existed count as tier objects: clear them by hand). ``fsync`` (default true)
 syncs each file and the directory before a write returns. Other keys are ignored (the
 extra config also carries SGLang's own keys, e.g. ``prefetch_threshold``).
 
@@ -226,8 +227,9 @@ class EvicPressFileStorage(HiCacheStorage):
     ) -> torch.Tensor | None:
         data = self.store.get(self._key(key))
         if data is None:
-            with self._lock:
-                self._forget_page(key)  # absent or damaged (deleted by the store)
+            with self._lock:  # absent or damaged (the store deleted it), unless rewritten meanwhile
+                if self.store.size_of(self._key(key)) is None:
+                    self._forget_page(key)
             return None
         if target_location is None:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -13,7 +13,10 @@ storage backend by SGLang's rules, except the rows EvicPress stores itself
 (:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces, and, in
 a context's own request, every span that starts inside the context (the context's
 placement and storage copies are EvicPress's). A plain prompt that only shares a header
-with a context is a plain prefix. HiCache backs a node up only after its parent, so the rows
+with a context is a plain prefix (but where the context's full copy was already backed up
+to the host, the header node split off it keeps that backup, which is EvicPress's: the
+prompt's header is not written to storage, so another server cannot prefetch the prompt
+from storage). HiCache backs a node up only after its parent, so the rows
 after a context are written through once the context's own rows are on the host. A
 context's full host copy is still the tree's own backup of its nodes, written when
 EvicPress places it there.
