@@ -105,10 +105,14 @@ class ContextRegistry:
                 candidates = [c for c in self.contexts.values() if c.namespace == namespace]
             for ctx in candidates:
                 n = common_prefix_len(ids, ctx.token_ids)
-                uses = n == len(ids) or n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2)
-                if uses and n > start:
+                if (n == len(ids) or self._shares_enough(ctx, n)) and n > start:
                     return ctx
         return None
+
+    @staticmethod
+    def _shares_enough(ctx: Context, n: int) -> bool:
+        """Whether a request sharing its first ``n`` tokens with ``ctx`` is ``ctx``'s."""
+        return n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2)
 
     def match(self, token_ids, namespace=None) -> Optional[tuple[Context, int]]:
         """The registered context sharing the longest prefix with ``token_ids``, and
@@ -121,6 +125,6 @@ class ContextRegistry:
             for cid in self._index.get(self._key(ids, namespace), ()):
                 ctx = self.contexts[cid]
                 n = common_prefix_len(ids, ctx.token_ids)
-                if n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2) and (best is None or n > best[1]):
+                if self._shares_enough(ctx, n) and (best is None or n > best[1]):
                     best = (ctx, n)
             return best
