@@ -35,6 +35,13 @@ class CopyStream:
         work queued so far computes (SpeCache's top-k positions); None on the CPU."""
         return None if self.stream is None else self.module.current_stream().record_event()
 
+    def fences(self) -> tuple:
+        """Events after everything queued so far on the copy stream and on the current
+        (consumer's) stream: memory both used is free once both passed (empty on the CPU)."""
+        if self.stream is None:
+            return ()
+        return self.stream.record_event(), self.module.current_stream().record_event()
+
     def copy(self, fn: Callable[[], T], after=None) -> tuple[T, Optional[object]]:
         """``(fn(), event)``: run ``fn``'s copies on the copy stream, once the ``after``
         event (:meth:`mark`) has passed; the returned event marks their end (None on the

@@ -140,6 +140,7 @@ class KVRuntime:
         # device memory for reloads staged ahead of their verify (VERICACHE): what SGLang's
         # budget set aside for them when it sized the pool (the worker fills it in otherwise)
         self.staging_budget = kv_budget_split().get("reload_staging", 0)
+        self.staging_arena = None  # VERICACHE's buffer of that share, once allocated (its stats())
         self.payload_bytes = 0
         self.plans: dict[str, RequestPlan] = {}
         self.index: dict[int, CompressedKVIndex] = {}
@@ -417,6 +418,8 @@ class KVRuntime:
         """Device memory of compressed-KV serving beside SGLang's pool (``/server_info``)."""
         return {"payload_store_budget_bytes": self.payload_budget, "payload_store_bytes": self.payload_bytes,
                 "reload_staging_budget_bytes": self.staging_budget,
+                # the most of that buffer reloads held at once (0: none allocated yet)
+                "reload_staging_peak_bytes": self.staging_arena.peak if self.staging_arena is not None else 0,
                 "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0,
                 # SGLang's KV budget (--mem-fraction-static) before the split, where it was split
                 "kv_budget_bytes": sum(kv_budget_split().values())}

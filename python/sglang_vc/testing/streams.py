@@ -24,6 +24,7 @@ class StandInStreams:
     def _event(self, stream: str):
         event = types.SimpleNamespace(stream=stream, layer_copied=getattr(self.local, "inside", None))
         event.synchronize = lambda: self.log.append(("sync", event))  # a host wait for it
+        event.query = lambda: True  # a stand-in GPU is never behind
         self.log.append(("record", event))
         return event
 

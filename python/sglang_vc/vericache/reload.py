@@ -12,8 +12,11 @@ copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, an
 while the batch drafts. The transient region is thus ``depth`` layers of the verifying
 requests (plus the one the GPU is using), not their whole full KV: a staging slot comes
 back when the GPU, not only the host, is past the layers handed over (an event the copy
-thread waits on). It lives outside SGLang's KV pool. The verify forward
-writes each staged layer into pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
+thread waits on). It lives outside SGLang's KV pool, in the share of SGLang's KV budget
+set aside for it: a block of :class:`~.staging_arena.StagingArena` holding ``depth + 1``
+layers, each layer staged into the same views of it as the layer ``depth + 1`` before
+(already consumed on the GPU by then). The verify forward writes each staged layer into
+pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
 the scheduler thread (counted as a reload failure). A copy that fails every retry hands
 its requests to ``on_failure`` (the worker writes their full KV into device slots, and
 they verify and decode from it: the slower correct path); without one it raises
@@ -27,12 +30,16 @@ import dataclasses
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 
+from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
+
+from .staging_arena import Block, StagingArena, aligned
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,27 @@ class Span:
     def to(self, device) -> "Span":
         move = lambda t: None if t is None else t.to(device, non_blocking=True, copy=True)  # noqa: E731
         return Span(self.p, self.n, move(self.k), move(self.v), move(self.kept), move(self.dropped))
+
+    def tensors(self) -> tuple:
+        return self.k, self.v, self.kept, self.dropped
+
+    def staged_bytes(self) -> int:
+        """Bytes it takes in a staging arena (each tensor :data:`~.staging_arena.ALIGN`-ed)."""
+        return sum(aligned(t.numel() * t.element_size()) for t in self.tensors() if t is not None)
+
+    def into(self, arena: StagingArena, block: Block, offset: int) -> tuple["Span", int]:
+        """A copy in ``block`` of ``arena`` from ``offset`` (non-blocking copies from the
+        pinned host copy), and the offset past it."""
+        out = []
+        for t in self.tensors():
+            if t is None:
+                out.append(None)
+                continue
+            staged = arena.view(block, offset, t.shape, t.dtype)
+            staged.copy_(t, non_blocking=True)
+            out.append(staged)
+            offset += aligned(t.numel() * t.element_size())
+        return Span(self.p, self.n, *out), offset
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.kept, self.dropped)
@@ -113,6 +141,7 @@ class HostEntry:
     # [L, 2] int64 addresses of each layer's K and V copies, for the batched SpeCache fetch
     # (built on first use once every layer landed; reset when a layer's copy changes)
     addresses: Optional[torch.Tensor] = None
+    arena_bytes: Optional[int] = None  # staged_bytes(), once known (reset with ``addresses``)
 
     def wait(self) -> None:
         """Block until every copy of this entry to the host has landed (a reader on the
@@ -132,6 +161,12 @@ class HostEntry:
     def nbytes(self) -> int:
         """Bytes a reload of this request copies."""
         return sum(self.span(layer_id).nbytes() for layer_id in self.k)
+
+    def staged_bytes(self) -> int:
+        """Bytes a reload of this request takes in a staging arena (tensors aligned)."""
+        if self.arena_bytes is None:
+            self.arena_bytes = sum(self.span(layer_id).staged_bytes() for layer_id in self.k)
+        return self.arena_bytes
 
 
 class HostKVStore:
@@ -229,7 +264,7 @@ class HostKVStore:
 
         (k, v, kept, dropped), event = self.copy_stream.copy(copy, after=self.copy_stream.mark())
         entry.k[layer_id], entry.v[layer_id] = k, v
-        entry.addresses = None
+        entry.addresses = entry.arena_bytes = None
         if kept is not None:
             entry.kept[layer_id], entry.dropped[layer_id] = kept, dropped
         entry.event = event if event is not None else entry.event
@@ -296,6 +331,11 @@ class ReloadFailed(RuntimeError):
     """A layer's staged copy failed the first time and every synchronous retry."""
 
 
+def _give_back(arena: Optional[StagingArena], block: Optional[Block], copy_stream: CopyStream) -> None:
+    if arena is not None and block is not None:
+        arena.release(block, copy_stream.fences())
+
+
 class LayerwiseReload:
     """Stage the full KV of ``entries`` (batch index -> :class:`HostEntry`) on ``device``
     one layer at a time, ``depth`` layers ahead of the consumer."""
@@ -303,11 +343,23 @@ class LayerwiseReload:
     def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry],
                  layer_ids: list[int], device, depth: int = 2,
                  on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None,
-                 copy_stream: Optional[CopyStream] = None):
+                 copy_stream: Optional[CopyStream] = None, arena: Optional[StagingArena] = None):
         self.entries = entries
         self.device = device
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
         self.layer_ids = layer_ids
+        # the staged layers' home: ``depth + 1`` layer slots of one arena block, layer ``i``
+        # in slot ``i % (depth + 1)`` (its previous layer there was consumed on the GPU
+        # before this one is staged: see _stage_async); None: tensors of its own
+        self.arena, self.block = arena, None
+        self._slot_of = {lid: i % min(depth + 1, len(layer_ids)) for i, lid in enumerate(layer_ids)}
+        self._slot_bytes = 0
+        if arena is not None and layer_ids:
+            self._slot_bytes = self._layer_bytes()
+            self.block = arena.alloc(self._slot_bytes * min(depth + 1, len(layer_ids)))
+            stats.add("vericache", **{"staged_in_arena" if self.block is not None else "staged_outside_arena": 1})
+        # gives the block back however this reload ends (close, or dropped unclosed)
+        self._finalizer = weakref.finalize(self, _give_back, arena, self.block, self.copy_stream)
         self.failures = 0
         self.on_failure = on_failure
         self.gave_up = False  # every retry failed: on_failure took the requests over
@@ -329,13 +381,25 @@ class LayerwiseReload:
         """The requests (batch indices) whose KV this reload stages."""
         return set(self.entries)
 
+    def _layer_bytes(self) -> int:
+        """The arena bytes of the largest layer (a token-dropping drafter's layers may
+        drop different numbers of rows)."""
+        return max(sum(e.span(lid).staged_bytes() for e in self.entries.values()) for lid in self.layer_ids)
+
+    def _copy_layer(self, layer_id: int) -> dict[int, Span]:
+        if self.block is None:
+            return {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()}
+        out, offset = {}, self._slot_of[layer_id] * self._slot_bytes
+        for i, e in self.entries.items():
+            out[i], offset = e.span(layer_id).into(self.arena, self.block, offset)
+        return out
+
     def _stage(self, layer_id: int):
         """``(spans, event)``: the layer's rows copied to the device (see :class:`CopyStream`)."""
         if self._doomed:
             raise RuntimeError(f"injected reload failure ({FAIL_WHOLE_RELOADS_ENV})")
         _faults.check()
-        out, event = self.copy_stream.copy(
-            lambda: {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()})
+        out, event = self.copy_stream.copy(lambda: self._copy_layer(layer_id))
         with self._lock:
             self.staged_bytes += sum(span.nbytes() for span in out.values())
         return out, event
@@ -378,8 +442,10 @@ class LayerwiseReload:
         if self.gave_up or staged is None:
             return {}
         spans, event = staged
-        self.copy_stream.wait(event, (t for span in spans.values()
-                                      for t in (span.k, span.v, span.kept, span.dropped)))
+        # the arena's views need no record_stream: its buffer is never freed, and their
+        # block comes back only after the consumer's event (close)
+        self.copy_stream.wait(event, () if self.block is not None else
+                              (t for span in spans.values() for t in span.tensors()))
         return spans
 
     def _release(self) -> None:
@@ -408,6 +474,7 @@ class LayerwiseReload:
             except Exception:
                 pass
         self._futures.clear()
+        self._finalizer()  # the arena block back, once the GPU is past its copies and reads
 
     def nbytes(self) -> int:
         """Bytes staged so far (each layer once, retries included)."""

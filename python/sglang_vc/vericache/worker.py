@@ -60,6 +60,7 @@ from . import flags
 from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
+from .staging_arena import StagingArena
 from .staging import PoolStaging, VerifyHeadroom, staged_layers
 from .attention import InPoolDrafts
 from .draft_view import View
@@ -119,6 +120,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         self._staggered: Optional[StaggeredSchedule] = None
         self._stalled_verifies = 0  # verifies that waited for pool room, nothing committed since
         self._bandwidth: Optional[float] = None
+        self._arena: Optional[StagingArena] = None  # the reloads' staging share (_staging_arena)
         if schedule is flags.Schedule.STAGGERED:
             # the link is measured once, here rather than in the first decode iteration (the
             # schedule itself is built then: its HBM budget needs the runtime's payload store)
@@ -290,8 +292,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         plan.slots[plan.slots.index(slot)] = Slot(slot.index, Role.WAIT, track)
 
     def _staging_budget(self) -> int:
-        """The HBM ring's capacity: reloads staged ahead of their verify are tensors beside
-        SGLang's KV pool, in the share of SGLang's KV budget set aside for them
+        """The HBM ring's capacity: reloads staged ahead of their verify live beside SGLang's
+        KV pool (one buffer, :meth:`_staging_arena`), in the share of SGLang's KV budget set aside for them
         (``--vc-staging-fraction``, ``hooks._payload_store_inside_the_budget``: the pool
         shrank by it). (The verify forward itself takes ``n - p`` pool slots per verifier:
         the pool's, with the verify headroom held back for them, :mod:`.staging`.)"""
@@ -300,6 +302,15 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             self.runtime.staging_budget = int(flags.staging_fraction(flags.settings_of(self.server_args))
                                               * self.runtime.bytes_per_slot * pool_slots)
         return int(self.runtime.staging_budget)
+
+    def _staging_arena(self) -> StagingArena:
+        """The staging share as one buffer, allocated at the first reload (the share is
+        known once the runtime is)."""
+        if self._arena is None:
+            self._arena = self.runtime.staging_arena = StagingArena(self._staging_budget(), self.device)
+            logger.info("VERICACHE: reloads staged ahead of their verify go into one %.2f GB buffer",
+                        self._arena.capacity / 1e9)
+        return self._arena
 
     def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
         """Bytes a verify of this request reloads: 0 for an in-pool drafter (it verifies in
@@ -310,7 +321,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             if self.runtime.entry_for_row(row) is None and decision is not None and decision.mode is Mode.IN_POOL:
                 return 0
             return None
-        return entry.nbytes()
+        return entry.staged_bytes()  # what it takes in the staging arena (the HBM ring's bytes)
 
     def _layer_ids(self) -> list[int]:
         kv_pool = self.runtime.kv_pool
@@ -324,7 +335,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             return None
         layers = self._layer_ids()
         return LayerwiseReload(self.copy_thread, {0: entry}, layers, self.device, depth=len(layers),
-                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
+                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream,
+                               arena=self._staging_arena())
 
     @torch.inference_mode()
     def _staggered_round(self, batch):
@@ -628,7 +640,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         if not entries:
             return None
         return LayerwiseReload(self.copy_thread, entries, self._layer_ids(), self.device,
-                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
+                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream,
+                               arena=self._staging_arena())
 
     _staging: Optional[PoolStaging] = None  # the verify forward's, while it runs
 
