@@ -77,7 +77,6 @@ def test_a_block_comes_back_only_once_the_gpu_passed_its_events():
     second = arena.alloc(4 * ALIGN)
     assert second.start == 4 * ALIGN and read.waited == 0  # the free half: no wait
     copied.passed = True  # the reads have not passed: the first block is not free yet
-    assert arena.in_use == 8 * ALIGN
     # nothing else fits: the arena waits for the pending block's events (a rare host wait)
     again = arena.alloc(ALIGN)
     assert again.start == 0 and read.waited == 1
@@ -85,6 +84,20 @@ def test_a_block_comes_back_only_once_the_gpu_passed_its_events():
     done.passed = True
     arena.release(second, [done])
     assert arena.in_use == ALIGN and done.waited == 0  # passed: back at once
+
+
+def test_the_arena_waits_oldest_first_and_only_while_waiting_can_make_room():
+    arena = StagingArena(6 * ALIGN, "cpu")
+    blocks = [arena.alloc(2 * ALIGN) for _ in range(3)]
+    events = [_Event() for _ in blocks]
+    for block, event in zip(blocks, events):
+        arena.release(block, [event])
+    assert arena.alloc(2 * ALIGN).start == 0  # the oldest pending block, waited for
+    assert [e.waited for e in events] == [1, 0, 0]
+    assert arena.alloc(7 * ALIGN) is None and [e.waited for e in events] == [1, 0, 0]  # larger than the arena
+    held = arena.alloc(4 * ALIGN)  # both others waited for: they coalesce
+    assert held.start == 2 * ALIGN and [e.waited for e in events] == [1, 1, 1]
+    assert arena.alloc(ALIGN) is None  # nothing pending, nothing free: no wait, no room
 
 
 def test_views_are_typed_slices_of_the_block():
@@ -148,6 +161,36 @@ def test_a_token_dropping_drafters_rows_and_positions_stage_into_the_arena():
     assert arena.in_use == 0 and arena.peak == entry.staged_bytes()
 
 
+def test_a_staggered_reload_takes_the_bytes_the_hbm_ring_counted_even_when_layers_differ():
+    """Layers of different sizes (two layers keep rows on the device and stage only the
+    dropped ones, two stay full): holding every layer until its verify, the reload's block
+    is exactly ``staged_bytes()`` (what ADMIT reserved on the HBM ring), each layer at its
+    own offset."""
+    store = HostKVStore()
+    assert store.admit("a", 5, 2, 10, nbytes=100)
+    torch.manual_seed(1)
+    full = {l: (torch.randn(10, 2, 4), torch.randn(10, 2, 4)) for l in LAYERS}
+    for l, (k, v) in full.items():
+        store.sink("a", 5, l, 2, k, v)
+    for l in LAYERS[:2]:
+        store.kept("a", 5, l, torch.tensor([[2, 5, 9], [3, 4, 8]]))
+    store.flush()
+    entry = store.get("a", 5)
+    sizes = {l: entry.span(l).staged_bytes() for l in LAYERS}
+    assert sizes[0] != sizes[3]
+    arena = StagingArena(1 << 20, "cpu")
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS), arena=arena)
+        assert rl.block.size == entry.staged_bytes() == sum(sizes.values())
+        starts = []
+        for l in LAYERS:
+            span = rl.layer(l)[0]
+            assert torch.equal(span.k, entry.k[l]) and torch.equal(span.v, entry.v[l])
+            starts.append(span.k.data_ptr() - arena.buffer.data_ptr())
+        rl.close()
+    assert starts == [sum(sizes[m] for m in LAYERS[:i]) for i in range(len(LAYERS))]
+
+
 def test_a_reload_without_room_stages_outside_and_stays_correct():
     entry, full = _store()
     arena = StagingArena(ALIGN, "cpu")  # smaller than one layer slot
@@ -172,13 +215,15 @@ def test_a_reload_dropped_unclosed_still_gives_its_block_back():
     assert arena.in_use > 0
     del rl
     gc.collect()
-    assert arena.in_use == 0
+    assert arena.in_use > 0  # queued, not given back from whatever thread dropped it
+    assert arena.alloc(ALIGN) is not None and arena.in_use == ALIGN  # at the next allocation
 
 
-def test_on_a_gpu_the_block_waits_for_the_copy_and_the_reads_and_needs_no_record_stream():
+def test_on_a_gpu_closing_records_a_copy_and_a_compute_event_and_needs_no_record_stream():
     """With streams (a stand-in CUDA), closing records an event on the copy stream and one
-    on the consumer's; the block is reusable once both passed. The staged views are not
-    ``record_stream``-ed: the arena's buffer is never freed."""
+    on the consumer's, which the block's release waits for (their waiting is
+    :func:`test_a_block_comes_back_only_once_the_gpu_passed_its_events`). The staged
+    views are not ``record_stream``-ed: the arena's buffer is never freed."""
     entry, _ = _store()
     fake = StandInStreams()
     kept = []
@@ -200,6 +245,33 @@ def test_on_a_gpu_the_block_waits_for_the_copy_and_the_reads_and_needs_no_record
     assert len(released) == 1
 
 
+def test_a_layer_slot_is_reused_only_after_the_gpu_passed_the_layer_before_it():
+    """Depth 1 on a stand-in CUDA: two layer slots. Layer ``i + 1``'s copy goes into
+    layer ``i - 1``'s slot, and is issued (on the copy thread) only after a host wait on
+    the event recorded when layer ``i`` was handed over: the GPU is past layer ``i - 1``'s
+    reads by then."""
+    entry, full = _store()
+    fake = StandInStreams()
+    stream = CopyStream("cpu", module=fake)
+    arena = StagingArena(1 << 20, "cpu", stream.fences)
+    ptrs = []
+    with ThreadPoolExecutor(1) as pool:
+        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=1, copy_stream=stream, arena=arena)
+        for l in LAYERS:
+            span = rl.layer(l)[0]
+            assert torch.equal(span.k, full[l][0][2:])
+            ptrs.append(span.k.data_ptr())
+        rl.close()
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1]
+    handed = [e for kind, e in fake.log if kind == "record" and e.stream == "compute"][: len(LAYERS)]
+    synced = [e for kind, e in fake.log if kind == "sync"]
+    # layer i + 1 waited for the hand-over of layer i (layer 1's wait is for the depth bound)
+    assert synced == handed[:3], (handed, synced)
+    copies = [i for i, (kind, e) in enumerate(fake.log) if kind == "record" and e.stream == "copy"]
+    for s, copy in zip(synced, copies[1:]):
+        assert next(i for i, (kind, e) in enumerate(fake.log) if kind == "sync" and e is s) < copy
+
+
 def test_the_worker_sizes_the_arena_to_the_staging_share():
     """The worker's arena is the HBM ring's capacity (``_staging_budget``), allocated once."""
     from sglang_vc.vericache.worker import VeriCacheWorker
@@ -207,6 +279,7 @@ def test_the_worker_sizes_the_arena_to_the_staging_share():
     worker = object.__new__(VeriCacheWorker)
     worker._arena = None
     worker.device = "cpu"
+    worker.copy_stream = CopyStream("cpu")
     runtime = types.SimpleNamespace(staging_budget=64 * ALIGN, staging_arena=None)
     worker._runtime = runtime
     arena = worker._staging_arena()

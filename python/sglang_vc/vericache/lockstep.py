@@ -68,11 +68,10 @@ class LockstepRound:
         reload = self._start_reload(batch, rows)
 
         # 1. draft X tokens greedily from the compressed KV
-        attn = self.model_runner.attn_backend
-        info = batch.sampling_info
-        bias = None if info is None else info.logit_bias  # drafts honour it too: fewer rejections
-        constrained = self.constrained(batch.reqs)  # penalties or grammars: per-position logits
-        try:
+        try:  # (from here on, the reload is closed however the iteration ends)
+            info = batch.sampling_info
+            bias = None if info is None else info.logit_bias  # drafts honour it too: fewer rejections
+            constrained = self.constrained(batch.reqs)  # penalties or grammars: per-position logits
             drafts = torch.empty(bs, x, dtype=torch.int64)
             cur = t0
             for j in range(x):

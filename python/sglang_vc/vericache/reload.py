@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -331,9 +332,10 @@ class ReloadFailed(RuntimeError):
     """A layer's staged copy failed the first time and every synchronous retry."""
 
 
-def _give_back(arena: Optional[StagingArena], block: Optional[Block], copy_stream: CopyStream) -> None:
+def _orphan(arena: Optional[StagingArena], block: Optional[Block]) -> None:
+    # (a finalizer: any thread may run it, so it only queues the block for the arena)
     if arena is not None and block is not None:
-        arena.release(block, copy_stream.fences())
+        arena.orphan(block)
 
 
 class LayerwiseReload:
@@ -348,18 +350,17 @@ class LayerwiseReload:
         self.device = device
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
         self.layer_ids = layer_ids
-        # the staged layers' home: ``depth + 1`` layer slots of one arena block, layer ``i``
-        # in slot ``i % (depth + 1)`` (its previous layer there was consumed on the GPU
-        # before this one is staged: see _stage_async); None: tensors of its own
+        # the staged layers' home: one arena block (None: tensors of its own), at
+        # self._offset[layer_id] in it
         self.arena, self.block = arena, None
-        self._slot_of = {lid: i % min(depth + 1, len(layer_ids)) for i, lid in enumerate(layer_ids)}
-        self._slot_bytes = 0
+        self._offset: dict[int, int] = {}
         if arena is not None and layer_ids:
-            self._slot_bytes = self._layer_bytes()
-            self.block = arena.alloc(self._slot_bytes * min(depth + 1, len(layer_ids)))
+            size = self._place(depth)
+            self.block = arena.alloc(size)
             stats.add("vericache", **{"staged_in_arena" if self.block is not None else "staged_outside_arena": 1})
-        # gives the block back however this reload ends (close, or dropped unclosed)
-        self._finalizer = weakref.finalize(self, _give_back, arena, self.block, self.copy_stream)
+        # the block back once closed; dropped unclosed, at the arena's next allocation
+        self._finalizer = weakref.finalize(self, _orphan, arena, self.block)
+        self._finalizer.atexit = False
         self.failures = 0
         self.on_failure = on_failure
         self.gave_up = False  # every retry failed: on_failure took the requests over
@@ -381,15 +382,26 @@ class LayerwiseReload:
         """The requests (batch indices) whose KV this reload stages."""
         return set(self.entries)
 
-    def _layer_bytes(self) -> int:
-        """The arena bytes of the largest layer (a token-dropping drafter's layers may
-        drop different numbers of rows)."""
-        return max(sum(e.span(lid).staged_bytes() for e in self.entries.values()) for lid in self.layer_ids)
+    def _place(self, depth: int) -> int:
+        """Each layer's offset in the block, and the block's size. Every layer its own
+        place where the reload holds them all until the verify (``depth`` >= the layers:
+        the block is the bytes the HBM ring counted); else ``depth + 1`` slots as large as
+        the largest layer (a token-dropping drafter's layers may drop different numbers of
+        rows), layer ``i`` in slot ``i % (depth + 1)``: its previous layer there was
+        consumed on the GPU before this one is staged (:meth:`_stage_async`)."""
+        sizes = [sum(e.span(lid).staged_bytes() for e in self.entries.values()) for lid in self.layer_ids]
+        if depth + 1 > len(self.layer_ids):
+            offsets = itertools.accumulate([0, *sizes[:-1]])
+            self._offset = dict(zip(self.layer_ids, offsets))
+            return sum(sizes)
+        slots, slot = depth + 1, max(sizes)
+        self._offset = {lid: (i % slots) * slot for i, lid in enumerate(self.layer_ids)}
+        return slots * slot
 
     def _copy_layer(self, layer_id: int) -> dict[int, Span]:
         if self.block is None:
             return {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()}
-        out, offset = {}, self._slot_of[layer_id] * self._slot_bytes
+        out, offset = {}, self._offset[layer_id]
         for i, e in self.entries.items():
             out[i], offset = e.span(layer_id).into(self.arena, self.block, offset)
         return out
@@ -474,7 +486,9 @@ class LayerwiseReload:
             except Exception:
                 pass
         self._futures.clear()
-        self._finalizer()  # the arena block back, once the GPU is past its copies and reads
+        if self._finalizer.detach() is not None and self.block is not None:
+            # the arena block back, once the GPU is past its copies and reads
+            self.arena.release(self.block, self.copy_stream.fences())
 
     def nbytes(self) -> int:
         """Bytes staged so far (each layer once, retries included)."""

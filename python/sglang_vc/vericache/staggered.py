@@ -161,6 +161,8 @@ class StaggeredSchedule:
             track = self.tracks.get(rid)
             if track is not None:
                 track.admission = None
+                if track.reload is not None:  # consumed by its verify (or not: then dropped now)
+                    track.reload.close()
                 track.reload = None
                 track.reload_started_at = None
 

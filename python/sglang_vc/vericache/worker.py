@@ -307,7 +307,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         """The staging share as one buffer, allocated at the first reload (the share is
         known once the runtime is)."""
         if self._arena is None:
-            self._arena = self.runtime.staging_arena = StagingArena(self._staging_budget(), self.device)
+            self._arena = self.runtime.staging_arena = StagingArena(self._staging_budget(), self.device,
+                                                                    self.copy_stream.fences)
             logger.info("VERICACHE: reloads staged ahead of their verify go into one %.2f GB buffer",
                         self._arena.capacity / 1e9)
         return self._arena
