@@ -111,6 +111,8 @@ def test_in_pool_config_flags_and_the_fits_regime():
     assert cfg["flags"] == ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget",
                             "256", "--vc-draft-view", "reselect", "--speculative-num-draft-tokens", "6"]
     assert tp.parse_config("vericache")["flags"] == ["--speculative-algorithm", "VERICACHE"]
+    assert tp.parse_config("vericache:always")["flags"] == ["--speculative-algorithm", "VERICACHE",
+                                                            "--vc-compress-when", "always"]
     for bad in ("inpool:window", "inpool:sparse@512", "inpool:window@x", "inpool:window@512:y"):
         with pytest.raises(ValueError, match="inpool"):
             tp.parse_config(bad)
