@@ -15,7 +15,8 @@ back when the GPU, not only the host, is past the layers handed over (an event t
 thread waits on). It lives outside SGLang's KV pool, in the share of SGLang's KV budget
 set aside for it: a block of :class:`~.staging_arena.StagingArena` holding ``depth + 1``
 layers, each layer staged into the same views of it as the layer ``depth + 1`` before
-(already consumed on the GPU by then). The verify forward writes each staged layer into
+(already consumed on the GPU by then), or every layer at its own offset where the reload
+holds them all until its verify (the staggered schedule's). The verify forward writes each staged layer into
 pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
 the scheduler thread (counted as a reload failure). A copy that fails every retry hands
 its requests to ``on_failure`` (the worker writes their full KV into device slots, and
@@ -354,9 +355,9 @@ class LayerwiseReload:
         # self._offset[layer_id] in it
         self.arena, self.block = arena, None
         self._offset: dict[int, int] = {}
-        if arena is not None and layer_ids:
-            size = self._place(depth)
-            self.block = arena.alloc(size)
+        if arena is not None and layer_ids and all(lid in e.k for e in entries.values() for lid in layer_ids):
+            # (a layer missing on the host fails in the copy thread, as without an arena)
+            self.block = arena.alloc(self._place(depth))
             stats.add("vericache", **{"staged_in_arena" if self.block is not None else "staged_outside_arena": 1})
         # the block back once closed; dropped unclosed, at the arena's next allocation
         self._finalizer = weakref.finalize(self, _orphan, arena, self.block)
