@@ -285,3 +285,13 @@ def test_the_worker_sizes_the_arena_to_the_staging_share():
     arena = worker._staging_arena()
     assert arena.capacity == 64 * ALIGN and runtime.staging_arena is arena
     assert worker._staging_arena() is arena
+
+
+def test_the_gpu_checks_reload_staging_runs_the_servers_reload_on_the_cpu():
+    """``bench.gpu_check``'s staging check (what a lent GPU runs first) on small CPU shapes:
+    the staged rows equal the host copy, through the arena and without it."""
+    from sglang_vc.bench.gpu_check import reload_staging
+
+    out = reload_staging(device="cpu", n=64, layers=3, hkv=2, d=8, dtype=torch.float32, repeats=1)
+    assert out["ok"] and out["arena_gb_per_s"] > 0 and out["tensors_gb_per_s"] > 0, out
+    assert out["arena_peak_bytes"] == out["bytes"]  # 64 x 2 x 8 x 4 bytes per tensor: aligned already

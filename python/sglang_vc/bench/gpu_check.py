@@ -6,7 +6,10 @@ SGLang, no network):
    reads pinned host memory from the GPU, against the same call on the CPU's torch path:
    the same attention output (float32, both devices);
 2. ``bench.kernels``: every Triton kernel against its torch path, time and error;
-3. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
+3. the server's staged reload (``LayerwiseReload``) of one 8k-token 8B request from pinned
+   host memory into the staging arena and into tensors of its own: rows equal, GB/s each
+   (``reload_staging.json``);
+4. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
    layer at 32k tokens, each drafter through the server's own functions where it has one,
    with kernel launches and host-blocking CUDA calls counted by ``torch.profiler``.
 
@@ -47,6 +50,53 @@ def drafter_matches_cpu(n: int = 4096, batch: int = 4, hq: int = 32, hkv: int = 
             "uva_launches": ext.launches.get("gather_head_rows", 0)}
 
 
+def reload_staging(device: str = "cuda", n: int = 8192, layers: int = 32, hkv: int = 8, d: int = 128,
+                   dtype=torch.bfloat16, repeats: int = 3) -> dict:
+    """The server's staged reload (``LayerwiseReload`` on the copy stream, every layer held
+    until the verify: the staggered schedule's) of one request's full KV (8B shapes, ``n``
+    tokens) from pinned host memory, into the preallocated staging arena and into tensors
+    of its own: the staged rows equal the host copy, and the link rate of each."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_vc.kvruntime import CopyStream
+    from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
+    from sglang_vc.vericache.staging_arena import StagingArena
+
+    stream = CopyStream(device)
+    store = HostKVStore(copy_stream=stream)
+    store.admit("r", 0, 0, n, 0)
+    g = torch.Generator(device=device).manual_seed(0)
+    for lid in range(layers):
+        store.sink("r", 0, lid, 0, torch.randn(n, hkv, d, generator=g, device=device).to(dtype),
+                   torch.randn(n, hkv, d, generator=g, device=device).to(dtype))
+    store.flush()
+    entry = store.get("r", 0)
+    entry.wait()
+    arena = StagingArena(entry.staged_bytes(), device, stream.fences)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = {"check": "reload_staging", "tokens": n, "layers": layers, "bytes": entry.nbytes(), "ok": True}
+    with ThreadPoolExecutor(1) as pool:
+        for name, use in (("arena", arena), ("tensors", None)):
+            best = float("inf")
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                rl = LayerwiseReload(pool, {0: entry}, list(range(layers)), device, depth=layers, copy_stream=stream,
+                                     arena=use)
+                spans = [rl.layer(lid)[0] for lid in range(layers)]
+                sync()
+                best = min(best, time.perf_counter() - t0)
+                out["ok"] &= all(torch.equal(s.k.cpu(), entry.k[lid]) and torch.equal(s.v.cpu(), entry.v[lid])
+                                 for lid, s in enumerate(spans))
+                out["ok"] &= (rl.block is not None) == (use is not None)
+                del spans
+                rl.close()
+            out[f"{name}_gb_per_s"] = entry.nbytes() / best / 1e9
+    out["arena_peak_bytes"] = arena.peak
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_vc.bench.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmark/results")
@@ -62,6 +112,10 @@ def main(argv=None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(check, indent=2))
     print(f"[gpu_check] {check}", file=sys.stderr, flush=True)
     failed = not check["ok"]
+    staging = reload_staging()
+    (out / "reload_staging.json").write_text(json.dumps(staging, indent=2))
+    print(f"[gpu_check] {staging}", file=sys.stderr, flush=True)
+    failed |= not staging["ok"]
     for name, fn, extra in (("kernels.json", kernels.main, []), ("gpu_step.json", gpu_step.main, []),
                             ("gpu_step_b32.json", gpu_step.main, ["--batch", "32", "--budget", "512"])):
         try:
