@@ -112,7 +112,7 @@ class StagingArena:
 
     def view(self, block: Block, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` at ``offset`` bytes into ``block``."""
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = _numel(shape) * dtype.itemsize
         if offset % ALIGN or offset + nbytes > block.size:
             raise ValueError(f"a view of {nbytes} bytes at {offset} does not fit a block of {block.size}")
         start = block.start + offset
