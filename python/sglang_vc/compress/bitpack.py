@@ -51,13 +51,23 @@ def _code_table(bits: int, device: torch.device) -> Tensor:
     return (fields & ((1 << bits) - 1)).float()
 
 
+# a byte's 8 // bits codes side by side as uint8, read as one integer of as many bytes
+_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16, 8: torch.uint8}
+
+
+@functools.lru_cache(maxsize=None)
+def _code_words(bits: int, device: torch.device) -> Tensor:
+    """``[256]``: each byte value's codes as uint8 bytes of one integer, lowest field first."""
+    return _code_table(bits, device).to(torch.uint8).contiguous().view(_WORD[bits]).view(-1)
+
+
 def unpack_float(packed: Tensor, bits: int, n: int) -> Tensor:
-    """:func:`unpack_bits` as float32 codes, by one table lookup per byte: on the CPU
-    half the time of shifting, masking and converting (0.32 against 0.70 ms for a
-    4,096-token, 3-head, 64-channel layer on 2 cores), which is most of a payload's
-    dequantization."""
+    """:func:`unpack_bits` as float32 codes, by one table lookup per byte (an integer whose
+    bytes are its codes) and one conversion: on the CPU, for a 4,096-token, 3-head,
+    64-channel layer on 2 cores, 0.17-0.20 ms against 0.39-0.41 for a table of float codes
+    and 0.70 for shifting, masking and converting; most of a payload's dequantization."""
     if bits not in PACKABLE_BITS:
         raise ValueError(f"can only unpack {PACKABLE_BITS}-bit codes, got {bits}")
-    table = _code_table(bits, packed.device)
-    codes = table.index_select(0, packed.reshape(-1).to(torch.int32))
+    words = _code_words(bits, packed.device)
+    codes = words.index_select(0, packed.reshape(-1).to(torch.int32)).view(torch.uint8).float()
     return codes.view(*packed.shape[:-1], packed.shape[-1] * (8 // bits))[..., :n]
