@@ -277,7 +277,6 @@ def test_the_worker_sizes_the_arena_to_the_staging_share():
     from sglang_vc.vericache.worker import VeriCacheWorker
 
     worker = object.__new__(VeriCacheWorker)
-    worker._arena = None
     worker.device = "cpu"
     worker.copy_stream = CopyStream("cpu")
     runtime = types.SimpleNamespace(staging_budget=64 * ALIGN, staging_arena=None)

@@ -96,8 +96,7 @@ class Span:
         return Span(self.p, self.n, *out), offset
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.kept, self.dropped)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
 
     def full(self, k_buf: torch.Tensor, v_buf: torch.Tensor, span_slots: torch.Tensor):
         """The full rows ``[n - p, H, D]`` of the span: as staged, or assembled from the

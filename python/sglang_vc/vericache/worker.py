@@ -120,7 +120,6 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         self._staggered: Optional[StaggeredSchedule] = None
         self._stalled_verifies = 0  # verifies that waited for pool room, nothing committed since
         self._bandwidth: Optional[float] = None
-        self._arena: Optional[StagingArena] = None  # the reloads' staging share (_staging_arena)
         if schedule is flags.Schedule.STAGGERED:
             # the link is measured once, here rather than in the first decode iteration (the
             # schedule itself is built then: its HBM budget needs the runtime's payload store)
@@ -306,12 +305,12 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
     def _staging_arena(self) -> StagingArena:
         """The staging share as one buffer, allocated at the first reload (the share is
         known once the runtime is)."""
-        if self._arena is None:
-            self._arena = self.runtime.staging_arena = StagingArena(self._staging_budget(), self.device,
-                                                                    self.copy_stream.fences)
+        runtime = self.runtime
+        if runtime.staging_arena is None:
+            runtime.staging_arena = StagingArena(self._staging_budget(), self.device, self.copy_stream.fences)
             logger.info("VERICACHE: reloads staged ahead of their verify go into one %.2f GB buffer",
-                        self._arena.capacity / 1e9)
-        return self._arena
+                        runtime.staging_arena.capacity / 1e9)
+        return runtime.staging_arena
 
     def _reload_bytes(self, rid: str, row: int) -> Optional[int]:
         """Bytes a verify of this request reloads: 0 for an in-pool drafter (it verifies in
