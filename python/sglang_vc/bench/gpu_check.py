@@ -9,12 +9,18 @@ SGLang, no network):
 3. the server's staged reload (``LayerwiseReload``) of one 8k-token 8B request from pinned
    host memory into the staging arena and into tensors of its own: rows equal, GB/s each
    (``reload_staging.json``);
-4. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
+4. ``bench.draft_graph``: the server's SpeCache drafting layer (``attend_batch``, batch 8,
+   8B shapes, 20-32k-token payloads) captured in a CUDA graph, replayed for its own batch
+   and, its tables loaded (``SpeCacheBatch.load``), for another batch of the same launch
+   shape: each replay against that batch's eager call, and eager against replayed time
+   (``draft_graph.json``);
+5. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
    layer at 32k tokens, each drafter through the server's own functions where it has one,
    with kernel launches and host-blocking CUDA calls counted by ``torch.profiler``.
 
-Writes ``DIR/gpu_check.json`` (1), ``kernels.json``, ``gpu_step.json``, ``gpu_step_b32.json``
-and their plots; exits non-zero when a check fails.
+Writes ``DIR/gpu_check.json`` (1), ``kernels.json``, ``reload_staging.json``,
+``draft_graph.json``, ``gpu_step.json``, ``gpu_step_b32.json`` and their plots; exits
+non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -116,6 +122,15 @@ def main(argv=None) -> int:
     (out / "reload_staging.json").write_text(json.dumps(staging, indent=2))
     print(f"[gpu_check] {staging}", file=sys.stderr, flush=True)
     failed |= not staging["ok"]
+    from sglang_vc.bench import draft_graph
+
+    try:
+        graph = draft_graph.main_check()
+    except Exception as exc:  # noqa: BLE001 (a capture that fails is this check's finding; the others still run)
+        graph = {"check": "draft_graph", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    (out / "draft_graph.json").write_text(json.dumps(graph, indent=2))
+    print(f"[gpu_check] {graph}", file=sys.stderr, flush=True)
+    failed |= not graph["ok"]
     for name, fn, extra in (("kernels.json", kernels.main, []), ("gpu_step.json", gpu_step.main, []),
                             ("gpu_step_b32.json", gpu_step.main, ["--batch", "32", "--budget", "512"])):
         try:

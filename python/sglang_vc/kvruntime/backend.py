@@ -225,8 +225,11 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         spans = None  # the lengths as the host knows them (SGLang keeps them): no sync
         if forward_batch.seq_lens_cpu is not None:
             spans = [n - f for n, f in zip(forward_batch.seq_lens_cpu.tolist(), firsts)]
+        # lists of a bucketed size: the launches depend on the bucket, not the lengths
+        capacity = None if spans is None else ext.bucket(sum(spans), payload_table.ROWS_BUCKET)
         kv = ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                  to_device(torch.tensor(firsts), seq_lens.device), seq_lens, NULL_SLOT, spans=spans)
+                                  to_device(torch.tensor(firsts), seq_lens.device), seq_lens, NULL_SLOT, spans=spans,
+                                  capacity=capacity)
         entries = batch.entries
         if own:  # decoded their own way (:meth:`_own_decode_layer`), payloads included
             entries = [None if i in own else e for i, e in enumerate(entries)]

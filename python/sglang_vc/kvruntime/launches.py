@@ -8,6 +8,13 @@ per-head Python loop over tensors shows as a count that grows with the batch or 
 It is a lower bound of a GPU's launches (a fused CUDA op may launch several kernels).
 Under a stand-in CUDA platform the Triton kernels run in Triton's interpreter, whose own
 torch operators are not counted: each kernel is one launch.
+
+:class:`LaunchShapes` records what a CUDA graph fixes at capture: each operator with its
+arguments' shapes, strides and scalars; each Triton kernel with its grid, constants,
+scalars and its tensors' dtypes and strides (a kernel gets addresses: its sizes come as
+scalars, and a tensor it reads only for its type, such as a payload table's ``like``,
+may differ in size). Two calls with equal records launch the same work over buffers of
+the same shapes, so one captured graph can serve both.
 """
 
 from __future__ import annotations
@@ -53,3 +60,51 @@ class LaunchCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+
+def _signature(x, shapes: bool = True):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape) if shapes else None, tuple(x.stride()), str(x.dtype))
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(y, shapes) for y in x)
+    if isinstance(x, dict):
+        return tuple((k, _signature(v, shapes)) for k, v in sorted(x.items()))
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return type(x).__name__  # a dtype, a device, a layout: the same on every call here
+
+
+class LaunchShapes(TorchDispatchMode):
+    """``with LaunchShapes() as s: ...`` then ``s.record``: every computing operator
+    (name, argument signatures) and every ``sgl_kernel_ext`` kernel (name, grid,
+    argument signatures, constants), in order of each kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+        self.kernels: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from sgl_kernel_ext import dispatch
+
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in _FREE and not dispatch.interpreting:
+            self.ops.append((name, _signature(args), _signature(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> "LaunchShapes":
+        from sgl_kernel_ext import dispatch
+
+        self._recording = dispatch.recording()
+        self._launches = self._recording.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._recording.__exit__(*exc)
+        self.kernels = [(k.name, k.grid, _signature(k.args, shapes=False), _signature(k.kwargs))
+                        for k in self._launches]
+
+    @property
+    def record(self) -> tuple:
+        return tuple(self.ops), tuple(self.kernels)

@@ -7,6 +7,11 @@ replaced, never changed in place, when its tail is quantized -- and a forward's 
 reaches the device in one non-blocking copy for all its layers. Built once per forward,
 read by every layer: no host synchronisation inside a layer. Requests whose payloads
 differ in layout (bits, groups) go in separate tables (:func:`group_by_layout`).
+
+The launches are sized by ``max_tokens``, the longest member's rows rounded up to a
+power of two (:func:`sgl_kernel_ext.bucket`): batches whose lengths fall in one bucket
+launch the same grids over the same shapes (one CUDA graph per bucket); the kernels read
+each member's true rows from ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from sgl_kernel_ext.payload_batch import addresses, layout, to_device
 
 from .index import CompressedKVIndex
 
+ROWS_BUCKET = 256  # the smallest bucket of payload rows
+
 
 @dataclasses.dataclass
 class PayloadTable:
@@ -27,7 +34,7 @@ class PayloadTable:
 
     ptrs: torch.Tensor  # [L, B, 6] int64 on the device
     num_tokens: torch.Tensor  # [B] int32 on the device
-    max_tokens: int
+    max_tokens: int  # the launches' rows: the longest member's, bucketed
     like: dict  # layer_id -> the first request's Payload of that layer (layout, dtypes)
     index: dict  # layer_id -> its index in ptrs
 
@@ -65,5 +72,5 @@ def build(runtime, entries: Sequence[CompressedKVIndex], device) -> PayloadTable
     rows = torch.stack([_address_rows(runtime, e, layer_ids) for e in entries], dim=1)  # [L, B, 6]
     n = [e.num_payload_rows for e in entries]
     like = {lid: runtime.packed_payload(entries[0], lid) for lid in layer_ids}
-    return PayloadTable(to_device(rows, device), to_device(torch.tensor(n, dtype=torch.int32), device), max(n),
-                        like, {lid: i for i, lid in enumerate(layer_ids)})
+    return PayloadTable(to_device(rows, device), to_device(torch.tensor(n, dtype=torch.int32), device),
+                        ext.bucket(max(n), ROWS_BUCKET), like, {lid: i for i, lid in enumerate(layer_ids)})

@@ -20,7 +20,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import NULL_SLOT, kernels
+from sglang_vc.kvruntime import NULL_SLOT, kernels, payload_table
 from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend, payload_groups
 
 from . import draft_view
@@ -119,8 +119,9 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             if rest:
                 up = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), dev)  # noqa: E731
                 firsts, ends = [entries[i].row_start for i in rest], [starts[i] + lens[i] for i in rest]
+                spans = [e - f for e, f in zip(ends, firsts)]
                 kv = ext.build_kv_indices(req_to_token, up([rows[i] for i in rest]), up(firsts), up(ends), NULL_SLOT,
-                                          spans=[e - f for e, f in zip(ends, firsts)])
+                                          spans=spans, capacity=ext.bucket(sum(spans), payload_table.ROWS_BUCKET))
                 draft_index = DraftIndex(DecodeIndex(kv, torch.arange(len(rest), device=dev),
                                                      up([starts[i] for i in rest]),
                                                      payload_groups(self.runtime, [entries[i] for i in rest], dev)),

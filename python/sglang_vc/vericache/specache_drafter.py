@@ -35,12 +35,21 @@ from sglang_vc.specache.requests import request_topk
 from .reload import HostKVStore
 
 STATS = "vericache"
+# the smallest buckets of the launch shapes (``sgl_kernel_ext.bucket``): all tails' rows
+# together and the top-k width; the payload rows' is ``payload_table.ROWS_BUCKET``
+TAIL_BUCKET = 64
+TOPK_BUCKET = 8
 
 
 @dataclasses.dataclass
 class SpeCacheBatch:
     """What every layer of one forward reads to draft a group of SpeCache requests (one
-    payload layout) together on the Triton path: built once per forward, on the device."""
+    payload layout) together on the Triton path: built once per forward, on the device.
+
+    Its launches are sized by :attr:`shape` only -- the batch size and bucketed sizes
+    (payload rows, tail rows, top-k), never the lengths themselves -- so a CUDA graph
+    captured over one batch replays any other of the same shape once :meth:`load` has
+    copied that batch's tables into this one's."""
 
     members: list[int]  # the requests' indices in the caller's list
     payloads: payload_table.PayloadTable
@@ -52,7 +61,7 @@ class SpeCacheBatch:
     topk: torch.Tensor  # [B] int32 rows fetched per KV head (0: no host copy, no fetch)
     host: Optional[torch.Tensor]  # [L, B, 2] int64 addresses of each layer's host K and V (0: none)
     host_like: dict  # layer_id -> one request's host K copy (dtype and strides of them all)
-    k_max: int  # the largest top-k (host-known: it sizes the launches)
+    k_max: int  # the launches' top-k width: the largest top-k, bucketed (0: no request fetches)
     rows_fetched: int  # rows fetched per layer, all requests and KV heads (for the stats)
     host_entries: list  # HostEntry or None per request (the torch path reads their tensors)
 
@@ -60,6 +69,27 @@ class SpeCacheBatch:
     def misses(self) -> int:
         """Requests without a host copy: they draft from the plain low-bit copy."""
         return sum(h is None for h in self.host_entries)
+
+    def _tables(self) -> list[torch.Tensor]:
+        t = [self.payloads.ptrs, self.payloads.num_tokens, *self.tail, self.q_req, self.q_pos, self.rows,
+             self.shared, self.topk]
+        return t if self.host is None else [*t, self.host]
+
+    @property
+    def shape(self) -> tuple:
+        """What sizes this batch's launches: equal shapes, equal grids and buffers."""
+        return (self.payloads.max_tokens, self.k_max, tuple(self.payloads.index.items()),
+                *(tuple(t.shape) for t in self._tables()))
+
+    def load(self, other: "SpeCacheBatch") -> None:
+        """Copy ``other``'s device tables into this batch's, on the current stream (no host
+        wait): the launches recorded over this batch (a CUDA graph) then draft ``other``'s
+        requests. The two must have one :attr:`shape`."""
+        if other.shape != self.shape:
+            raise ValueError(f"SpeCacheBatch.load: shape {other.shape} is not this batch's {self.shape}")
+        for dst, src in zip(self._tables(), other._tables()):
+            dst.copy_(src, non_blocking=True)
+        self.members, self.rows_fetched, self.host_entries = other.members, other.rows_fetched, other.host_entries
 
 
 class SpeCacheDrafter:
@@ -137,9 +167,10 @@ class SpeCacheDrafter:
             req_to_token = self.runtime.req_to_token
             up = lambda x, dtype=torch.int64: to_device(torch.tensor(x, dtype=dtype), device)  # noqa: E731
             firsts = [e.num_payload_rows for e in es]
-            tail = ext.build_kv_indices(req_to_token, up(rows), up(firsts), up(lens), NULL_SLOT,
-                                        spans=[n - f for n, f in zip(lens, firsts)])
-            k_max = max(topk)
+            spans = [n - f for n, f in zip(lens, firsts)]
+            tail = ext.build_kv_indices(req_to_token, up(rows), up(firsts), up(lens), NULL_SLOT, spans=spans,
+                                        capacity=ext.bucket(sum(spans), TAIL_BUCKET))
+            k_max = ext.bucket(max(topk), TOPK_BUCKET)
             host_t, host_like = None, {}
             if k_max > 0:
                 layer_ids = sorted(es[0].payload.layers)  # the payload table's layers, in its order

@@ -14,11 +14,13 @@ on CUDA tensors and the torch reference elsewhere (:mod:`.dispatch`).
 * :func:`copy_rows`, :func:`scatter_head_rows` -- SpecCache's gather/scatter and
   VeriCache's reload scatter; :func:`gather_head_rows` -- SpeCache's top-k rows read
   from pinned host memory by the GPU;
-* :func:`position_mask` -- the selective prefill's mask.
+* :func:`position_mask` -- the selective prefill's mask;
+* :func:`bucket` -- launch shapes rounded to powers of two, so that one CUDA graph
+  serves every batch of a bucket.
 """
 
 from .copy_rows import copy_rows, gather_head_rows, scatter_head_rows
-from .dispatch import Backend, backend_for, launches
+from .dispatch import Backend, backend_for, bucket, launches
 from .kivi_attention import Payload, kivi_attention
 from .kv_indices import KVIndices, build_kv_indices
 from .merge_state import merge_state
@@ -29,8 +31,8 @@ from .specache_rows import Fetched, fetch_rows, rows_attention
 from .specache_topk import payload_scores, select_topk
 
 __all__ = [
-    "Backend", "Fetched", "KVIndices", "Payload", "PayloadBatch", "backend_for", "build_kv_indices", "copy_rows",
-    "fetch_rows", "gather_head_rows", "kivi_attention", "kivi_attention_batch", "launches", "merge_state",
-    "paged_attention", "payload_batch", "payload_scores", "payload_scores_batch", "position_mask",
+    "Backend", "Fetched", "KVIndices", "Payload", "PayloadBatch", "backend_for", "bucket", "build_kv_indices",
+    "copy_rows", "fetch_rows", "gather_head_rows", "kivi_attention", "kivi_attention_batch", "launches",
+    "merge_state", "paged_attention", "payload_batch", "payload_scores", "payload_scores_batch", "position_mask",
     "rows_attention", "scatter_head_rows", "select_topk",
 ]

@@ -32,6 +32,7 @@ class Launch(NamedTuple):
     kernel: object  # the @triton.jit function
     args: tuple
     kwargs: dict
+    grid: tuple = ()
 
 
 _recorders: list[list[Launch]] = []
@@ -131,7 +132,7 @@ def launch(name: str, kernel, grid, *args, **kwargs) -> None:
     """Launch a ``@triton.jit`` kernel; on CPU tensors through Triton's interpreter."""
     launches[name] += 1
     for out in _recorders:
-        out.append(Launch(name, kernel, args, dict(kwargs)))
+        out.append(Launch(name, kernel, args, dict(kwargs), tuple(grid)))
     device_tensor = next(a for a in args if isinstance(a, torch.Tensor))
     if launches[name] == 1:
         logger.info("sgl-kernel-ext: Triton kernel %s on %s", name,
@@ -182,3 +183,11 @@ def on_device(t: torch.Tensor, device) -> torch.Tensor:
 def block(n: int, least: int = 16) -> int:
     """The power-of-two block that covers ``n`` (``tl.arange`` needs powers of two)."""
     return max(least, 1 << max(0, int(n) - 1).bit_length())
+
+
+def bucket(n: int, least: int) -> int:
+    """The launch-shape bucket of a host-known size ``n``: the power of two that covers it
+    (at least ``least``; 0 stays 0). Sizes that fall in one bucket give the same grids and
+    buffer shapes, so one CUDA graph serves them all; the kernels read the true sizes
+    from the device."""
+    return 0 if n <= 0 else block(n, least)

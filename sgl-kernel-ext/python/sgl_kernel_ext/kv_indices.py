@@ -77,27 +77,40 @@ def _write_kernel(req_to_token, stride_row, rows, starts, ends, indptr, out_slot
 
 
 def build_kv_indices(req_to_token: Tensor, rows: Tensor, starts: Tensor, ends: Tensor, null_slot: int = 0,
-                     spans: Optional[Sequence[int]] = None) -> KVIndices:
+                     spans: Optional[Sequence[int]] = None, capacity: Optional[int] = None) -> KVIndices:
     """Live slots of ``req_to_token[rows[b], starts[b]:ends[b]]`` for each request ``b``.
 
     ``spans``: each request's ``ends - starts`` as the host knows them. With them no host
     synchronisation is made: the index lists get room for every row of the spans, and
     the entries past ``indptr[-1]`` (rows that were not live) are left unused. Without
-    them, two reads of device values size the launch and the lists."""
+    them, two reads of device values size the launch and the lists.
+
+    ``capacity``: the lists' room, at least ``sum(spans)`` (e.g. :func:`.dispatch.bucket`
+    of it): then the lists' shapes and the launches depend on the batch size and the
+    capacity only, not on the lengths (one CUDA graph per bucket); a kernel that splits
+    the lists by their size (:func:`.paged_attention.paged_attention`) splits them alike."""
     if backend_for(req_to_token) is Backend.TORCH:
         return reference(req_to_token, rows, starts, ends, null_slot)
     device = req_to_token.device
     bsz = rows.numel()
     rows, starts, ends = (on_device(t, device).to(torch.int64).contiguous() for t in (rows, starts, ends))
     counts = torch.empty(bsz, dtype=torch.int64, device=device)
-    longest = max(spans, default=1) if spans is not None else int((ends - starts).max()) if bsz else 1
+    if capacity is not None:
+        if spans is None or sum(spans) > capacity:
+            raise ValueError(f"build_kv_indices: a capacity ({capacity}) needs the spans, at most it in all")
+        longest = capacity  # the block too is fixed by the capacity, not the lengths
+    else:
+        longest = max(spans, default=1) if spans is not None else int((ends - starts).max()) if bsz else 1
     blk = block(longest, least=16)
     blk = min(blk, 1024)
     launch("build_kv_indices", _count_kernel, (bsz,), req_to_token, req_to_token.stride(0), rows, starts, ends,
            counts, null_slot, BLOCK=blk)
     indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=device)
     indptr[1:] = counts.cumsum(0)
-    total = sum(spans) if spans is not None else int(indptr[-1])  # without spans: a sync, the output's size
+    if capacity is not None:
+        total = capacity
+    else:
+        total = sum(spans) if spans is not None else int(indptr[-1])  # without spans: a sync, the output's size
     slots = torch.empty(total, dtype=torch.int64, device=device)
     positions = torch.empty(total, dtype=torch.int64, device=device)
     launch("build_kv_indices", _write_kernel, (bsz,), req_to_token, req_to_token.stride(0), rows, starts, ends,

@@ -1,0 +1,167 @@
+"""The server's SpeCache drafting layer (``SpeCacheDrafter.attend_batch``) captured in a
+CUDA graph and replayed for another batch of the same launch shape (issue #46, item 3:
+the layer-level part of capturing draft-only iterations).
+
+A drafting batch's launches are sized by its batch size and bucketed sizes only
+(``SpeCacheBatch.shape``): payload rows, tail rows and top-k rounded up to powers of two,
+the true lengths read by the kernels from the device. So a graph captured over one batch
+serves every batch of its shape once ``SpeCacheBatch.load`` has copied that batch's tables
+into the captured one's.
+
+:func:`build` makes batches of requests of chosen lengths through the server's own code
+(``HostKVStore``, ``SpeCacheDrafter.batch``, a KIVI payload per request); :func:`replay`
+captures the layer over one batch, loads another and compares the replay with that
+batch's eager call, and times both. It needs CUDA for the graph; on a machine without
+one, :func:`eager_load_matches` checks the load alone (the test suite runs it under a
+stand-in CUDA platform). Run by ``bench.gpu_check``; no SGLang needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class Requests:
+    """The lengths of one drafting batch: per request, payload rows (before KIVI's group
+    rounding), tail rows in the pool (the draft token's included) and top-k."""
+
+    payload: Sequence[int]
+    tail: Sequence[int]
+    topk: Sequence[int]
+
+
+@dataclasses.dataclass
+class Fixture:
+    drafter: object  # SpeCacheDrafter
+    layer: object
+    batches: list  # one SpeCacheBatch per Requests
+    queries: list  # one [B, Hq, D] per Requests
+    keep: list  # what the batches point at (payloads, host copies)
+
+
+def build(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16,
+          dtype=torch.float32, seed: int = 0) -> Fixture:
+    """Every set of ``sets`` as one SpeCache drafting batch over one pool, through the
+    server's drafter: each request its own 2-bit KIVI payload, its full rows in the
+    ``HostKVStore`` (pinned on CUDA), its tail in the pool."""
+    import sgl_kernel_ext as ext
+
+    from sglang_vc.compress.kivi import KIVI
+    from sglang_vc.vericache.reload import HostKVStore
+    from sglang_vc.vericache.specache_drafter import SpeCacheDrafter
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
+    reqs = [(s, i) for s in sets for i in range(len(s.payload))]
+    width = max(n + t for s in sets for n, t in zip(s.payload, s.tail)) + 1
+    slots = sum(sum(s.tail) for s in sets) + 1  # slot 0: the null slot
+    k_buf, v_buf = rand(slots, hkv, d), rand(slots, hkv, d)
+    req_to_token = torch.zeros(len(reqs), width, dtype=torch.int32, device=device)
+    host = HostKVStore(pin=device == "cuda")
+    kivi = KIVI(residual_length=0)
+    entries, lens, keep, free = [], [], [], 1
+    for row, (s, i) in enumerate(reqs):
+        kr, vr = rand(s.payload[i], hkv, d), rand(s.payload[i], hkv, d)
+        c = kivi.compress(0, kr, vr, 2)
+        packed = ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
+                             c.v_payload, c.v_scales, c.v_zeros, d, d)
+        rid = f"r{row}"
+        host.sink(rid, row, 0, 0, kr[: c.num_quantized], vr[: c.num_quantized])
+        n, t = c.num_quantized, s.tail[i]
+        req_to_token[row, n : n + t] = torch.arange(free, free + t, dtype=torch.int32)
+        free += t
+        entries.append(types.SimpleNamespace(rid=rid, req_pool_idx=row, num_payload_rows=n, packed=packed,
+                                             payload=types.SimpleNamespace(layers={0: c}, addresses=None)))
+        lens.append(n + t)
+        keep.append(packed)
+    host.flush()
+    pool = types.SimpleNamespace(get_key_buffer=lambda layer_id: k_buf, get_value_buffer=lambda layer_id: v_buf,
+                                 start_layer=0, layer_num=1, head_num=hkv)
+    runtime = types.SimpleNamespace(kv_pool=pool, req_to_token=req_to_token,
+                                    packed_payload=lambda entry, layer_id: entry.packed)
+    drafter = SpeCacheDrafter(host, runtime, topk=8)
+    for e, (s, i) in zip(entries, reqs):
+        drafter.topk_of[e.rid] = s.topk[i]
+    batches, queries, at = [], [], 0
+    for s in sets:
+        b = len(s.payload)
+        (sb,) = drafter.batch(entries[at : at + b], lens[at : at + b], device)
+        batches.append(sb)
+        queries.append(rand(b, hq, d))
+        at += b
+    keep += [host, k_buf, v_buf, req_to_token]
+    return Fixture(drafter, types.SimpleNamespace(layer_id=0, scaling=d ** -0.5), batches, queries, keep)
+
+
+def eager_load_matches(fx: Fixture) -> float:
+    """Batch 0 with batch 1's tables loaded drafts batch 1's requests: the largest
+    difference from batch 1's own call (0 expected)."""
+    want = fx.drafter.attend_batch(fx.queries[1], fx.batches[1], fx.layer)
+    fx.batches[0].load(fx.batches[1])
+    got = fx.drafter.attend_batch(fx.queries[1], fx.batches[0], fx.layer)
+    return float((got - want).abs().max())
+
+
+def _time_us(fn: Callable, repeats: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats
+
+
+def replay(fx: Fixture, repeats: int = 50) -> dict:
+    """Capture the layer over batch 0, replay it for batch 0 and then (loaded) batch 1,
+    each against its eager call; the eager and replayed layer's time."""
+    drafter, layer, (a, b), (qa, qb) = fx.drafter, fx.layer, fx.batches, fx.queries
+    want_a = drafter.attend_batch(qa, a, layer)
+    want_b = drafter.attend_batch(qb, b, layer)
+    eager_us = _time_us(lambda: drafter.attend_batch(qb, b, layer), repeats)
+    q = qa.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compilations, allocator) off the capture
+        for _ in range(2):
+            drafter.attend_batch(q, a, layer)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = drafter.attend_batch(q, a, layer)
+    graph.replay()
+    err_a = float((out - want_a).abs().max())
+    a.load(b)
+    q.copy_(qb)
+    graph.replay()
+    err_b = float((out - want_b).abs().max())
+    replay_us = _time_us(graph.replay, repeats)
+    return {"max_abs_err_same_batch": err_a, "max_abs_err_loaded_batch": err_b, "eager_us": eager_us,
+            "replay_us": replay_us, "shape": repr(a.shape), "ok": max(err_a, err_b) <= 1e-5}
+
+
+def gpu_sets(batch: int = 8, tokens: int = 32768) -> list[Requests]:
+    """Two batches in one bucket: payloads of 0.65-1.0x ``tokens`` (a power of two), tails
+    and top-k that differ per request, dealt to the requests in two orders (the second
+    batch's requests are other requests, with other rows)."""
+    def one(shift: int) -> Requests:
+        ks = [(i + shift) % batch for i in range(batch)]
+        return Requests([tokens - (tokens * 2 // 5) * k // batch for k in ks], [1 + (7 * k) % 40 for k in ks],
+                        [64 - 8 * (k % 3) for k in ks])
+
+    return [one(0), one(3)]
+
+
+def main_check(device: str = "cuda", batch: int = 8, tokens: int = 32768) -> dict:
+    """``bench.gpu_check``'s step: 8B shapes (32 query heads, 8 KV heads, 128 dims, fp16)."""
+    fx = build(gpu_sets(batch, tokens), device, hq=32, hkv=8, d=128, dtype=torch.float16)
+    out = {"check": "draft_graph", "batch": batch, "tokens": tokens}
+    out.update(replay(fx))
+    return out
