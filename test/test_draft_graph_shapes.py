@@ -133,3 +133,29 @@ def test_the_gpu_checks_two_batches_share_one_shape(stand_in_cuda):
     assert sets[0].payload != sets[1].payload and max(sets[0].payload) == 1024
     fx = build(sets, "cpu")
     assert fx.batches[0].shape == fx.batches[1].shape
+
+
+def _in_pool_layer(lengths: list[int], budget: int):
+    from sglang_vc.vericache import draft_view
+
+    g = torch.Generator().manual_seed(sum(lengths))
+    n, hq, hkv, d = len(lengths), 4, 2, 16
+    k_buf, v_buf = torch.randn(n * 1024 + 1, hkv, d, generator=g), torch.randn(n * 1024 + 1, hkv, d, generator=g)
+    req_to_token = torch.arange(1024)[None, :] + 1 + (torch.arange(n) * 1024)[:, None]
+    q = torch.randn(n, hq, d, generator=g)
+    lengths_t = torch.tensor(lengths)
+
+    def layer():
+        slots, valid = draft_view.view_slots(req_to_token, torch.arange(n), lengths_t, torch.full((n,), budget),
+                                             budget)
+        return draft_view.attend_view(q, k_buf, v_buf, slots, valid, d ** -0.5)
+
+    return layer
+
+
+def test_in_pool_drafting_launches_depend_on_the_budget_not_the_lengths():
+    """In-pool drafting's view (a token budget: ``--vc-draft-budget 512``) is as wide as
+    the budget whatever the lengths, padded and masked below it."""
+    same = [_record(_in_pool_layer([700, 90, 1000], 256)), _record(_in_pool_layer([300, 1020, 512], 256))]
+    assert same[0] == same[1]
+    assert same[0] != _record(_in_pool_layer([300, 1020, 512], 128))
