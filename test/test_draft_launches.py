@@ -94,7 +94,8 @@ def _payload_decode_layer(batch: int, quantized: bool) -> LaunchCounter:
     import sgl_kernel_ext as ext
 
     from sglang_vc.compress.kivi import KIVI
-    from sglang_vc.kvruntime.backend import DecodeIndex, VCTorchAttnBackend, payload_groups
+    from sglang_vc.kvruntime.backend import VCTorchAttnBackend
+    from sglang_vc.kvruntime.decode_index import DecodeIndex, payload_groups
     from sglang_vc.kvruntime.index import QuantPayload
     from sglang_vc.kvruntime.runtime import KVRuntime
 

@@ -1,17 +1,18 @@
-"""The server's SpeCache drafting layer (``SpeCacheDrafter.attend_batch``) captured in a
-CUDA graph and replayed for another batch of the same launch shape (issue #46, item 3:
-the layer-level part of capturing draft-only iterations).
+"""The server's drafting layers captured in a CUDA graph and replayed for another batch
+of the same launch shape (issue #46, item 3: the layer-level part of capturing draft-only
+iterations): SpeCache's (``SpeCacheDrafter.attend_batch``) and KIVI's
+(``kvruntime.decode_index.attend``).
 
-A drafting batch's launches are sized by its batch size and bucketed sizes only
-(``SpeCacheBatch.shape``): payload rows, tail rows and top-k rounded up to powers of two,
-the true lengths read by the kernels from the device. So a graph captured over one batch
-serves every batch of its shape once ``SpeCacheBatch.load`` has copied that batch's tables
-into the captured one's.
+A drafting batch's launches are sized by its batch size and bucketed sizes only (its
+tables' ``shape``): payload rows, tail rows and top-k rounded up to powers of two, the
+true lengths read by the kernels from the device. So a graph captured over one batch
+serves every batch of its shape once ``load`` has copied that batch's tables into the
+captured one's.
 
-:func:`build` makes batches of requests of chosen lengths through the server's own code
-(``HostKVStore``, ``SpeCacheDrafter.batch``, a KIVI payload per request); :func:`replay`
-captures the layer over one batch, loads another and compares the replay with that
-batch's eager call, and times both. It needs CUDA for the graph; on a machine without
+:func:`specache` and :func:`kivi` make batches of requests of chosen lengths through the
+server's own code (``HostKVStore``, ``SpeCacheDrafter.batch``, ``decode_index.build``, a
+KIVI payload per request); :func:`replay` captures the layer over one batch, loads
+another and compares the replay with that batch's eager call, and times both. It needs CUDA for the graph; on a machine without
 one, :func:`eager_load_matches` checks the load alone (the test suite runs it under a
 stand-in CUDA platform). Run by ``bench.gpu_check``; no SGLang needed.
 """
@@ -37,14 +38,13 @@ class Requests:
 
 @dataclasses.dataclass
 class Fixture:
-    drafter: object  # SpeCacheDrafter
-    layer: object
-    batches: list  # one SpeCacheBatch per Requests
+    layer: Callable  # (q [B, Hq, D], tables) -> [B, Hq, Dv]: one drafting layer, the server's call
+    batches: list  # the tables per Requests (SpeCacheBatch or DecodeIndex: each has shape and load)
     queries: list  # one [B, Hq, D] per Requests
-    keep: list  # what the batches point at (payloads, host copies)
+    keep: list  # what the tables point at (payloads, host copies, the pool)
 
 
-def build(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16,
+def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16,
           dtype=torch.float32, seed: int = 0) -> Fixture:
     """Every set of ``sets`` as one SpeCache drafting batch over one pool, through the
     server's drafter: each request its own 2-bit KIVI payload, its full rows in the
@@ -95,15 +95,60 @@ def build(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: i
         queries.append(rand(b, hq, d))
         at += b
     keep += [host, k_buf, v_buf, req_to_token]
-    return Fixture(drafter, types.SimpleNamespace(layer_id=0, scaling=d ** -0.5), batches, queries, keep)
+    layer = types.SimpleNamespace(layer_id=0, scaling=d ** -0.5)
+    return Fixture(lambda q, sb: drafter.attend_batch(q, sb, layer), batches, queries, keep)
+
+
+def kivi(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16, dtype=torch.float32,
+         seed: int = 0) -> Fixture:
+    """Every set of ``sets`` as one batch of KIVI 2-bit drafters over one pool, through the
+    server's decode index (``kvruntime.decode_index``: what ``vc_torch``'s batched decode
+    and VERICACHE's KIVI drafters attend with): each request its own payload, its tail in
+    the pool (``Requests.topk`` unused)."""
+    import sgl_kernel_ext as ext
+
+    from sglang_vc.compress.kivi import KIVI
+    from sglang_vc.kvruntime import decode_index
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
+    reqs = [(s, i) for s in sets for i in range(len(s.payload))]
+    width = max(n + t for s in sets for n, t in zip(s.payload, s.tail)) + 1
+    k_buf, v_buf = rand(sum(sum(s.tail) for s in sets) + 1, hkv, d), rand(sum(sum(s.tail) for s in sets) + 1, hkv, d)
+    req_to_token = torch.zeros(len(reqs), width, dtype=torch.int32, device=device)
+    kivi_ = KIVI(residual_length=0)
+    entries, lens, free = [], [], 1
+    for row, (s, i) in enumerate(reqs):
+        c = kivi_.compress(0, rand(s.payload[i], hkv, d), rand(s.payload[i], hkv, d), 2)
+        packed = ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
+                             c.v_payload, c.v_scales, c.v_zeros, d, d)
+        n, t = c.num_quantized, s.tail[i]
+        req_to_token[row, n : n + t] = torch.arange(free, free + t, dtype=torch.int32)
+        free += t
+        entries.append(types.SimpleNamespace(num_payload_rows=n, row_start=n, packed=packed,
+                                             payload=types.SimpleNamespace(layers={0: c}, addresses=None)))
+        lens.append(n + t)
+    runtime = types.SimpleNamespace(packed_payload=lambda entry, layer_id: entry.packed)
+    indices, queries, at = [], [], 0
+    for s in sets:
+        b = len(s.payload)
+        seq = lens[at : at + b]
+        indices.append(decode_index.build(runtime, req_to_token, torch.arange(at, at + b, device=device),
+                                          torch.tensor(seq, device=device), seq,
+                                          [e.row_start for e in entries[at : at + b]], entries[at : at + b]))
+        queries.append(rand(b, hq, d))
+        at += b
+    scale = d ** -0.5
+    return Fixture(lambda q, idx: decode_index.attend(q, k_buf, v_buf, idx, 0, scale), indices, queries,
+                   [entries, k_buf, v_buf, req_to_token])
 
 
 def eager_load_matches(fx: Fixture) -> float:
     """Batch 0 with batch 1's tables loaded drafts batch 1's requests: the largest
     difference from batch 1's own call (0 expected)."""
-    want = fx.drafter.attend_batch(fx.queries[1], fx.batches[1], fx.layer)
+    want = fx.layer(fx.queries[1], fx.batches[1])
     fx.batches[0].load(fx.batches[1])
-    got = fx.drafter.attend_batch(fx.queries[1], fx.batches[0], fx.layer)
+    got = fx.layer(fx.queries[1], fx.batches[0])
     return float((got - want).abs().max())
 
 
@@ -122,20 +167,20 @@ def _time_us(fn: Callable, repeats: int) -> float:
 def replay(fx: Fixture, repeats: int = 50) -> dict:
     """Capture the layer over batch 0, replay it for batch 0 and then (loaded) batch 1,
     each against its eager call; the eager and replayed layer's time."""
-    drafter, layer, (a, b), (qa, qb) = fx.drafter, fx.layer, fx.batches, fx.queries
-    want_a = drafter.attend_batch(qa, a, layer)
-    want_b = drafter.attend_batch(qb, b, layer)
-    eager_us = _time_us(lambda: drafter.attend_batch(qb, b, layer), repeats)
+    layer, (a, b), (qa, qb) = fx.layer, fx.batches, fx.queries
+    want_a = layer(qa, a)
+    want_b = layer(qb, b)
+    eager_us = _time_us(lambda: layer(qb, b), repeats)
     q = qa.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compilations, allocator) off the capture
         for _ in range(2):
-            drafter.attend_batch(q, a, layer)
+            layer(q, a)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = drafter.attend_batch(q, a, layer)
+        out = layer(q, a)
     graph.replay()
     err_a = float((out - want_a).abs().max())
     a.load(b)
@@ -160,8 +205,13 @@ def gpu_sets(batch: int = 8, tokens: int = 32768) -> list[Requests]:
 
 
 def main_check(device: str = "cuda", batch: int = 8, tokens: int = 32768) -> dict:
-    """``bench.gpu_check``'s step: 8B shapes (32 query heads, 8 KV heads, 128 dims, fp16)."""
-    fx = build(gpu_sets(batch, tokens), device, hq=32, hkv=8, d=128, dtype=torch.float16)
+    """``bench.gpu_check``'s step: 8B shapes (32 query heads, 8 KV heads, 128 dims, fp16),
+    SpeCache's drafting layer and KIVI's."""
     out = {"check": "draft_graph", "batch": batch, "tokens": tokens}
-    out.update(replay(fx))
+    for name, make in (("specache", specache), ("kivi", kivi)):
+        fx = make(gpu_sets(batch, tokens), device, hq=32, hkv=8, d=128, dtype=torch.float16)
+        out[name] = replay(fx)
+        del fx
+        torch.cuda.empty_cache()
+    out["ok"] = all(out[name]["ok"] for name in ("specache", "kivi"))
     return out

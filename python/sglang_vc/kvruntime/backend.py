@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
 
 import sgl_kernel_ext as ext
-from sgl_kernel_ext.payload_batch import to_device
 import torch
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -30,43 +28,11 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
 
-from . import graphs, kernels
-from . import payload_table
-from .names import NULL_SLOT
+from . import decode_index, graphs, kernels
+from .decode_index import DecodeIndex
 from .runtime import get_runtime
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class DecodeIndex:
-    """What every layer of one decode forward reads on the Triton path, built once."""
-
-    kv: ext.KVIndices  # each request's live pool rows
-    q_req: torch.Tensor  # [B] the request of each query row (0 .. B-1)
-    q_pos: torch.Tensor  # [B] each query's position (seq_len - 1)
-    # the requests with a quantized payload, per payload layout: attended in one launch
-    # per layer and group
-    payloads: list["PayloadGroup"] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PayloadGroup:
-    rows: Optional[torch.Tensor]  # their rows in the batch; None: every row, in order
-    table: payload_table.PayloadTable
-
-
-def payload_groups(runtime, entries: list, device) -> list[PayloadGroup]:
-    """A :class:`PayloadGroup` per payload layout of the ``entries`` (None: none) that
-    have a quantized payload: built once per forward, read by every layer."""
-    members = [i for i, e in enumerate(entries) if e is not None and e.num_payload_rows]
-    out = []
-    for group in payload_table.group_by_layout(runtime, [entries[i] for i in members]):
-        rows = [members[j] for j in group]
-        out.append(PayloadGroup(None if rows == list(range(len(entries))) else
-                                to_device(torch.tensor(rows, dtype=torch.int64), device),
-                                payload_table.build(runtime, [entries[i] for i in rows], device)))
-    return out
 
 
 @dataclasses.dataclass
@@ -217,24 +183,16 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
                 self.decode_index = self._build_decode_index(forward_batch, batch, own)
 
     def _build_decode_index(self, forward_batch, batch, own: list[int]) -> DecodeIndex:
-        """Every request's live pool rows, ``[row_start, seq_len)`` of a compressed one and
-        ``[0, seq_len)`` of the others: one index kernel for all layers of the forward
-        (``req_to_token`` and the entries do not change between layers)."""
-        seq_lens = forward_batch.seq_lens
-        firsts = [0 if e is None else e.row_start for e in batch.entries]
-        spans = None  # the lengths as the host knows them (SGLang keeps them): no sync
-        if forward_batch.seq_lens_cpu is not None:
-            spans = [n - f for n, f in zip(forward_batch.seq_lens_cpu.tolist(), firsts)]
-        # lists of a bucketed size: the launches depend on the bucket, not the lengths
-        capacity = None if spans is None else ext.bucket(sum(spans), payload_table.ROWS_BUCKET)
-        kv = ext.build_kv_indices(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                                  to_device(torch.tensor(firsts), seq_lens.device), seq_lens, NULL_SLOT, spans=spans,
-                                  capacity=capacity)
+        """Every request's live pool rows and payloads (:func:`.decode_index.build`); the
+        requests ``own`` decode their own way (:meth:`_own_decode_layer`), payloads included."""
         entries = batch.entries
-        if own:  # decoded their own way (:meth:`_own_decode_layer`), payloads included
+        if own:
             entries = [None if i in own else e for i, e in enumerate(entries)]
-        return DecodeIndex(kv, torch.arange(seq_lens.numel(), device=seq_lens.device), seq_lens.to(torch.int64) - 1,
-                           payload_groups(self.runtime, entries, seq_lens.device))
+        # the lengths as the host knows them (SGLang keeps them): no sync
+        lens = forward_batch.seq_lens_cpu.tolist() if forward_batch.seq_lens_cpu is not None else None
+        return decode_index.build(self.runtime, self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                                  forward_batch.seq_lens, lens, [0 if e is None else e.row_start for e in batch.entries],
+                                  entries)
 
     def _decodes_own(self, entry) -> bool:
         """Whether a subclass decodes this compressed request its own way
@@ -307,21 +265,10 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         return out.to(q.dtype).reshape(q_.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def paged_decode(self, q_, layer, idx: DecodeIndex):
-        """One query per request (``q_ [B, Hq, D]``) over its live pool rows (``idx``), one
-        paged attention launch, merged by log-sum-exp with the quantized requests'
-        payloads, attended from their packed codes in one launch per payload layout."""
+        """One query per request over its live pool rows and payload (:func:`.decode_index.attend`)."""
         lid = layer.layer_id
-        out, lse = ext.paged_attention(
-            q_, self.token_to_kv_pool.get_key_buffer(lid), self.token_to_kv_pool.get_value_buffer(lid),
-            idx.q_req, idx.q_pos, idx.kv.indptr, idx.kv.indices, idx.kv.positions, layer.scaling)
-        for group in idx.payloads:  # the payloads, merged with the rows' states in the same launch
-            if group.rows is None:
-                out, lse = ext.kivi_attention_batch(q_, group.table.layer(lid), layer.scaling, merge=((out, lse),))
-            else:
-                r = group.rows
-                out[r], lse[r] = ext.kivi_attention_batch(q_[r], group.table.layer(lid), layer.scaling,
-                                                          merge=((out[r], lse[r]),))
-        return out
+        return decode_index.attend(q_, self.token_to_kv_pool.get_key_buffer(lid),
+                                   self.token_to_kv_pool.get_value_buffer(lid), idx, lid, layer.scaling)
 
     # ------------------------------------------------------------------ per request
 

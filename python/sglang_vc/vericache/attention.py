@@ -21,7 +21,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import NULL_SLOT, kernels, payload_table
-from sglang_vc.kvruntime.backend import DecodeIndex, ExtendLists, VCTorchAttnBackend, payload_groups
+from sglang_vc.kvruntime.backend import ExtendLists, VCTorchAttnBackend
+from sglang_vc.kvruntime.decode_index import DecodeIndex, payload_groups
 
 from . import draft_view
 from .chain_attention import verify_lens
