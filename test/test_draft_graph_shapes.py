@@ -30,7 +30,7 @@ from sglang_vc.kvruntime.launches import LaunchShapes
 
 # two batches of three in one bucket (payload rows <= 256, tails <= 64 rows in all, top-k <= 8)
 A = Requests(payload=[96, 160, 224], tail=[5, 9, 3], topk=[8, 4, 6])
-B = Requests(payload=[256, 128, 192], tail=[17, 2, 30], topk=[5, 8, 2])
+B = Requests(payload=[256, 128, 192], tail=[17, 2, 30], topk=[5, 7, 2])
 OTHER = Requests(payload=[288, 96, 96], tail=[5, 9, 3], topk=[8, 4, 6])  # 512 payload rows
 FAMILIES = {"specache": draft_graph.specache, "kivi": draft_graph.kivi}
 # the kernel that shows each family's path was taken
@@ -98,8 +98,10 @@ def test_the_backend_builds_its_decode_index_with_bucketed_lists(stand_in_cuda):
 def test_the_gpu_checks_two_batches_share_one_shape(stand_in_cuda):
     """``bench.gpu_check``'s capture replays one batch's graph for the other: on small
     shapes, the two batches it builds have one launch shape and different requests."""
-    sets = draft_graph.gpu_sets(batch=4, tokens=1024)
-    assert sets[0].payload != sets[1].payload and max(sets[0].payload) == 1024
+    first, second = draft_graph.gpu_sets(batch=4, tokens=1024)
+    assert max(first.payload) == 1024 and 512 < min(second.payload) and max(second.payload) < 1024
+    assert sum(first.tail) != sum(second.tail) and max(first.topk) != max(second.topk)
+    sets = [first, second]
     for make in FAMILIES.values():
         fx = make(sets, "cpu")
         assert fx.batches[0].shape == fx.batches[1].shape
@@ -129,3 +131,12 @@ def test_in_pool_drafting_launches_depend_on_the_budget_not_the_lengths():
     same = [_record(_in_pool_layer([700, 90, 1000], 256)), _record(_in_pool_layer([300, 1020, 512], 256))]
     assert same[0] == same[1]
     assert same[0] != _record(_in_pool_layer([300, 1020, 512], 128))
+
+
+def test_a_batch_of_another_payload_layout_is_another_shape(stand_in_cuda):
+    """The same lengths at 2 and 4 bits compile other kernels (the bits are constants):
+    another shape, and its tables are not loaded into the 2-bit batch's."""
+    fx = draft_graph.specache([A, A], "cpu", bits=[2, 4])
+    assert fx.batches[0].shape != fx.batches[1].shape
+    with pytest.raises(ValueError, match="shape"):
+        fx.batches[0].load(fx.batches[1])

@@ -12,7 +12,9 @@ captured one's.
 :func:`specache` and :func:`kivi` make batches of requests of chosen lengths through the
 server's own code (``HostKVStore``, ``SpeCacheDrafter.batch``, ``decode_index.build``, a
 KIVI payload per request); :func:`replay` captures the layer over one batch, loads
-another and compares the replay with that batch's eager call, and times both. It needs CUDA for the graph; on a machine without
+another and compares the replay with that batch's eager call, and times both. A replay
+runs no Python: the drafter's counters (rows fetched, fetch misses) would be a runner's
+to add per replay. It needs CUDA for the graph; on a machine without
 one, :func:`eager_load_matches` checks the load alone (the test suite runs it under a
 stand-in CUDA platform). Run by ``bench.gpu_check``; no SGLang needed.
 """
@@ -45,10 +47,11 @@ class Fixture:
 
 
 def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16,
-          dtype=torch.float32, seed: int = 0) -> Fixture:
+             dtype=torch.float32, seed: int = 0, bits: Sequence[int] = ()) -> Fixture:
     """Every set of ``sets`` as one SpeCache drafting batch over one pool, through the
-    server's drafter: each request its own 2-bit KIVI payload, its full rows in the
-    ``HostKVStore`` (pinned on CUDA), its tail in the pool."""
+    server's drafter: each request its own KIVI payload, its full rows in the
+    ``HostKVStore`` (pinned on CUDA), its tail in the pool. ``bits``: each set's KIVI
+    bits (default 2)."""
     import sgl_kernel_ext as ext
 
     from sglang_vc.compress.kivi import KIVI
@@ -57,7 +60,7 @@ def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d
 
     g = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
-    reqs = [(s, i) for s in sets for i in range(len(s.payload))]
+    reqs = [(s, i, j) for j, s in enumerate(sets) for i in range(len(s.payload))]
     width = max(n + t for s in sets for n, t in zip(s.payload, s.tail)) + 1
     slots = sum(sum(s.tail) for s in sets) + 1  # slot 0: the null slot
     k_buf, v_buf = rand(slots, hkv, d), rand(slots, hkv, d)
@@ -65,9 +68,9 @@ def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d
     host = HostKVStore(pin=device == "cuda")
     kivi = KIVI(residual_length=0)
     entries, lens, keep, free = [], [], [], 1
-    for row, (s, i) in enumerate(reqs):
+    for row, (s, i, j) in enumerate(reqs):
         kr, vr = rand(s.payload[i], hkv, d), rand(s.payload[i], hkv, d)
-        c = kivi.compress(0, kr, vr, 2)
+        c = kivi.compress(0, kr, vr, bits[j] if bits else 2)
         packed = ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
                              c.v_payload, c.v_scales, c.v_zeros, d, d)
         rid = f"r{row}"
@@ -85,7 +88,7 @@ def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d
     runtime = types.SimpleNamespace(kv_pool=pool, req_to_token=req_to_token,
                                     packed_payload=lambda entry, layer_id: entry.packed)
     drafter = SpeCacheDrafter(host, runtime, topk=8)
-    for e, (s, i) in zip(entries, reqs):
+    for e, (s, i, _) in zip(entries, reqs):
         drafter.topk_of[e.rid] = s.topk[i]
     batches, queries, at = [], [], 0
     for s in sets:
@@ -193,15 +196,15 @@ def replay(fx: Fixture, repeats: int = 50) -> dict:
 
 
 def gpu_sets(batch: int = 8, tokens: int = 32768) -> list[Requests]:
-    """Two batches in one bucket: payloads of 0.65-1.0x ``tokens`` (a power of two), tails
-    and top-k that differ per request, dealt to the requests in two orders (the second
-    batch's requests are other requests, with other rows)."""
-    def one(shift: int) -> Requests:
-        ks = [(i + shift) % batch for i in range(batch)]
-        return Requests([tokens - (tokens * 2 // 5) * k // batch for k in ks], [1 + (7 * k) % 40 for k in ks],
-                        [64 - 8 * (k % 3) for k in ks])
-
-    return [one(0), one(3)]
+    """Two batches of other requests in one bucket (``tokens`` a power of two): payloads of
+    0.65-1.0x and 0.55-0.9x ``tokens``, tails of other lengths and totals, top-k up to 64
+    and up to 40, so the second batch pads where the first does not."""
+    ks = range(batch)
+    first = Requests([tokens - (tokens * 2 // 5) * k // batch for k in ks], [1 + (7 * k) % 40 for k in ks],
+                     [64 - 8 * (k % 3) for k in ks])
+    second = Requests([tokens * 9 // 10 - (tokens * 2 // 5) * ((k + 3) % batch) // batch for k in ks],
+                      [2 + (5 * k) % 30 for k in ks], [40 - 8 * (k % 3) for k in ks])
+    return [first, second]
 
 
 def main_check(device: str = "cuda", batch: int = 8, tokens: int = 32768) -> dict:

@@ -9,8 +9,9 @@ SGLang, no network):
 3. the server's staged reload (``LayerwiseReload``) of one 8k-token 8B request from pinned
    host memory into the staging arena and into tensors of its own: rows equal, GB/s each
    (``reload_staging.json``);
-4. ``bench.draft_graph``: the server's SpeCache drafting layer (``attend_batch``, batch 8,
-   8B shapes, 20-32k-token payloads) captured in a CUDA graph, replayed for its own batch
+4. ``bench.draft_graph``: the server's SpeCache and KIVI drafting layers
+   (``SpeCacheDrafter.attend_batch``, ``kvruntime.decode_index.attend``; batch 8, 8B
+   shapes, 18-32k-token payloads), each captured in a CUDA graph, replayed for its own batch
    and, its tables loaded (``SpeCacheBatch.load``), for another batch of the same launch
    shape: each replay against that batch's eager call, and eager against replayed time
    (``draft_graph.json``);

@@ -48,9 +48,10 @@ class DecodeIndex:
 
     @property
     def shape(self) -> tuple:
-        """What sizes the launches over this index (the lists' capacity, the payloads'
-        bucketed rows): equal shapes, equal grids and buffers."""
-        return (tuple(g.table.max_tokens for g in self.payloads), tuple(g.rows is None for g in self.payloads),
+        """What sizes and compiles the launches over this index (the lists' capacity, each
+        payload group's bucketed rows and layout): equal shapes, equal grids, constants
+        and buffers."""
+        return (tuple((g.table.max_tokens, g.table.layout, g.rows is None) for g in self.payloads),
                 *(tuple(t.shape) for t in self._tables()))
 
     def load(self, other: "DecodeIndex") -> None:

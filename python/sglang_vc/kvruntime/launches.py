@@ -11,10 +11,12 @@ torch operators are not counted: each kernel is one launch.
 
 :class:`LaunchShapes` records what a CUDA graph fixes at capture: each operator with its
 arguments' shapes, strides and scalars; each Triton kernel with its grid, constants,
-scalars and its tensors' dtypes and strides (a kernel gets addresses: its sizes come as
-scalars, and a tensor it reads only for its type, such as a payload table's ``like``,
-may differ in size). Two calls with equal records launch the same work over buffers of
-the same shapes, so one captured graph can serve both.
+scalars and its tensors' shapes, strides and dtypes (but a tensor the kernel reads only
+for its type, an argument named ``like*`` such as a payload table's first member, by
+strides and dtype: it may differ in size). Allocations are not recorded; the buffers
+they make are, where an operator or kernel takes them. Two calls with equal records
+launch the same work over buffers of the same shapes, so one captured graph can serve
+both.
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ def _signature(x, shapes: bool = True):
     return type(x).__name__  # a dtype, a device, a layout: the same on every call here
 
 
+def _kernel_args(launch) -> tuple:
+    """A Triton launch's arguments: tensors by shape, strides and dtype, except those the
+    kernel reads only for their type (named ``like*``: a payload table's first member, a
+    host copy), by strides and dtype."""
+    names = getattr(getattr(launch.kernel, "fn", launch.kernel), "arg_names", None) or getattr(
+        launch.kernel, "arg_names", [])
+    return tuple(_signature(a, shapes=not (i < len(names) and names[i].startswith("like")))
+                 for i, a in enumerate(launch.args))
+
+
 class LaunchShapes(TorchDispatchMode):
     """``with LaunchShapes() as s: ...`` then ``s.record``: every computing operator
     (name, argument signatures) and every ``sgl_kernel_ext`` kernel (name, grid,
@@ -102,8 +114,7 @@ class LaunchShapes(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         self._recording.__exit__(*exc)
-        self.kernels = [(k.name, k.grid, _signature(k.args, shapes=False), _signature(k.kwargs))
-                        for k in self._launches]
+        self.kernels = [(k.name, k.grid, _kernel_args(k), _signature(k.kwargs)) for k in self._launches]
 
     @property
     def record(self) -> tuple:

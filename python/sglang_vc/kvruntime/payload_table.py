@@ -38,6 +38,12 @@ class PayloadTable:
     like: dict  # layer_id -> the first request's Payload of that layer (layout, dtypes)
     index: dict  # layer_id -> its index in ptrs
 
+    @property
+    def layout(self) -> tuple:
+        """What the members share and the launches are compiled for (bits, groups, heads,
+        dtypes, strides): part of a launch shape."""
+        return layout(next(iter(self.like.values())))
+
     def layer(self, layer_id: int) -> ext.PayloadBatch:
         return ext.PayloadBatch((self.like[layer_id],), self.ptrs[self.index[layer_id]], self.num_tokens,
                                 self.max_tokens)

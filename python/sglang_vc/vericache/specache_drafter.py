@@ -77,8 +77,11 @@ class SpeCacheBatch:
 
     @property
     def shape(self) -> tuple:
-        """What sizes this batch's launches: equal shapes, equal grids and buffers."""
-        return (self.payloads.max_tokens, self.k_max, tuple(self.payloads.index.items()),
+        """What sizes and compiles this batch's launches: equal shapes, equal grids,
+        constants and buffers (the payload layout and the host copies' dtype included)."""
+        host = next(iter(self.host_like.values()), None)
+        return (self.payloads.max_tokens, self.k_max, tuple(self.payloads.index.items()), self.payloads.layout,
+                None if host is None else (host.dtype, host.stride()),
                 *(tuple(t.shape) for t in self._tables()))
 
     def load(self, other: "SpeCacheBatch") -> None:
