@@ -19,7 +19,8 @@ def test_measure_covers_every_cost_of_the_model():
     want = {"weights_decode", "weights_verify", "full_decode_sdpa", "full_decode_paged", "draft_snapkv",
             "verify_paged", "verify_sdpa", "verify_flash", "draft_kivi2", "draft_specache",
             "draft_specache_device_only", "specache_scores_only", "specache_topk_only", "draft_in_pool",
-            "in_pool_view_build", "draft_specache_worker", "draft_kivi2_worker"}
+            "in_pool_view_build", "draft_specache_worker", "draft_kivi2_worker", "draft_kivi2_batched",
+            "draft_specache_batched"}
     assert want <= set(rows)
     assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in rows.values())
     assert rows["weights_verify"]["tokens"] == 2 * 5 and rows["draft_snapkv"]["kept"] == 64
@@ -92,6 +93,21 @@ def test_gpu_predict_chooses_x_from_the_curve_and_prices_the_verify_by_x(tmp_pat
     # B.1 alone at nominal figures for the issue's two settings, at the curve's best X
     paper = out["nominal_b1"]["paper_mistral24b_rtx6000"]["specache"]
     assert paper["full_kv_batch"] == 11 and paper["draft_len"] in (16, 30) and paper["ratio_to_full"] > 1
+
+
+def test_gpu_predict_prices_the_servers_batched_drafter_calls(tmp_path):
+    """The server's worker drafts a batch in one call on CUDA: the prediction prices that
+    row (``_batched``), and a report without it (older) the per-request one."""
+    from sglang_vc.bench import gpu_predict
+
+    report, _ = _report(tmp_path)
+    step = report["per_layer"]
+    step["draft_kivi2_batched"]["us"], step["draft_kivi2"]["us"] = 1.0, 1e6
+    fast = gpu_predict.predict([report], {"kivi2": {8: 4.0}}, 80e9)["predictions"][0]
+    del step["draft_kivi2_batched"]
+    slow = gpu_predict.predict([report], {"kivi2": {8: 4.0}}, 80e9)["predictions"][0]
+    assert gpu_predict.draft_row(report["per_layer"], "kivi2") == "draft_kivi2"
+    assert fast["measured_tokens_per_s"] > slow["measured_tokens_per_s"]
 
 
 @pytest.mark.parametrize("bad", ["specache=30", "specache=30:40", "nosuch=30:5", "specache=x:5"])

@@ -41,6 +41,15 @@ from sglang_vc.vericache import perf_model as pm
 DRAFTERS = {"snapkv": "draft_snapkv", "streamingllm": "draft_snapkv", "kvzip": "draft_snapkv",
             "kivi2": "draft_kivi2", "specache": "draft_specache"}
 TOKEN_DROPPERS = {name for name, row in DRAFTERS.items() if row == "draft_snapkv"}
+# the server's batched calls (what its worker runs on CUDA), where the report has them
+BATCHED = {"kivi2": "draft_kivi2_batched", "specache": "draft_specache_batched"}
+
+
+def draft_row(step: dict, drafter: str) -> str:
+    """The report's row that prices ``drafter``'s step: the server's batched call where it
+    was measured, else the per-request one (older reports)."""
+    row = BATCHED.get(drafter)
+    return row if row in step else DRAFTERS[drafter]
 
 
 @dataclass
@@ -123,7 +132,7 @@ def predict(reports: list[dict], curves: dict[str, dict[int, float]], gpu_mem_by
     reload_us = step["reload_h2d"]["us"]  # one request's whole layer
     for drafter, curve in curves.items():
         c = kept[drafter]
-        draft_us = step[DRAFTERS[drafter]]["us"] / batch
+        draft_us = step[draft_row(step, drafter)]["us"] / batch
         for x, a in sorted(curve.items()):
             reload_frac = 1 - c if drafter in TOKEN_DROPPERS else 1.0  # a quantizer's verify reloads every row
             best = pm.best_feasible(weights_bytes=weights_bytes, kv_full_bytes=kv_full, compression=c,

@@ -7,8 +7,9 @@ the same tensors, per layer and for a batch of requests:
   project's paged kernel over every row (the drafter's kernel without compression);
 * ``draft_*``: one draft step of each drafter family over its compressed rows:
   ``snapkv`` (the paged kernel over the kept quarter), ``kivi2`` (2-bit payload, the fused
-  kernel, one launch per request as the server does), ``specache`` (2-bit scores, top-k
-  and the synchronous fetch of the top-k full rows from pinned host memory, per request);
+  kernel per request; ``_batched``: the server's batched call, ``decode_index.attend``),
+  ``specache`` (2-bit scores, top-k and the synchronous fetch of the top-k full rows from
+  pinned host memory, per request; ``_batched``: the server's ``attend_batch``);
 * ``draft_in_pool``: in-pool self-speculation's draft step, the server's own
   ``vericache.draft_view`` functions: a sink+window view of ``--budget`` rows of each
   request's own pool rows (``in_pool_view_build``, once per forward), then one gather and
@@ -186,8 +187,12 @@ def measure(n: int, batch: int, x: int, keep: float, topk: int, repeats: int, de
                                    payload=p2)
 
     out["draft_kivi2_worker"] = {"us": _time_us(kivi2_worker_step, repeats),
-                                 "note": "the server's kvruntime.kernels.attend_pool, per request as the worker calls it",
+                                 "note": "the server's kvruntime.kernels.attend_pool, per request",
                                  **_runtime_calls(kivi2_worker_step)}
+    batched = _kivi_batched_step(c2, p2, q1, k_buf, v_buf, batch, n, scale, dev)
+    out["draft_kivi2_batched"] = {"us": _time_us(batched, repeats),
+                                  "note": "the server's kvruntime.decode_index.attend: the whole batch in one paged "
+                                          "and one payload launch (the CUDA path)", **_runtime_calls(batched)}
 
     # SpeCache 2-bit drafter: scores and top-k on the device, then the synchronous fetch of
     # the top-k rows per KV head from pinned host memory, per request (the server's path)
@@ -282,6 +287,27 @@ def _runtime_calls(fn) -> dict:
                             for n in names),
             "host_syncs": sum(n in blocking for n in names),  # (the closing synchronize is cudaDeviceSynchronize)
             "memcpy_async": sum(n == "cudaMemcpyAsync" for n in names)}
+
+
+def _kivi_batched_step(compressed, packed, q1, k_buf, v_buf, batch: int, n: int, scale: float, dev: str):
+    """One layer of KIVI drafting for ``batch`` requests through the server's own batched
+    call (``kvruntime.decode_index``, as ``vc_torch``'s decode and VERICACHE's KIVI drafters
+    run it on CUDA): each request the payload of ``compressed`` and its new row at pool slot
+    ``i + 1``; the index built once, outside the step."""
+    import types
+
+    from sglang_vc.kvruntime import decode_index
+
+    req_to_token = torch.zeros(batch, n + 1, dtype=torch.int32, device=dev)
+    req_to_token[:, n] = torch.arange(1, batch + 1, dtype=torch.int32, device=dev)
+    entries = [types.SimpleNamespace(num_payload_rows=compressed.num_quantized, packed=packed,
+                                     payload=types.SimpleNamespace(layers={0: compressed}, addresses=None))
+               for _ in range(batch)]
+    runtime = types.SimpleNamespace(packed_payload=lambda entry, layer_id: entry.packed)
+    seq = [n + 1] * batch
+    idx = decode_index.build(runtime, req_to_token, torch.arange(batch, device=dev), torch.tensor(seq, device=dev),
+                             seq, [compressed.num_quantized] * batch, entries)
+    return lambda: decode_index.attend(q1[:batch], k_buf, v_buf, idx, 0, scale)
 
 
 def _specache_worker_step(kr, vr, compressed, packed, q1, batch: int, topk: int, scale: float, dev: str,
