@@ -4,7 +4,7 @@ iterations): SpeCache's (``SpeCacheDrafter.attend_batch``) and KIVI's
 (``kvruntime.decode_index.attend``).
 
 A drafting batch's launches are sized by its batch size and bucketed sizes only (its
-tables' ``shape``): payload rows, tail rows and top-k rounded up to powers of two, the
+tables' ``shape``): payload rows, tail rows and top-k rounded up to buckets (four per doubling), the
 true lengths read by the kernels from the device. So a graph captured over one batch
 serves every batch of its shape once ``load`` has copied that batch's tables into the
 captured one's.
@@ -196,14 +196,15 @@ def replay(fx: Fixture, repeats: int = 50) -> dict:
 
 
 def gpu_sets(batch: int = 8, tokens: int = 32768) -> list[Requests]:
-    """Two batches of other requests in one bucket (``tokens`` a power of two): payloads of
-    0.65-1.0x and 0.55-0.9x ``tokens``, tails of other lengths and totals, top-k up to 64
-    and up to 40, so the second batch pads where the first does not."""
+    """Two batches of other requests in one bucket (``tokens`` a power of two; at batch 4
+    and 8): payloads of 0.65-1.0x and 0.6-0.95x ``tokens``, tails of other lengths and
+    totals, top-k up to 64 and up to 60, so the second batch pads where the first does
+    not."""
     ks = range(batch)
     first = Requests([tokens - (tokens * 2 // 5) * k // batch for k in ks], [1 + (7 * k) % 40 for k in ks],
                      [64 - 8 * (k % 3) for k in ks])
-    second = Requests([tokens * 9 // 10 - (tokens * 2 // 5) * ((k + 3) % batch) // batch for k in ks],
-                      [2 + (5 * k) % 30 for k in ks], [40 - 8 * (k % 3) for k in ks])
+    second = Requests([tokens * 19 // 20 - (tokens * 2 // 5) * ((k + 3) % batch) // batch for k in ks],
+                      [3 + (11 * k) % 30 for k in ks], [60 - 8 * (k % 3) for k in ks])
     return [first, second]
 
 

@@ -11,7 +11,7 @@ SGLang, no network):
    (``reload_staging.json``);
 4. ``bench.draft_graph``: the server's SpeCache and KIVI drafting layers
    (``SpeCacheDrafter.attend_batch``, ``kvruntime.decode_index.attend``; batch 8, 8B
-   shapes, 18-32k-token payloads), each captured in a CUDA graph, replayed for its own batch
+   shapes, 19-32k-token payloads), each captured in a CUDA graph, replayed for its own batch
    and, its tables loaded (``SpeCacheBatch.load``), for another batch of the same launch
    shape: each replay against that batch's eager call, and eager against replayed time
    (``draft_graph.json``);

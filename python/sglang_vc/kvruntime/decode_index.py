@@ -5,8 +5,8 @@ layer plus one payload launch per payload layout (:func:`attend`).
 
 ``vc_torch``'s batched decode and VERICACHE's drafters (KIVI, token dropping) run these;
 no SGLang import here, so the GPU check times the server's own functions on a machine
-without SGLang. The tables' shapes depend on the batch size and power-of-two buckets of
-the lengths only (:func:`sgl_kernel_ext.bucket`), so launches over one index replay for
+without SGLang. The tables' shapes depend on the batch size and buckets of the lengths
+(four per doubling) only (:func:`sgl_kernel_ext.bucket`), so launches over one index replay for
 another of its :attr:`DecodeIndex.shape` once :meth:`DecodeIndex.load` copied it in.
 """
 

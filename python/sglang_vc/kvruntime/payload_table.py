@@ -9,7 +9,7 @@ read by every layer: no host synchronisation inside a layer. Requests whose payl
 differ in layout (bits, groups) go in separate tables (:func:`group_by_layout`).
 
 The launches are sized by ``max_tokens``, the longest member's rows rounded up to a
-power of two (:func:`sgl_kernel_ext.bucket`): batches whose lengths fall in one bucket
+bucket (:func:`sgl_kernel_ext.bucket`: four per doubling): batches whose lengths fall in one bucket
 launch the same grids over the same shapes (one CUDA graph per bucket); the kernels read
 each member's true rows from ``num_tokens``.
 """

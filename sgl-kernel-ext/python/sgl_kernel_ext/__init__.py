@@ -15,8 +15,8 @@ on CUDA tensors and the torch reference elsewhere (:mod:`.dispatch`).
   VeriCache's reload scatter; :func:`gather_head_rows` -- SpeCache's top-k rows read
   from pinned host memory by the GPU;
 * :func:`position_mask` -- the selective prefill's mask;
-* :func:`bucket` -- launch shapes rounded to powers of two, so that one CUDA graph
-  serves every batch of a bucket.
+* :func:`bucket` -- launch shapes rounded up to four buckets per doubling, so that one
+  CUDA graph serves every batch of a bucket.
 """
 
 from .copy_rows import copy_rows, gather_head_rows, scatter_head_rows
