@@ -9,15 +9,16 @@ SGLang, no network):
 3. the server's staged reload (``LayerwiseReload``) of one 8k-token 8B request from pinned
    host memory into the staging arena and into tensors of its own: rows equal, GB/s each
    (``reload_staging.json``);
-4. ``bench.draft_graph``: the server's SpeCache and KIVI drafting layers
+4. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
+   layer at 32k tokens, each drafter through the server's own functions where it has one,
+   with kernel launches and host-blocking CUDA calls counted by ``torch.profiler``;
+5. ``bench.draft_graph``: the server's SpeCache and KIVI drafting layers
    (``SpeCacheDrafter.attend_batch``, ``kvruntime.decode_index.attend``; batch 8, 8B
    shapes, 19-32k-token payloads), each captured in a CUDA graph, replayed for its own batch
    and, its tables loaded (``SpeCacheBatch.load``), for another batch of the same launch
    shape: each replay against that batch's eager call, and eager against replayed time
-   (``draft_graph.json``);
-5. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
-   layer at 32k tokens, each drafter through the server's own functions where it has one,
-   with kernel launches and host-blocking CUDA calls counted by ``torch.profiler``.
+   (``draft_graph.json``), run last (a capture that breaks the CUDA context cannot cost the
+   figures before it).
 
 Writes ``DIR/gpu_check.json`` (1), ``kernels.json``, ``reload_staging.json``,
 ``draft_graph.json``, ``gpu_step.json``, ``gpu_step_b32.json`` and their plots; exits
@@ -123,6 +124,13 @@ def main(argv=None) -> int:
     (out / "reload_staging.json").write_text(json.dumps(staging, indent=2))
     print(f"[gpu_check] {staging}", file=sys.stderr, flush=True)
     failed |= not staging["ok"]
+    for name, fn, extra in (("kernels.json", kernels.main, []), ("gpu_step.json", gpu_step.main, []),
+                            ("gpu_step_b32.json", gpu_step.main, ["--batch", "32", "--budget", "512"])):
+        try:
+            fn(["--json", str(out / name), *extra])
+        except SystemExit as exc:  # bench.kernels exits non-zero when a kernel is off its torch path
+            failed |= bool(exc.code)
+    # last: a capture that breaks the CUDA context cannot cost the figures above
     from sglang_vc.bench import draft_graph
 
     try:
@@ -132,12 +140,6 @@ def main(argv=None) -> int:
     (out / "draft_graph.json").write_text(json.dumps(graph, indent=2))
     print(f"[gpu_check] {graph}", file=sys.stderr, flush=True)
     failed |= not graph["ok"]
-    for name, fn, extra in (("kernels.json", kernels.main, []), ("gpu_step.json", gpu_step.main, []),
-                            ("gpu_step_b32.json", gpu_step.main, ["--batch", "32", "--budget", "512"])):
-        try:
-            fn(["--json", str(out / name), *extra])
-        except SystemExit as exc:  # bench.kernels exits non-zero when a kernel is off its torch path
-            failed |= bool(exc.code)
     return 1 if failed else 0
 
 
