@@ -15,7 +15,7 @@ SGLang, no network):
 5. ``bench.draft_graph``: the server's SpeCache and KIVI drafting layers
    (``SpeCacheDrafter.attend_batch``, ``kvruntime.decode_index.attend``; batch 8, 8B
    shapes, 19-32k-token payloads), each captured in a CUDA graph, replayed for its own batch
-   and, its tables loaded (``SpeCacheBatch.load``), for another batch of the same launch
+   and, its tables loaded (``SpeCacheBatch.load``, ``DecodeIndex.load``), for another batch of the same launch
    shape: each replay against that batch's eager call, and eager against replayed time
    (``draft_graph.json``), run last (a capture that breaks the CUDA context cannot cost the
    figures before it).
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     try:
         graph = draft_graph.main_check()
-    except Exception as exc:  # noqa: BLE001 (a capture that fails is this check's finding; the others still run)
+    except Exception as exc:  # noqa: BLE001 (a failure is this check's finding, written like its figures)
         graph = {"check": "draft_graph", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
     (out / "draft_graph.json").write_text(json.dumps(graph, indent=2))
     print(f"[gpu_check] {graph}", file=sys.stderr, flush=True)

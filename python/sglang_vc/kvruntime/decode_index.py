@@ -5,9 +5,10 @@ layer plus one payload launch per payload layout (:func:`attend`).
 
 ``vc_torch``'s batched decode and VERICACHE's drafters (KIVI, token dropping) run these;
 no SGLang import here, so the GPU check times the server's own functions on a machine
-without SGLang. The tables' shapes depend on the batch size and buckets of the lengths
-(four per doubling) only (:func:`sgl_kernel_ext.bucket`), so launches over one index replay for
-another of its :attr:`DecodeIndex.shape` once :meth:`DecodeIndex.load` copied it in.
+without SGLang. Where the host knows the lengths, the tables' shapes depend on the batch
+size, which requests have payloads of which layout, and buckets of the lengths (four per
+doubling, :func:`sgl_kernel_ext.bucket`), so launches over one index replay for another
+of its :attr:`DecodeIndex.shape` once :meth:`DecodeIndex.load` copied it in.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ class DecodeIndex:
         """What sizes and compiles the launches over this index (the lists' capacity, each
         payload group's bucketed rows and layout): equal shapes, equal grids, constants
         and buffers."""
-        return (tuple((g.table.max_tokens, g.table.layout, g.rows is None) for g in self.payloads),
+        return (tuple((g.table.max_tokens, g.table.layout, tuple(g.table.index.items()), g.rows is None)
+                      for g in self.payloads),
                 *(tuple(t.shape) for t in self._tables()))
 
     def load(self, other: "DecodeIndex") -> None:
         """Copy ``other``'s device tables into this index's, on the current stream: the
         launches recorded over this index (a CUDA graph) then attend ``other``'s requests.
-        The two must have one :attr:`shape` (and their payloads one layout)."""
+        The two must have one :attr:`shape`."""
         if other.shape != self.shape:
             raise ValueError(f"DecodeIndex.load: shape {other.shape} is not this index's {self.shape}")
         for dst, src in zip(self._tables(), other._tables()):

@@ -73,7 +73,7 @@ def _signature(x, shapes: bool = True):
         return tuple((k, _signature(v, shapes)) for k, v in sorted(x.items()))
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
-    return type(x).__name__  # a dtype, a device, a layout: the same on every call here
+    return repr(x)  # a dtype, a device, a layout
 
 
 def _kernel_args(launch) -> tuple:
@@ -89,7 +89,8 @@ def _kernel_args(launch) -> tuple:
 class LaunchShapes(TorchDispatchMode):
     """``with LaunchShapes() as s: ...`` then ``s.record``: every computing operator
     (name, argument signatures) and every ``sgl_kernel_ext`` kernel (name, grid,
-    argument signatures, constants), in order of each kind."""
+    argument signatures, constants), in order of each kind; ``s.syncs``: the host reads
+    of device values (``.item()``, ``.tolist()``), which no CUDA graph captures."""
 
     def __init__(self):
         super().__init__()
@@ -100,7 +101,8 @@ class LaunchShapes(TorchDispatchMode):
         from sgl_kernel_ext import dispatch
 
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in _FREE and not dispatch.interpreting:
+        # a read of a device value on the host is recorded too: a graph cannot capture it
+        if not func.is_view and (name not in _FREE or name == "_local_scalar_dense") and not dispatch.interpreting:
             self.ops.append((name, _signature(args), _signature(kwargs or {})))
         return func(*args, **(kwargs or {}))
 
@@ -115,6 +117,10 @@ class LaunchShapes(TorchDispatchMode):
         super().__exit__(*exc)
         self._recording.__exit__(*exc)
         self.kernels = [(k.name, k.grid, _kernel_args(k), _signature(k.kwargs)) for k in self._launches]
+
+    @property
+    def syncs(self) -> int:
+        return sum(op[0] == "_local_scalar_dense" for op in self.ops)
 
     @property
     def record(self) -> tuple:

@@ -188,7 +188,8 @@ def block(n: int, least: int = 16) -> int:
 def bucket(n: int, least: int) -> int:
     """The launch-shape bucket of a host-known size ``n``: at least ``least``, above it
     four buckets per doubling (multiples of an eighth of the power of two that covers
-    ``n``), so a launch does at most 1.25x the work its sizes need; 0 stays 0. Sizes
+    ``n``), so above ``least`` a launch does at most 1.25x the work its sizes need; 0
+    stays 0. Sizes
     that fall in one bucket give the same grids and buffer shapes, so one CUDA graph
     serves them all; the kernels read the true sizes from the device."""
     if n <= 0:
