@@ -63,6 +63,19 @@ def server(model_dir, tmp_path_factory):
     proc.stop()
 
 
+@pytest.fixture
+def stand_in_cuda(monkeypatch):
+    """A stand-in CUDA platform: ``sgl_kernel_ext`` takes its Triton path on CPU tensors
+    (the kernels in Triton's interpreter), as it would on a GPU. Skips where the
+    interpreter cannot run the kernels (``dispatch.interpreter_problem``)."""
+    import sgl_kernel_ext as ext
+
+    if ext.dispatch.interpreter_problem():
+        pytest.skip(ext.dispatch.interpreter_problem())
+    monkeypatch.delenv(ext.dispatch.ENV, raising=False)
+    monkeypatch.setattr(ext.dispatch, "is_cuda_tensor", lambda t: True)
+
+
 def bad_token_requests(vocab_size: int) -> dict[str, tuple[str, dict, str]]:
     """Requests whose token ids are not tokens of the model (or whose ``custom_params`` is
     not an object), each ``(path, body, text the 400 must name)``: every server mode

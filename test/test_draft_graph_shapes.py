@@ -37,16 +37,6 @@ FAMILIES = {"specache": draft_graph.specache, "kivi": draft_graph.kivi}
 KERNEL = {"specache": "specache_fetch_rows", "kivi": "kivi_attention_batch"}
 
 
-@pytest.fixture
-def stand_in_cuda(monkeypatch):
-    import sgl_kernel_ext as ext
-
-    if ext.dispatch.interpreter_problem():
-        pytest.skip(ext.dispatch.interpreter_problem())
-    monkeypatch.delenv(ext.dispatch.ENV, raising=False)
-    monkeypatch.setattr(ext.dispatch, "is_cuda_tensor", lambda t: True)
-
-
 def _record(fn) -> tuple:
     with LaunchShapes() as shapes:
         fn()

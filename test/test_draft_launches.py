@@ -43,16 +43,6 @@ def _in_pool_layer(batch: int) -> int:
     return c.total
 
 
-@pytest.fixture
-def stand_in_cuda(monkeypatch):
-    import sgl_kernel_ext as ext
-
-    if ext.dispatch.interpreter_problem():
-        pytest.skip(ext.dispatch.interpreter_problem())
-    monkeypatch.delenv(ext.dispatch.ENV, raising=False)
-    monkeypatch.setattr(ext.dispatch, "is_cuda_tensor", lambda t: True)
-
-
 def _specache_layer(batch: int, batched: bool) -> LaunchCounter:
     import sgl_kernel_ext as ext
 

@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from sglang_vc.bench.kernels import time_us
+
 
 @dataclasses.dataclass
 class Requests:
@@ -155,25 +157,13 @@ def eager_load_matches(fx: Fixture) -> float:
     return float((got - want).abs().max())
 
 
-def _time_us(fn: Callable, repeats: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / repeats
-
-
 def replay(fx: Fixture, repeats: int = 50) -> dict:
     """Capture the layer over batch 0, replay it for batch 0 and then (loaded) batch 1,
     each against its eager call; the eager and replayed layer's time."""
     layer, (a, b), (qa, qb) = fx.layer, fx.batches, fx.queries
     want_a = layer(qa, a)
     want_b = layer(qb, b)
-    eager_us = _time_us(lambda: layer(qb, b), repeats)
+    eager_us = time_us(lambda: layer(qb, b), repeats)
     q = qa.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -190,7 +180,7 @@ def replay(fx: Fixture, repeats: int = 50) -> dict:
     q.copy_(qb)
     graph.replay()
     err_b = float((out - want_b).abs().max())
-    replay_us = _time_us(graph.replay, repeats)
+    replay_us = time_us(graph.replay, repeats)
     return {"max_abs_err_same_batch": err_a, "max_abs_err_loaded_batch": err_b, "eager_us": eager_us,
             "replay_us": replay_us, "shape": repr(a.shape), "ok": max(err_a, err_b) <= 1e-5}
 
