@@ -48,17 +48,26 @@ class Fixture:
     keep: list  # what the tables point at (payloads, host copies, the pool)
 
 
-def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16,
-             dtype=torch.float32, seed: int = 0, bits: Sequence[int] = ()) -> Fixture:
-    """Every set of ``sets`` as one SpeCache drafting batch over one pool, through the
-    server's drafter: each request its own KIVI payload, its full rows in the
-    ``HostKVStore`` (pinned on CUDA), its tail in the pool. ``bits``: each set's KIVI
-    bits (default 2)."""
+@dataclasses.dataclass
+class _Pool:
+    """Requests of ``sets`` over one pool: each its own KIVI payload (entry ``i`` of
+    ``entries``, its rows ``full[i]``) and its tail in the pool (``req_to_token`` row
+    ``i``); ``lens``: each request's length, its tail included."""
+
+    rand: Callable
+    entries: list
+    lens: list
+    full: list  # (k, v) rows each payload quantized
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    req_to_token: torch.Tensor
+
+
+def _pool(sets: Sequence[Requests], device: str, hkv: int, d: int, dtype, seed: int,
+          bits: Sequence[int] = ()) -> _Pool:
     import sgl_kernel_ext as ext
 
     from sglang_vc.compress.kivi import KIVI
-    from sglang_vc.vericache.reload import HostKVStore
-    from sglang_vc.vericache.specache_drafter import SpeCacheDrafter
 
     g = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
@@ -67,41 +76,59 @@ def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d
     slots = sum(sum(s.tail) for s in sets) + 1  # slot 0: the null slot
     k_buf, v_buf = rand(slots, hkv, d), rand(slots, hkv, d)
     req_to_token = torch.zeros(len(reqs), width, dtype=torch.int32, device=device)
-    host = HostKVStore(pin=torch.device(device).type == "cuda")
-    kivi = KIVI(residual_length=0)
-    entries, lens, keep, free = [], [], [], 1
+    kivi_ = KIVI(residual_length=0)
+    entries, lens, full, free = [], [], [], 1
     for row, (s, i, j) in enumerate(reqs):
         kr, vr = rand(s.payload[i], hkv, d), rand(s.payload[i], hkv, d)
-        c = kivi.compress(0, kr, vr, bits[j] if bits else 2)
+        c = kivi_.compress(0, kr, vr, bits[j] if bits else 2)
         packed = ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
                              c.v_payload, c.v_scales, c.v_zeros, d, d)
-        rid = f"r{row}"
-        host.sink(rid, row, 0, 0, kr[: c.num_quantized], vr[: c.num_quantized])
         n, t = c.num_quantized, s.tail[i]
         req_to_token[row, n : n + t] = torch.arange(free, free + t, dtype=torch.int32)
         free += t
-        entries.append(types.SimpleNamespace(rid=rid, req_pool_idx=row, num_payload_rows=n, packed=packed,
+        entries.append(types.SimpleNamespace(rid=f"r{row}", req_pool_idx=row, num_payload_rows=n, row_start=n,
+                                             packed=packed, topk=s.topk[i],
                                              payload=types.SimpleNamespace(layers={0: c}, addresses=None)))
         lens.append(n + t)
-        keep.append(packed)
+        full.append((kr[:n], vr[:n]))
+    return _Pool(rand, entries, lens, full, k_buf, v_buf, req_to_token)
+
+
+def _per_set(sets: Sequence[Requests], items: list):
+    """``items`` (one per request, in order) cut into one slice per set, with its first index."""
+    at = 0
+    for s in sets:
+        yield at, items[at : at + len(s.payload)]
+        at += len(s.payload)
+
+
+def specache(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16,
+             dtype=torch.float32, seed: int = 0, bits: Sequence[int] = ()) -> Fixture:
+    """Every set of ``sets`` as one SpeCache drafting batch over one pool, through the
+    server's drafter: each request its own KIVI payload, its full rows in the
+    ``HostKVStore`` (pinned on CUDA), its tail in the pool. ``bits``: each set's KIVI
+    bits (default 2)."""
+    from sglang_vc.vericache.reload import HostKVStore
+    from sglang_vc.vericache.specache_drafter import SpeCacheDrafter
+
+    pl = _pool(sets, device, hkv, d, dtype, seed, bits)
+    host = HostKVStore(pin=torch.device(device).type == "cuda")
+    for e, (kr, vr) in zip(pl.entries, pl.full):
+        host.sink(e.rid, e.req_pool_idx, 0, 0, kr, vr)
     host.flush()
-    pool = types.SimpleNamespace(get_key_buffer=lambda layer_id: k_buf, get_value_buffer=lambda layer_id: v_buf,
+    pool = types.SimpleNamespace(get_key_buffer=lambda layer_id: pl.k_buf, get_value_buffer=lambda layer_id: pl.v_buf,
                                  start_layer=0, layer_num=1, head_num=hkv)
-    runtime = types.SimpleNamespace(kv_pool=pool, req_to_token=req_to_token,
+    runtime = types.SimpleNamespace(kv_pool=pool, req_to_token=pl.req_to_token,
                                     packed_payload=lambda entry, layer_id: entry.packed)
     drafter = SpeCacheDrafter(host, runtime, topk=8)
-    for e, (s, i, _) in zip(entries, reqs):
-        drafter.topk_of[e.rid] = s.topk[i]
-    batches, queries, at = [], [], 0
-    for s in sets:
-        b = len(s.payload)
-        (sb,) = drafter.batch(entries[at : at + b], lens[at : at + b], device)
+    drafter.topk_of.update({e.rid: e.topk for e in pl.entries})
+    batches, queries = [], []
+    for at, es in _per_set(sets, pl.entries):
+        (sb,) = drafter.batch(es, pl.lens[at : at + len(es)], device)
         batches.append(sb)
-        queries.append(rand(b, hq, d))
-        at += b
-    keep += [host, k_buf, v_buf, req_to_token]
+        queries.append(pl.rand(len(es), hq, d))
     layer = types.SimpleNamespace(layer_id=0, scaling=d ** -0.5)
-    return Fixture(lambda q, sb: drafter.attend_batch(q, sb, layer), batches, queries, keep)
+    return Fixture(lambda q, sb: drafter.attend_batch(q, sb, layer), batches, queries, [pl, host])
 
 
 def kivi(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: int = 16, dtype=torch.float32,
@@ -110,42 +137,18 @@ def kivi(sets: Sequence[Requests], device: str, hq: int = 4, hkv: int = 2, d: in
     server's decode index (``kvruntime.decode_index``: what ``vc_torch``'s batched decode
     and VERICACHE's KIVI drafters attend with): each request its own payload, its tail in
     the pool (``Requests.topk`` unused)."""
-    import sgl_kernel_ext as ext
-
-    from sglang_vc.compress.kivi import KIVI
     from sglang_vc.kvruntime import decode_index
 
-    g = torch.Generator(device=device).manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
-    reqs = [(s, i) for s in sets for i in range(len(s.payload))]
-    width = max(n + t for s in sets for n, t in zip(s.payload, s.tail)) + 1
-    k_buf, v_buf = rand(sum(sum(s.tail) for s in sets) + 1, hkv, d), rand(sum(sum(s.tail) for s in sets) + 1, hkv, d)
-    req_to_token = torch.zeros(len(reqs), width, dtype=torch.int32, device=device)
-    kivi_ = KIVI(residual_length=0)
-    entries, lens, free = [], [], 1
-    for row, (s, i) in enumerate(reqs):
-        c = kivi_.compress(0, rand(s.payload[i], hkv, d), rand(s.payload[i], hkv, d), 2)
-        packed = ext.Payload(c.bits, c.group_size, c.value_group_size, c.k_payload, c.k_scales, c.k_zeros,
-                             c.v_payload, c.v_scales, c.v_zeros, d, d)
-        n, t = c.num_quantized, s.tail[i]
-        req_to_token[row, n : n + t] = torch.arange(free, free + t, dtype=torch.int32)
-        free += t
-        entries.append(types.SimpleNamespace(num_payload_rows=n, row_start=n, packed=packed,
-                                             payload=types.SimpleNamespace(layers={0: c}, addresses=None)))
-        lens.append(n + t)
+    pl = _pool(sets, device, hkv, d, dtype, seed)
     runtime = types.SimpleNamespace(packed_payload=lambda entry, layer_id: entry.packed)
-    indices, queries, at = [], [], 0
-    for s in sets:
-        b = len(s.payload)
-        seq = lens[at : at + b]
-        indices.append(decode_index.build(runtime, req_to_token, torch.arange(at, at + b, device=device),
-                                          torch.tensor(seq, device=device), seq,
-                                          [e.row_start for e in entries[at : at + b]], entries[at : at + b]))
-        queries.append(rand(b, hq, d))
-        at += b
+    indices, queries = [], []
+    for at, es in _per_set(sets, pl.entries):
+        seq = pl.lens[at : at + len(es)]
+        indices.append(decode_index.build(runtime, pl.req_to_token, torch.arange(at, at + len(es), device=device),
+                                          torch.tensor(seq, device=device), seq, [e.row_start for e in es], es))
+        queries.append(pl.rand(len(es), hq, d))
     scale = d ** -0.5
-    return Fixture(lambda q, idx: decode_index.attend(q, k_buf, v_buf, idx, 0, scale), indices, queries,
-                   [entries, k_buf, v_buf, req_to_token])
+    return Fixture(lambda q, idx: decode_index.attend(q, pl.k_buf, pl.v_buf, idx, 0, scale), indices, queries, [pl])
 
 
 def eager_load_matches(fx: Fixture) -> float:
