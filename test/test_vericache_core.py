@@ -99,6 +99,26 @@ def test_candidate_order_anchor_then_minus_then_plus():
     assert candidate_offsets(1, 3, 8)[:3] == [3, 4, 5]  # anchor clamped up to S_r
     assert candidate_offsets(50, 1, 8) == [7, 6, 5, 4, 3, 2, 1]  # anchor clamped to W-1
     assert candidate_offsets(5, 8, 8) == []  # span larger than the window
+    assert candidate_offsets(5, 1, 10, max_offset=3) == [3, 2, 1]  # few tokens left: at most 3 drafts
+    assert candidate_offsets(5, 2, 10, max_offset=1) == [2]  # never below the reload's span
+
+
+def test_decode_slots_one_more_per_iteration_and_no_draft_past_the_last_token():
+    """SGLang's decode allocation with VERICACHE's per-request reserve: each request gets
+    its committed length plus its outstanding drafts plus one (never less than it holds),
+    and a request drafts at most its tokens left less one."""
+    from types import SimpleNamespace as NS
+
+    from sglang_vc.vericache.decode_slots import decode_alloc_lens, draft_cap
+
+    reqs = [NS(kv=NS(kv_committed_len=100, kv_allocated_len=100), drafts=0),  # after prefill
+            NS(kv=NS(kv_committed_len=100, kv_allocated_len=103), drafts=3),  # drafting: its 4th draft
+            NS(kv=NS(kv_committed_len=104, kv_allocated_len=106), drafts=0)]  # verified 4 of 6 slots
+    cur, nxt, needed = decode_alloc_lens(reqs, lambda r: r.drafts + 1, page_size=1)
+    assert (cur, nxt, needed) == ([100, 103, 106], [101, 104, 106], 2)
+    assert decode_alloc_lens(reqs[:1], lambda r: 1, page_size=16)[1] == [112]  # page-aligned
+    assert draft_cap(32, 10) == 21 and draft_cap(32, 30) == 1 and draft_cap(32, 31) == 0
+    assert draft_cap(None, 10) is None
 
 
 def _rings(window=16, iter_time=1.0, hbm=None):

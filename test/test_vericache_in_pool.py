@@ -383,3 +383,33 @@ def test_in_pool_never_decodes_resident_requests_from_full_kv(server, model_dir,
         info = (out["meta_info"].get(META) or [{}])[-1]
         assert (counters.get("drafted", 0) > 0) is drafts, counters
         assert info["mode"] == ("in-pool" if drafts else "full"), info
+
+
+def test_drafting_never_makes_sglang_retract_where_the_plain_server_does_not(model_dir, tokenizer, tmp_path):
+    """A pool that holds four 600-token requests and their 32 new tokens with 16 slots to
+    spare: the plain server retracts nothing, and neither does VERICACHE drafting in place
+    at X = 8, whose drafts take one slot an iteration (as decoding does) and never run past
+    a request's last token (:mod:`sglang_vc.vericache.decode_slots`). SGLang's uniform
+    speculative reserve (2X slots past each committed length) made it retract one here.
+    Output identical to the plain server's, drafts rejected somewhere."""
+    n, new = 4, 32
+    prompts = _prompts(tokenizer, (600,) * n)
+    pool = ["--dtype", "float32", "--max-total-tokens", str(n * (600 + new) + 16), "--max-running-requests", str(n),
+            "--skip-server-warmup"]
+    runs = {}
+    for name, flags in (("vericache", ["--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "8",
+                                       "--vc-in-pool", "always", "--vc-draft-budget", str(BUDGET)]), ("plain", [])):
+        log = tmp_path / f"{name}.log"
+        with ServerProcess([*pool, *flags], log_path=log) as proc:
+            outs = concurrently(lambda ids: generate(proc, ids, new), [(p,) for p in prompts])
+        retracted = [o["meta_info"].get("num_retractions") for o in outs]
+        assert retracted == [0] * n and "Retract requests" not in log.read_text(), (name, retracted)
+        runs[name] = outs
+    for ids, out, ref in zip(prompts, runs["vericache"], runs["plain"]):
+        assert finish_type(out) == finish_type(ref) == "length" and len(out["output_ids"]) == new
+        if out["output_ids"] != ref["output_ids"]:
+            result = compare(greedy_reference(model_dir, ids, new), out["output_ids"], finish_type(out))
+            assert result.identical, result
+    infos = [(o["meta_info"].get(META) or [{}])[-1] for o in runs["vericache"]]
+    assert all(i.get("mode") == "in-pool" for i in infos), infos
+    assert 0 < sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos

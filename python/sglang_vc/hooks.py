@@ -342,6 +342,43 @@ def _headroom_yields_to_decode(*args, **kwargs):
     return None
 
 
+def _slots_ahead():
+    """The running worker's per-request decode reserve (:mod:`sglang_vc.vericache.decode_slots`),
+    or None where SGLang's uniform one applies."""
+    from sglang_vc.kvruntime import current_runtime
+
+    runtime = current_runtime()
+    return runtime.slots_ahead if runtime is not None else None
+
+
+def _decode_alloc_per_request(original, reqs, *, reserve: int, page_size: int):
+    """SGLang's spec-v2 decode allocation tops every running request up to ``committed +
+    2X`` slots, a reserve sized for a draft chain and the overlap scheduler; VERICACHE's
+    staggered iteration writes at most one new position per request, and a request
+    needs its outstanding drafts plus one (:mod:`sglang_vc.vericache.decode_slots`). With
+    the uniform reserve, a pool that holds the requests as a plain server does makes SGLang
+    retract one for slots no forward writes. The reserve is a constant of SGLang's with no
+    per-request seam; other workers keep it."""
+    ahead = _slots_ahead()
+    if ahead is None:
+        return original(reqs, reserve=reserve, page_size=page_size)
+    from sglang_vc.vericache.decode_slots import decode_alloc_lens
+
+    return decode_alloc_lens(reqs, ahead, page_size)
+
+
+def _decode_need_per_request(original, batch, requests, page_size):
+    """SGLang's retraction check asks for what its decode allocation takes
+    (``_new_tokens_required_next_decode_spec_v2``); with VERICACHE's per-request reserve
+    (the hook above) it must ask for the same, or it retracts for slots nobody takes."""
+    ahead = _slots_ahead()
+    if ahead is None:
+        return original(batch, requests, page_size)
+    from sglang_vc.vericache.decode_slots import decode_alloc_lens
+
+    return decode_alloc_lens(requests, ahead, page_size)[2]
+
+
 def _switch_remote_requests_to_local(*args, **kwargs):
     """VERICACHE_REMOTE (path P2, and the fallback of a failed verify): a request whose
     prefix's full KV has arrived leaves the running batch by SGLang's own retraction and
@@ -542,6 +579,16 @@ def install() -> None:
         "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
         _headroom_yields_to_decode,
         HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.allocation_sizing.page_aligned_decode_alloc_lens",
+        _decode_alloc_per_request,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch._new_tokens_required_next_decode_spec_v2",
+        _decode_need_per_request,
+        HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",

@@ -144,7 +144,7 @@ def build_requests(model_dir: str, n_contexts: int, ctx_tokens: int, per_context
     (the reading workload's token stream), each followed by ``per_context`` questions."""
     from transformers import AutoTokenizer
 
-    from sglang_vc.bench.throughput import build_prompts
+    from sglang_vc.bench.long_prompts import build_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     contexts = build_prompts(model_dir, n_contexts, ctx_tokens)

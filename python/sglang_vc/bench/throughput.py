@@ -29,81 +29,23 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import dataclasses
 from pathlib import Path
 
 import requests
 
-from sglang_vc.bench import add_device_argument, phases
+from sglang_vc.bench import add_device_argument, decode_window, divergence, phases
 from sglang_vc.bench.throughput_model import (GPUS, gpu_prediction, memory_bandwidth, model_sizes, predictions,
                                               print_gpu_prediction)
+from sglang_vc.bench.long_prompts import build_prompts, shared_document_prompts
+from sglang_vc.bench.throughput_configs import (FITS_CONFIGS, LONG, LONG_FITS, LONG_FITS_QUICK, LONG_QUICK,
+                                                parse_config, with_schedules)
+from sglang_vc.bench.throughput_plot import plot
 from sglang_vc.testing.server import ServerProcess
 
 
 def log(msg: str) -> None:
     print(f"[throughput] {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- configs
-
-
-def parse_config(spec: str) -> dict:
-    """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache[:always]`` (the default drafter; ``always``:
-    every request compressed) | ``vericache:NAME@AMOUNT[:X|:auto]`` (AMOUNT is the kept
-    ratio of a token-dropping method, or ``Nbit`` for a quantizer) | ``specache[:Nbit[:kK]]``
-    (SpeCache, default 2 bits and top-64)."""
-    kind, _, rest = spec.partition(":")
-    if kind == "full" and not rest:
-        return {"name": "full", "kind": "full", "flags": []}
-    if kind == "vericache" and rest in ("", "always"):  # the default flags: the mode policy decides
-        # (vericache:always compresses every request at its prefill, --vc-compress-when always)
-        return {"name": spec, "kind": "vericache", "compressor": None, "kept": None, "draft_tokens": None,
-                "flags": ["--speculative-algorithm", "VERICACHE", *(["--vc-compress-when", "always"] if rest else [])]}
-    if kind == "inpool":  # forced in-pool self-speculation over a view: inpool:VIEW@B[:X|:auto]
-        view, _, budget = rest.partition("@")
-        budget, _, x = budget.partition(":")
-        if view not in ("window", "reselect") or not budget.isdigit() or (x and x != "auto" and not x.isdigit()):
-            raise ValueError(f"bad config {spec!r}: want inpool:window|reselect@BUDGET[:X|:auto], "
-                             "e.g. inpool:window@512")
-        flags = ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget", budget,
-                 "--vc-draft-view", view]
-        if x and x != "auto":
-            flags += ["--speculative-num-draft-tokens", x]
-        return {"name": spec, "kind": "vericache", "compressor": None, "kept": None, "budget": int(budget),
-                "draft_tokens": int(x) if x and x != "auto" else None, "flags": flags}
-    if kind == "specache":
-        bits, _, k = (rest or "2bit").partition(":")
-        if not bits.endswith("bit") or not bits[:-3].isdigit() or (k and not (k[:1] == "k" and k[1:].isdigit())):
-            raise ValueError(f"bad config {spec!r}: want specache[:Nbit[:kK]], e.g. specache:1bit:k64")
-        flags = ["--speculative-algorithm", "SPECACHE", "--specache-kv-bits", bits[:-3]]
-        if k:
-            flags += ["--specache-topk", k[1:]]
-        return {"name": spec, "kind": "specache", "compressor": "kivi1" if bits == "1bit" else "kivi",
-                "kept": int(bits[:-3]) / 16, "flags": flags}
-    if kind not in ("lossy", "vericache") or "@" not in rest:
-        raise ValueError(f"bad config {spec!r}: want full, lossy:NAME@AMOUNT or vericache:NAME@AMOUNT[:X]")
-    method, _, amount = rest.partition("@")
-    amount, _, x = amount.partition(":")
-    if amount.endswith("bit"):
-        flags = ["--vc-compressor", method, "--vc-kv-bits", str(int(amount[:-3]))]
-        kept = int(amount[:-3]) / 16
-    else:
-        kept = float(amount)
-        flags = ["--vc-compressor", method, "--vc-compression-ratio", str(kept)]
-    cfg = {"name": spec, "kind": kind, "compressor": method, "kept": kept, "flags": flags}
-    if kind == "vericache":
-        if x == "auto":  # the server chooses X from data (no --speculative-num-draft-tokens)
-            cfg["draft_tokens"] = None
-            cfg["flags"] += ["--speculative-algorithm", "VERICACHE"]
-        else:
-            if x and not x.isdigit():
-                raise ValueError(f"bad config {spec!r}: the draft length is a positive integer or auto")
-            cfg["draft_tokens"] = int(x or 4)
-            cfg["flags"] += ["--speculative-algorithm", "VERICACHE",
-                             "--speculative-num-draft-tokens", str(cfg["draft_tokens"])]
-    elif x:
-        raise ValueError(f"bad config {spec!r}: a draft length only applies to vericache")
-    return cfg
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -149,15 +91,26 @@ class RunningSampler:
 
 
 def generate(url: str, ids: list[int], max_new: int) -> dict:
+    """One greedy request, streamed (EOS ignored): its output, SGLang's timestamps and the
+    arrival of each chunk (:mod:`.decode_window`)."""
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     start = time.perf_counter()
-    r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=7200)
-    r.raise_for_status()
-    out = r.json()
-    meta = out["meta_info"]
-    return {"output_ids": out["output_ids"], "latency_s": time.perf_counter() - start,
+    stream = decode_window.stream_generate(url, ids, params)
+    meta = stream.meta_info
+    return {"output_ids": stream.output_ids, "latency_s": time.perf_counter() - start,
             "completion_tokens": meta["completion_tokens"], "finish_reason": meta["finish_reason"]["type"],
-            "times": phases.RequestTimes.of(meta, time.time())}
+            "retractions": int(meta.get("num_retractions") or 0),
+            "times": phases.RequestTimes.of(meta, stream.last), "stream": stream}
+
+
+def prefill_into_cache(url: str, prompts: list[list[int]]) -> None:
+    """Every prompt prefilled once (one new token each), so that the radix cache holds
+    them and the measured run's requests all decode from their first iteration on."""
+    params = {"temperature": 0, "max_new_tokens": 1}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        for r in pool.map(lambda ids: requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": params},
+                                                    timeout=7200), prompts):
+            r.raise_for_status()
 
 
 def counters(url: str) -> dict:
@@ -169,30 +122,22 @@ def delta(after: dict, before: dict) -> dict:
             for mech, vals in after.items()}
 
 
-def with_schedules(cfgs: list[dict], schedules: list[str]) -> list[dict]:
-    """One entry per (VERICACHE configuration, schedule); other kinds have no schedule."""
-    out = []
-    for cfg in cfgs:
-        if cfg["kind"] != "vericache":
-            out.append({**cfg, "schedule": None})
-            continue
-        for sched in schedules:
-            if sched == "lockstep" and cfg["draft_tokens"] is None:
-                raise ValueError(f"{cfg['name']}: lock-step drafts one fixed X for the whole batch; "
-                                 "give X (vericache:NAME@AMOUNT:X) or --schedule staggered")
-            out.append({**cfg, "name": f"{cfg['name']} [{sched}]", "base": cfg["name"], "schedule": sched,
-                        "flags": [*cfg["flags"], "--vc-schedule", sched]})
-    return out
-
-
-def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: int, log_dir: Path) -> dict:
+def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: int, log_dir: Path,
+               warm: bool = False) -> dict:
+    """One configuration's server and run. ``warm``: the prompts are prefilled into the
+    radix cache first, and the decode figure is the steady window's (every request
+    decoding together, :mod:`.decode_window`); otherwise the decode phase's (:mod:`.phases`)."""
     log(f"{cfg['name']}: starting the server")
     trace = log_dir / f"{_slug(cfg['name'])}.trace.jsonl"
+    server_log = log_dir / f"{_slug(cfg['name'])}.log"
     extra = ["--vc-schedule-trace", str(trace)] if cfg.get("schedule") == "staggered" else []
-    with ServerProcess([*common, *cfg["flags"], *extra], log_path=log_dir / f"{_slug(cfg['name'])}.log",
-                       timeout=600) as server:
+    with ServerProcess([*common, *cfg["flags"], *extra], log_path=server_log, timeout=600) as server:
         generate(server.url, prompts[0][:64], 4)  # warm-up
+        if warm:
+            log(f"{cfg['name']}: prefilling the {len(prompts)} prompts into the radix cache")
+            prefill_into_cache(server.url, prompts)
         skip = len(trace.read_text().splitlines()) if extra else 0
+        retractions_before = server_log.read_text().count("Retract requests")
         before = counters(server.url)
         log(f"{cfg['name']}: {len(prompts)} requests at once")
         with RunningSampler(server.url) as sampler, ThreadPoolExecutor(len(prompts)) as pool:
@@ -200,17 +145,26 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
             outs = list(pool.map(lambda ids: generate(server.url, ids, max_new), prompts))
             elapsed = time.perf_counter() - start
         got = delta(counters(server.url), before)
+        logged_retractions = server_log.read_text().count("Retract requests") - retractions_before
     generated = sum(o["completion_tokens"] for o in outs)
     split = phases.split([o["times"] for o in outs])
+    window = decode_window.steady_window([o["stream"] for o in outs])
     row = {
         "config": cfg["name"], "kind": cfg["kind"], "schedule": cfg.get("schedule"), "elapsed_s": elapsed,
         "generated_tokens": generated, "tokens_per_s": generated / elapsed,
         "mean_latency_s": statistics.mean(o["latency_s"] for o in outs),
         **(split.as_dict() if split is not None else {"decode_tokens_per_s": None, "prefill_s": None}),
+        "decode_measure": "decode phase",
+        # requests SGLang retracted (and prefilled again): a row with any measures a prefill too
+        "retracted": sum(o["retractions"] > 0 for o in outs), "retractions_logged": logged_retractions,
+        "steady_window": window.as_dict() if window is not None else None,
         **sampler.summary(), "counters": got,
         "output_ids": [o["output_ids"] for o in outs],
         "finish_reasons": [o["finish_reason"] for o in outs],
     }
+    if warm and window is not None:
+        row["decode_phase_tokens_per_s"] = row["decode_tokens_per_s"]
+        row["decode_tokens_per_s"], row["decode_measure"] = window.tokens_per_s, "steady window"
     vc = got.get("vericache", {})
     if cfg["kind"] == "vericache":
         row["mode_iterations"] = {m: vc.get(f"mode_iterations_{m.replace('-', '_')}", 0)
@@ -225,6 +179,10 @@ def run_config(cfg: dict, common: list[str], prompts: list[list[int]], max_new: 
     if extra:
         records = [json.loads(line) for line in trace.read_text().splitlines()[skip:]]
         row["trace"] = trace_summary(records)
+        if window is not None:
+            row["steady_window"].update(decode_window.iterations_in(records, window))
+    elif window is not None:  # one token per request and iteration
+        row["steady_window"].update(iterations=round(window.tokens / window.requests), mean_batch=window.requests)
     if split is None:
         log(f"{cfg['name']}: SGLang reported no prefill window; no decode-phase figure")
     log(f"{cfg['name']}: {row['tokens_per_s']:.1f} tok/s"
@@ -296,105 +254,8 @@ def _row_costs(timed: list[dict]):
     return dict(zip(("fixed", "token", "row", "query_row", "offload_draft"), terms), fit_iterations=len(usable))
 
 
-def build_prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]] | None:
-    """``n`` prompts of exactly ``prompt_tokens`` tokens, cut at different offsets from the
-    token stream of the reading workload (real text on the machine): no two share a
-    prefix, so the radix cache cannot serve one from another."""
-    from transformers import AutoTokenizer
-
-    from sglang_vc.bench.workloads import load_workload
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    stream: list[int] = []
-    for item in load_workload("reading", tokenizer=model_dir, max_tokens=2048, n=4 * n):
-        stream += tok(item["prompt"])["input_ids"]
-        if len(stream) >= n * prompt_tokens:
-            break
-    step = max(1, (len(stream) - prompt_tokens) // max(1, n - 1)) if len(stream) >= prompt_tokens else 0
-    prompts = [stream[i * step : i * step + prompt_tokens] for i in range(n)]
-    if not step or any(len(p) < prompt_tokens for p in prompts) or len({tuple(p[:8]) for p in prompts}) < n:
-        return None
-    return prompts
-
-
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["results"]
-    names = [r["config"] for r in rows]
-    traced = [r for r in rows if r.get("trace")]
-    fig, axes = plt.subplots(1, 3 if traced else 2, figsize=(16 if traced else 11, 4.2))
-    xs = list(range(len(rows)))
-    series = [("tokens_per_s", "ratio_to_full", "end to end", "tab:blue", -0.2),
-              ("decode_tokens_per_s", "decode_ratio_to_full", "decode phase", "tab:orange", 0.2)]
-    for key, ratio, label, color, dx in series:
-        bars = axes[0].bar([x + dx for x in xs], [r.get(key) or 0 for r in rows], width=0.4, color=color, label=label)
-        for bar, r in zip(bars, rows):
-            if r.get(ratio):
-                axes[0].annotate(f"{r[ratio]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                                 ha="center", va="bottom", fontsize=7)
-    axes[0].set_xticks(xs, names)
-    axes[0].legend(fontsize=8)
-    axes[0].set(ylabel="tokens/s", title="Throughput (ratio to full KV)")
-    axes[1].bar(names, [r["mean_running"] for r in rows], color="tab:green", label="mean")
-    axes[1].scatter(names, [r["max_running"] for r in rows], color="black", marker="_", s=300, label="max")
-    axes[1].set(ylabel="running requests", title="Achieved batch size")
-    axes[1].legend(fontsize=8)
-    for ax in axes[:2]:
-        ax.tick_params(axis="x", rotation=25, labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    if traced:
-        for r in traced:
-            axes[2].plot(r["trace"]["verifies_per_iteration"], lw=0.8, label=f"{r['config']}: verifying")
-            axes[2].plot(r["trace"]["drafting_per_iteration"], lw=0.8, ls=":", label=f"{r['config']}: drafting")
-        axes[2].set(xlabel="decode iteration", ylabel="requests", title="Staggered: verifies per iteration")
-        axes[2].legend(fontsize=7)
-        axes[2].grid(alpha=0.3)
-    s = report["settings"]
-    fig.suptitle(f"{report['model']} on {report['device']}: {s['requests']} x {s['prompt_tokens']}-token "
-                 f"prompts, {s['max_new_tokens']} new tokens, KV pool {s['max_total_tokens']} tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-@dataclass(frozen=True)
-class Mode:
-    """A preset of ``--long``: the KV pool holds ``full_kv_batch`` full requests of the
-    ``requests`` submitted, so device memory binds full KV's batch."""
-
-    requests: int
-    prompt_tokens: int
-    max_new_tokens: int
-    full_kv_batch: int
-    configs: str
-    schedule: str
-
-    def describe(self) -> str:
-        return (f"{self.requests} requests of {self.prompt_tokens} tokens of real text, {self.max_new_tokens} new "
-                f"tokens, a KV pool for {self.full_kv_batch} full requests; {self.configs.replace(',', ', ')} "
-                f"({self.schedule.replace(',', ' and ')})")
-
-
-# VERICACHE chooses X from data (auto): lock-step needs a fixed X, so --long runs staggered
-LONG = Mode(8, 6144, 128, 3, "full,lossy:snapkv@0.25,lossy:kivi@2bit,vericache:specache@2bit:auto,"
-            "vericache:snapkv@0.25:auto,vericache:kivi@2bit:auto", "staggered")
-LONG_QUICK = Mode(8, 4096, 128, 3, "full,lossy:snapkv@0.25,vericache:specache@2bit:auto", "staggered")
-# --long --fits: the pool holds every request's full KV (full_kv_batch = requests); prompts as
-# long as the model's context allows with the new tokens (0: from the model's config)
-FITS_CONFIGS = "full,vericache,inpool:window@512,inpool:reselect@512"
-LONG_FITS = Mode(8, 0, 128, 8, FITS_CONFIGS, "staggered")
-LONG_FITS_QUICK = Mode(8, 4096, 128, 8, FITS_CONFIGS, "staggered")
 
 
 def context_prompt_tokens(model_dir: str, max_new: int) -> int:
@@ -434,7 +295,7 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="output JSON path (a PNG is written beside it)")
     add_device_argument(parser)
-    parser.add_argument("--model", default="smollm2-135m", help="built-in alias or model folder")
+    parser.add_argument("--model", "--model-path", default="smollm2-135m", help="built-in alias or model folder")
     parser.add_argument("--configs", default="full,lossy:snapkv@0.25,vericache:snapkv@0.25:4,"
                         "vericache:streamingllm@0.25:4",
                         help="comma-separated: full | lossy:NAME@AMOUNT | vericache:NAME@AMOUNT[:X|:auto] | "
@@ -451,6 +312,10 @@ def main(argv=None) -> int:
                         help="a pool that holds every request's full KV; with --long (in-pool self-speculation's "
                         f"regime): {FITS_CONFIGS.replace(',', ', ')}; prompts as long as the model's context allows "
                         "with 128 new tokens (4,096 tokens with --quick)")
+    parser.add_argument("--shared-document", type=int, default=0, metavar="TOKENS",
+                        help="with --long --fits: one document of TOKENS tokens of real text with a different "
+                        "question after it per request (the radix cache prefills it once), e.g. 16384 with "
+                        "--model-path qwen2.5-coder-0.5b")
     parser.add_argument("--predict-gpu", choices=sorted(GPUS), default=None,
                         help="also print appendix B.1's prediction on this GPU from the measured A(x)")
     parser.add_argument("--from-json", default=None,
@@ -491,6 +356,10 @@ def main(argv=None) -> int:
             args.configs = "full,lossy:snapkv@0.25,vericache:snapkv@0.25:4"
     if args.fits:  # the pool holds every request's full KV
         args.full_kv_batch = args.requests
+    if args.shared_document and not (args.long and args.fits):
+        parser.error("--shared-document needs --long --fits (the requests share one document in the pool)")
+    if args.shared_document < 0:
+        parser.error("--shared-document takes a token count")
     schedules = [x for x in args.schedule.split(",") if x]
     if not schedules or any(x not in ("lockstep", "staggered") for x in schedules):
         parser.error("--schedule takes lockstep and/or staggered")
@@ -516,13 +385,30 @@ def main(argv=None) -> int:
         model_dir = models.resolve(args.model)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.prompt_tokens == 0:
-        args.prompt_tokens = context_prompt_tokens(model_dir, args.max_new_tokens)
+    if args.shared_document:
+        prompts = shared_document_prompts(model_dir, args.requests, args.shared_document)
+        if prompts is None:
+            parser.error(f"not enough text on this machine for a {args.shared_document}-token document "
+                         f"(or more than 12 requests)")
+        args.prompt_tokens = max(len(p) for p in prompts)
+        if args.prompt_tokens + args.max_new_tokens > context_prompt_tokens(model_dir, 0) + 16:
+            parser.error(f"--shared-document {args.shared_document}: prompts of {args.prompt_tokens} tokens and "
+                         f"{args.max_new_tokens} new ones exceed the model's context")
+    else:
+        if args.prompt_tokens == 0:
+            args.prompt_tokens = context_prompt_tokens(model_dir, args.max_new_tokens)
+        prompts = build_prompts(model_dir, args.requests, args.prompt_tokens)
+        if prompts is None:
+            parser.error(f"not enough text on this machine for {args.requests} prompts of {args.prompt_tokens} tokens")
     ctx = args.prompt_tokens + args.max_new_tokens
-    budget = args.full_kv_batch * ctx + 64
-    prompts = build_prompts(model_dir, args.requests, args.prompt_tokens)
-    if prompts is None:
-        parser.error(f"not enough text on this machine for {args.requests} prompts of {args.prompt_tokens} tokens")
+    if args.shared_document:  # the document's rows once, each request's question and new tokens
+        budget = args.shared_document + sum(len(p) - args.shared_document + args.max_new_tokens for p in prompts) + 64
+    else:
+        budget = args.full_kv_batch * ctx + 64
+    if args.fits:
+        log(f"--fits: a KV pool of {budget} tokens holds every request's prompt and new tokens with 64 to spare; "
+            "VERICACHE asks no drafting headroom beyond them (its drafts take the slots decoding takes, one an "
+            "iteration, and never run past a request's last token: vericache/decode_slots.py)")
     common = ["--model-path", model_dir, "--device", args.device, "--enable-metrics",
               "--max-total-tokens", str(budget), "--max-running-requests", str(args.requests),
               *args.server_args.split()]
@@ -533,8 +419,8 @@ def main(argv=None) -> int:
 
     cfgs_by_name = {c["name"]: c for c in cfgs}
     rows = []
-    for cfg in cfgs:
-        rows.append(run_config(cfg, common, prompts, args.max_new_tokens, log_dir))
+    for cfg in cfgs:  # --fits: prefilled first, so every row decodes the same requests from the same start
+        rows.append(run_config(cfg, common, prompts, args.max_new_tokens, log_dir, warm=args.fits))
     base = rows[0]
     for row in rows:
         row["ratio_to_full"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -548,6 +434,12 @@ def main(argv=None) -> int:
         row["identical_to_full"] = sum(a == b for a, b in zip(zip(row["output_ids"], row["finish_reasons"]),
                                                               zip(base["output_ids"], base["finish_reasons"])))
         row["identical"] = row["identical_to_full"]
+        found = [] if row is base else divergence.classify(model_dir, prompts, base["output_ids"], row["output_ids"])
+        row["divergences"] = [dataclasses.asdict(d) for d in found]
+        row["near_ties"] = sum(d.kind == "near-tie" for d in found)
+        row["invalid_because"] = ((["retraction"] if row["retracted"] or row["retractions_logged"] else [])
+                                  + (["wrong token"] if any(d.fails for d in found) else []))
+        row["valid"] = not row["invalid_because"]
         row["requests"] = len(row["output_ids"])
         row["batch_mean"], row["batch_max"] = row["mean_running"], row["max_running"]
         row["kept"] = cfgs_by_name[row["config"]].get("kept")
@@ -571,9 +463,18 @@ def main(argv=None) -> int:
         "gpu_prediction": gpu_prediction(rows, args.predict_gpu) if args.predict_gpu else None,
         "definitions": {
             "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
-            "decode_tokens_per_s": "tokens decoded while no prefill ran (all but each request's first) / that time: "
+            "decode_tokens_per_s": "decode_measure 'steady window' (--fits: the prompts prefilled into the radix "
+            "cache first): tokens the requests decoded from the moment the last had its first token to the moment "
+            "the first finished, over that time (every request decoding, no prefill; steady_window); 'decode "
+            "phase': tokens decoded while no prefill ran (all but each request's first) / that time: "
             "the span from the first forward to the last reply less the union of the requests' prefill windows "
             "(SGLang's forward_entry_time .. prefill_finished_time)",
+            "retracted": "requests whose reply reports num_retractions > 0 (SGLang retracted and prefilled them "
+            "again); retractions_logged: the server log's 'Retract requests' lines during the run",
+            "divergences": "per request that differs from the full-KV row: the first differing position and its "
+            "kind against a float32 HF reference (near-tie: top-2 gap below 1e-4 of the top logit; wrong-token: "
+            "the row's token is not the reference's; baseline-off: the full-KV row's is not)",
+            "valid": "no retraction and no wrong token: only a valid row compares like with like",
             "prefill_s": "the union of the requests' prefill windows: the same work in every configuration",
             "draft_len": "VERICACHE's anchored draft length X: fixed by the configuration, or (auto) the mean of "
             "the anchors the server chose from data",
@@ -592,8 +493,16 @@ def main(argv=None) -> int:
                if r.get("decode_ratio_to_full") else "")
         log(f"{r['config']:32s} {r['tokens_per_s']:7.1f} tok/s  x{r['ratio_to_full']:.2f}{dec}  "
             f"batch {r['mean_running']:.1f}/{r['max_running']:.0f}  identical {r['identical_to_full']}/{args.requests}"
+            + (f" ({r['near_ties']} near-ties)" if r.get("near_ties") else "")
+            + ("" if r["valid"] else f"  INVALID ({', '.join(r['invalid_because'])})")
             + (f"  A={r['mean_acceptance_length']:.2f}  B.1 predicts x{p['ratio_to_full']:.2f}"
                f" (x{p['at_measured_batch']['ratio_to_full']:.2f} at the measured batch)" if p.get("ratio_to_full") else ""))
+    for r in report["results"]:
+        w = r.get("steady_window")
+        if w:
+            log(f"{r['config']}: steady window {w['seconds']:.1f} s, {w['tokens']} tokens of {w['requests']} requests, "
+                f"{w.get('iterations')} iterations of {w.get('mean_batch') or 0:.1f} requests; retracted "
+                f"{r['retracted']}")
     for r in report["results"]:
         if r.get("trace"):
             t = r["trace"]

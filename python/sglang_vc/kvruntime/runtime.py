@@ -182,6 +182,10 @@ class KVRuntime:
         # headroom): an object with ``size`` (tokens) and ``fit(n)``; fitted to 0 when the
         # last compressed request is released, so an idle pool holds nothing back
         self.held_back = None
+        # KV slots each running request needs past its committed length at the next decode
+        # (``ahead(req) -> int``, VERICACHE's staggered schedule); None: SGLang's uniform
+        # speculative reserve (hooks.py)
+        self.slots_ahead = None
         logger.info(
             "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",

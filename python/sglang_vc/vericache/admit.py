@@ -54,12 +54,16 @@ def bw_profile(ell: float, span: int, iter_time: float) -> tuple[float, ...]:
     return tuple(full + [max(0.0, ell - (span - 1)) * iter_time])
 
 
-def candidate_offsets(x: int, span: int, window: int) -> list[int]:
+def candidate_offsets(x: int, span: int, window: int, max_offset: int | None = None) -> list[int]:
     """Algorithm 1 lines 2-3: verify offsets to try, in order. Empty if the span cannot
-    fit in the window at all (``S_r > W - 1``)."""
+    fit in the window at all (``S_r > W - 1``). ``max_offset`` (ours): the most drafts the
+    request may make before this verify (it has few tokens left); never below ``S_r``
+    (the reload must have time to land)."""
     lo, hi = span, window - 1
     if lo > hi:
         return []
+    if max_offset is not None:
+        hi = max(lo, min(hi, max_offset))
     anchor = min(max(int(x), lo), hi)
     out = [anchor]
     k = 1
@@ -119,6 +123,7 @@ def admit(
     hbm_bytes: float | None = None,
     verify_ring: Ring | None = None,
     verify_cap: float | None = None,
+    max_draft_len: int | None = None,
 ) -> Placement | None:
     """ADMIT(r) of Algorithm 1: find and reserve the verify window, or return ``None``
     (request goes back to the waiting queue).
@@ -128,13 +133,14 @@ def admit(
     ``hbm_bytes`` the transient device memory the reload holds until its verify (defaults
     to ``kv_bytes``). ``verify_ring``/``verify_cap`` optionally cap verifies per window:
     our addition that makes §4.2's "about B/x requests verify per iteration" hold even
-    when neither the link nor HBM is the constraint.
+    when neither the link nor HBM is the constraint. ``max_draft_len`` caps the verify
+    offset (the drafts before it).
     """
     iter_time = bw_ring.iter_time
     ell, span = load_span(kv_bytes, bandwidth, iter_time)
     bw = bw_profile(ell, span, iter_time)
     hbm = float(kv_bytes if hbm_bytes is None else hbm_bytes)
-    for d in candidate_offsets(draft_len, span, bw_ring.window):
+    for d in candidate_offsets(draft_len, span, bw_ring.window, max_draft_len):
         start = d - span + 1
         if not bw_ring.fits(start, bw):
             continue

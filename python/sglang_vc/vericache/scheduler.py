@@ -121,11 +121,13 @@ class ReloadScheduler:
         kv_bytes: int,
         preferred_draft_len: int,
         hbm_bytes: int | None = None,
+        max_draft_len: int | None = None,
     ) -> Admission | None:
         """Run ADMIT (Algorithm 1) for ``request_id`` at the current iteration.
 
         ``kv_bytes`` is the reload size, ``preferred_draft_len`` the anchor ``x``,
-        ``hbm_bytes`` the transient device memory of the reload (default ``kv_bytes``).
+        ``hbm_bytes`` the transient device memory of the reload (default ``kv_bytes``),
+        ``max_draft_len`` the most drafts before the verify (None: the window's).
         Returns the Admission, or None when the request is deferred (back to waiting;
         call again in a later iteration) or in FALLBACK mode (see ``mode``).
         """
@@ -157,6 +159,7 @@ class ReloadScheduler:
             hbm_bytes=hbm_bytes,
             verify_ring=self.verify_ring,
             verify_cap=cap,
+            max_draft_len=max_draft_len,
         )
         if placement is None:
             self._defer(request_id)

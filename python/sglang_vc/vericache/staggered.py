@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import time
 from typing import Callable, Optional
 
 from .scheduler import Admission, ReloadScheduler
@@ -110,7 +111,10 @@ class StaggeredSchedule:
     # ------------------------------------------------------------------ per iteration
 
     def plan(self, rids: list[str], rows: list[int], committed: list[int],
-             kv_bytes: Callable[[int], Optional[int]]) -> IterationPlan:
+             kv_bytes: Callable[[int], Optional[int]],
+             draft_caps: Optional[list[Optional[int]]] = None) -> IterationPlan:
+        """``draft_caps[i]``: the most drafts request ``i`` may make before its next
+        verify (it has few tokens left; :func:`.decode_slots.draft_cap`), None: no cap."""
         live = set(rids)
         for rid in [r for r in self.tracks if r not in live]:
             self.forget(rid)
@@ -134,8 +138,17 @@ class StaggeredSchedule:
                     self.fall_back(track)
                 slots.append(Slot(i, Role.FULL, track))
                 continue
+            cap = draft_caps[i] if draft_caps is not None else None
+            if track.admission is None and cap is not None and cap < 1:
+                if nbytes == 0:  # its last token, its full KV resident: decoded, not drafted
+                    track.full = True  # for this iteration (no fallback: see above)
+                    slots.append(Slot(i, Role.FULL, track))
+                    continue
+                cap = 1  # compressed: one draft, then the verify (its only exact path)
             if track.admission is None:
-                track.admission = self.sched.admit(rid, nbytes, self.anchor(rid, len(rids)))
+                anchor = self.anchor(rid, len(rids))
+                track.admission = self.sched.admit(rid, nbytes, anchor if cap is None else min(anchor, cap),
+                                                   max_draft_len=cap)
             if track.admission is None:
                 if self.sched.mode(rid) is Mode.FALLBACK:
                     slots.append(Slot(i, Role.FULL, track))  # the worker restores its full KV
@@ -210,7 +223,7 @@ class StaggeredSchedule:
                 "reload_started_at": s.track.reload_started_at,
                 "reload_bytes": reloaded.get(s.track.rid, 0),
             })
-        record = {"iteration": plan.iteration, "seconds": round(iter_seconds, 6),
+        record = {"iteration": plan.iteration, "seconds": round(iter_seconds, 6), "wall": round(time.time(), 4),
                   "phases": {k: round(v, 6) if isinstance(v, float) else v for k, v in phases.items()},
                   "iter_time_ema": self.sched.bw_ring.iter_time, "requests": rows}
         with open(self.trace_path, "a") as f:

@@ -57,6 +57,7 @@ from sglang_vc.kvruntime import CopyStream, get_runtime, syncs
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
+from .decode_slots import draft_cap
 from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
@@ -136,6 +137,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             self._runtime.full_kv_kept = self.host.kept
             self.headroom = self._runtime.held_back = VerifyHeadroom(
                 self._runtime.allocator, lambda n: evict_from_tree_cache(self._runtime.tree_cache, n))
+            if self.schedule is flags.Schedule.STAGGERED:  # SGLang allocates what an iteration writes
+                self._runtime.slots_ahead = self._slots_ahead
             self._install_specache_drafter(self._runtime)
         return self._runtime
 
@@ -154,6 +157,14 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         runtime.use_compressor(SpeCacheCopy(group_size=cfg.group_size, residual_length=cfg.residual))
         self.drafter = SpeCacheDrafter(self.host, runtime, cfg.topk)
         self.model_runner.attn_backend.drafter = self.drafter
+
+    def _slots_ahead(self, req) -> int:
+        """KV slots past its committed length the request's next staggered iteration
+        writes up to (:mod:`.decode_slots`): its next draft's, or its next token's."""
+        track = self._staggered.tracks.get(req.rid) if self._staggered is not None else None
+        if track is None or track.committed != req.kv.kv_committed_len:
+            return 1  # new, or prefilled again: its first token
+        return len(track.drafts) + 1
 
     def _full_kv_while_memory_free(self, rid: str, own_rows: int) -> Optional[str]:
         """``--vc-compress-when memory-binds``: a request keeps its full KV when, after its
@@ -191,11 +202,12 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         # pool room for the verify of the longest compressed span (eq. 5: the device budget
         # counts a verifier's full KV), held back from SGLang's admission -- but not the
         # slots SGLang tops every running request up with at its next decode (after a
-        # prefill the running batch decodes next, not only this batch), unless a verify
-        # has waited too long for it
+        # prefill the running batch decodes next, not only this batch; one slot each under
+        # the staggered schedule, :mod:`.decode_slots`), unless a verify has waited too long
         rows_held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
+        per_decode = 1 if runtime.slots_ahead is not None else get_alloc_reserve_per_decode()
         self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0),
-                          keep_free=max(rows_held, len(batch.reqs)) * get_alloc_reserve_per_decode(),
+                          keep_free=max(rows_held, len(batch.reqs)) * per_decode,
                           stalled=self._stalled_verifies)
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
@@ -371,7 +383,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             req.vc_verified = False  # SGLang's spec_* counts take only verifies (hooks.py)
         self._decide_modes(batch, row_list, committed_list)
         plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
-                          lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]))
+                          lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]),
+                          [draft_cap(r.sampling_params.max_new_tokens, len(r.output_ids)) for r in batch.reqs])
         for slot in plan.reloads_due:
             slot.track.reload = self._reload_one(slot.track)
             slot.track.reload_started_at = plan.iteration
@@ -576,7 +589,7 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         for s in plan.slots:
             decision = self.modes.get(s.track.rid)
             mode = decision.mode if decision is not None else Mode.FULL
-            if mode is Mode.IN_POOL and s.track.full:
+            if mode is Mode.IN_POOL and (s.track.full or s.role is Role.FULL):
                 mode = Mode.FULL
             counts[mode] += 1
         stats.add("vericache", **{f"mode_iterations_{m.value.replace('-', '_')}": n for m, n in counts.items()})
