@@ -129,8 +129,13 @@ def test_in_pool_prediction_refits_the_policy_costs_from_the_trace():
     costs = tp._row_costs(timed)
     assert (costs["fixed"], costs["token"], costs["row"], costs["query_row"]) == pytest.approx(
         (0.05, 0.002, 1e-5, 1e-6), rel=1e-5)
-    row = {"config": "c", "trace": {"row_costs": costs}, "mode_iterations": {"in-pool": 40},
+    # the in-pool run's own iterations, and (from another traced row) full-KV ones
+    fit_rows = [[t["forward_s"], *t["regressors"], False] for t in timed]
+    full = [[0.05 + 0.002 * 8 + 1e-5 * r + 1e-6 * r, 8, r, r, 0, True] for r in (32000, 33000)]
+    row = {"config": "c", "trace": {"fit_rows": fit_rows[:6]}, "mode_iterations": {"in-pool": 40},
            "mean_acceptance_length": 3.0, "requests": 8, "draft_tokens": 4}
-    pred = tp.in_pool_predictions([row], {"c": {"budget": 256}}, ctx_tokens=4224, prompt_tokens=4096)
+    other = {"config": "d", "trace": {"fit_rows": fit_rows[6:] + full}, "mode_iterations": {}}
+    pred = tp.in_pool_predictions([row, other], {"c": {"budget": 256}}, ctx_tokens=4224, prompt_tokens=4096)
+    assert pred["c"]["costs"]["full_kv_iterations"] == 2 and pred["c"]["costs"]["fit_iterations"] == 8
     assert pred["c"]["ratio_to_full"] == pytest.approx(in_pool_speedup(RowCosts(0.05, 0.002, 1e-5, 1e-6), 3.0, 4160, 8, 4, 256),
                                                        rel=1e-4)

@@ -180,6 +180,8 @@ def _fed(policy: ModePolicy, fixed: float, row: float) -> ModePolicy:
         it = IterationRows(tokens=8 + i % 5, rows=2000 * (1 + i % 7), query_rows=2000 * (1 + i % 7) * (1 + i % 4),
                            offload_drafts=0)
         policy.record(fixed + 0.001 * it.tokens + row * it.rows, it)
+    full = IterationRows(tokens=8, rows=8 * 8000, query_rows=8 * 8000, offload_drafts=0)  # a full-KV sample at 8
+    policy.record(fixed + 0.001 * full.tokens + row * full.rows, full, batch=8, full_only=True)
     return policy
 
 
@@ -201,8 +203,68 @@ def test_policy_drafts_where_rows_dominate_and_decodes_full_kv_where_the_weights
     assert kv_bound.decide(8000, 8, _curve(4, 0)).mode is Mode.FULL
 
 
+def _fed_offload(policy: ModePolicy, fixed: float, row: float, offload_draft: float) -> ModePolicy:
+    """Iterations with offload drafters among them, timed by a known cost model."""
+    for i in range(2 * MIN_ITERATIONS):
+        it = IterationRows(tokens=8 + i % 5, rows=2000 * (1 + i % 7), query_rows=2000 * (1 + i % 7) * (1 + i % 4),
+                           offload_drafts=i % 3)
+        policy.record(fixed + 0.001 * it.tokens + row * it.rows + offload_draft * it.offload_drafts, it)
+    return policy
+
+
+def test_offload_is_chosen_by_the_same_costs_and_capped_by_eq9():
+    """Where the pool binds, a request is offloaded when the batch's tokens/s with it
+    offloaded (and a waiting request admitted into its rows) beats keeping it at full KV:
+    a heavy fixed cost and a cheap offload draft pay, an offload draft as dear as a
+    full-KV step does not. Before any offload is measured one request is offloaded to
+    measure it. Eq. 9 caps the offloaded requests by the reload's iterations."""
+    from sglang_vc.vericache.perf_model import offload_gain
+
+    curve = _curve(4, 3)
+    fresh = ModePolicy(lambda n: 512, 8, None)
+    assert fresh.offload(4000, 3, 0, 1.0, curve, 0.001).mode is Mode.OFFLOAD  # to measure
+    waits = fresh.offload(4000, 3, 1, 1.0, curve, 0.001)
+    assert waits.mode is Mode.FULL and "not measured" in waits.reason
+    assert fresh.offload(4000, 3, 0, 0, curve, 0.001).mode is Mode.FULL  # frees nothing usable
+    pays = _fed_offload(ModePolicy(lambda n: 512, 8, None), fixed=0.2, row=1e-6, offload_draft=0.001)
+    d = pays.offload(4000, 3, 1, 1.0, curve, 0.001)
+    assert d.mode is Mode.OFFLOAD and d.predicted_speedup > 1.05 and "offload draft" in d.reason, d
+    costs = pays.costs()
+    assert costs.offload_draft == pytest.approx(0.001, rel=1e-6)
+    assert d.predicted_speedup == pytest.approx(offload_gain(costs, curve.acceptance(d.draft_len), d.draft_len,
+                                                             4000, 3, 1, 1.0))
+    dear = _fed_offload(ModePolicy(lambda n: 512, 8, None), fixed=0.001, row=1e-6, offload_draft=0.05)
+    d = dear.offload(4000, 3, 1, 1.0, curve, 0.001)
+    assert d.mode is Mode.FULL and "below" in d.reason, d
+    # a reload of 100 iterations: one offloaded request keeps the link busy
+    d = pays.offload(4000, 3, 1, 1.0, curve, 100.0)
+    assert d.mode is Mode.FULL and "Eq. 9" in d.reason, d
+
+
+def test_policy_samples_full_kv_decoding_once_per_batch_size():
+    """Until an iteration in which every request of the batch decoded from full KV is in
+    the fit, requests at a cycle boundary decode full KV (the fixed cost and the rows' are
+    told apart by it); once recorded, they draft; a forced policy never samples; a batch
+    size that never gets there is given up after a bounded number of decisions."""
+    from sglang_vc.vericache import policy as pol
+
+    curve = _curve(4, 4)
+    kv_bound = _fed(ModePolicy(lambda n: 512, 8, None), fixed=0.005, row=2e-6)
+    d = kv_bound.decide(8000, 6, curve)
+    assert d.mode is Mode.FULL and "measuring full-KV" in d.reason, d
+    kv_bound.record(0.05, IterationRows(6, 48000, 48000, 0), batch=6, full_only=True)
+    assert kv_bound.decide(8000, 6, curve).mode is Mode.IN_POOL
+    assert kv_bound.full_samples[6] and kv_bound.costs() is not None
+    forced = ModePolicy(lambda n: 512, 8, 4, forced=Mode.IN_POOL)
+    assert not forced.needs_full_sample(6)
+    tries = [kv_bound.decide(8000, 3, curve).mode for _ in range(pol.SAMPLE_TRIES * 3 + 1)]
+    assert tries[:-1] == [Mode.FULL] * (pol.SAMPLE_TRIES * 3) and tries[-1] is Mode.IN_POOL
+
+
 def test_policy_before_data_forced_and_short_requests():
     policy = ModePolicy(lambda n: 512, 8, 4)
+    assert "measuring full-KV" in policy.decide(4096, 8, AcceptanceCurve()).reason  # the first iteration
+    policy.record(0.1, IterationRows(8, 8 * 4096, 8 * 4096, 0), batch=8, full_only=True)
     assert policy.decide(4096, 8, AcceptanceCurve()).mode is Mode.IN_POOL  # 4096 >= 4 x 512
     assert policy.decide(1500, 8, AcceptanceCurve()).mode is Mode.FULL
     assert policy.decide(400, 8, _curve(4, 4)).mode is Mode.FULL  # fits the budget: nothing to skip

@@ -319,7 +319,9 @@ def _report_waiting_demand(result, *args, **kwargs):
 
     runtime = current_runtime()
     if runtime is not None and runtime.compress_gate is not None:  # nobody else reads it
-        runtime.waiting_demand = sum(len(req.origin_input_ids) for req in getattr(args[0], "waiting_queue", ()))
+        waiting = getattr(args[0], "waiting_queue", ())
+        runtime.waiting_demand = sum(len(req.origin_input_ids) for req in waiting)
+        runtime.waiting_requests = len(waiting)
     return None
 
 

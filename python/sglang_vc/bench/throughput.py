@@ -210,6 +210,7 @@ def trace_summary(records: list[dict]) -> dict:
                      "verify_tokens": sum((r["verified_drafts"] or 0) + 1 for r in rec["requests"]
                                           if r["role"] == "verify"),
                      "forward_s": rec.get("phases", {}).get("forward_s"),
+                     "full_only": bool(roles) and all(r == "full" for r in roles),
                      "regressors": [rec.get("phases", {}).get(k) for k in ("tokens", "rows", "query_rows", "offload_drafts")]})
     busy = [r for r in rows if r["verifies"] + r["drafting"] + r["full"] > 0]
 
@@ -235,6 +236,8 @@ def trace_summary(records: list[dict]) -> dict:
         "mean_forward_s": ratio(sum(r["forward_s"] for r in timed), len(timed)),
         "cost": cost,
         "row_costs": _row_costs(timed),
+        # the policy's regressors per timed iteration: [forward_s, *regressors, full_only]
+        "fit_rows": [[r["forward_s"], *r["regressors"], r["full_only"]] for r in timed if None not in r["regressors"]],
     }
 
 
@@ -251,7 +254,8 @@ def _row_costs(timed: list[dict]):
     terms = nonnegative_fit([r["forward_s"] for r in usable], [tuple(r["regressors"]) for r in usable])
     if terms is None:
         return None
-    return dict(zip(("fixed", "token", "row", "query_row", "offload_draft"), terms), fit_iterations=len(usable))
+    return dict(zip(("fixed", "token", "row", "query_row", "offload_draft"), terms), fit_iterations=len(usable),
+                full_kv_iterations=sum(bool(r.get("full_only")) for r in usable))
 
 
 def _slug(name: str) -> str:
@@ -267,25 +271,35 @@ def context_prompt_tokens(model_dir: str, max_new: int) -> int:
 
 def in_pool_predictions(rows: list[dict], cfgs: dict, ctx_tokens: int, prompt_tokens: int) -> dict:
     """:func:`sglang_vc.vericache.perf_model.in_pool_speedup` per VERICACHE run that drafted
-    in place, from that run's own fitted row costs and its measured A at its mean X: the
-    model's ratio to full KV, to set beside the measured one. The request length is the
-    mean over the decode (prompt + half the new tokens)."""
+    in place, from the policy's cost fit over that run's iterations and every full-KV
+    iteration of the run's traced rows (the same machine and model: without them a run that
+    drafts throughout cannot tell the fixed cost from the rows'), at its measured A and
+    mean X: the model's ratio to full KV, to set beside the measured one. The request
+    length is the mean over the decode (prompt + half the new tokens), the batch the
+    steady window's (else every request)."""
     from sglang_vc.vericache.draft_view import DEFAULT_BUDGET
     from sglang_vc.vericache.perf_model import RowCosts, in_pool_speedup
 
+    full_only = [f for row in rows for f in (row.get("trace") or {}).get("fit_rows", []) if f[-1]]
     out = {}
     for row in rows:
-        costs = (row.get("trace") or {}).get("row_costs")
+        trace = row.get("trace") or {}
         modes = row.get("mode_iterations") or {}
-        if not costs or not modes.get("in-pool") or not row.get("mean_acceptance_length"):
+        if not trace.get("fit_rows") or not modes.get("in-pool") or not row.get("mean_acceptance_length"):
+            continue
+        own = trace["fit_rows"]
+        pooled = own + [f for f in full_only if all(f is not g for g in own)]
+        costs = _row_costs([{"forward_s": f[0], "regressors": f[1:5], "full_only": f[5]} for f in pooled])
+        if costs is None:
             continue
         budget = cfgs[row["config"]].get("budget") or DEFAULT_BUDGET
         length = (prompt_tokens + ctx_tokens) // 2
+        batch = round((row.get("steady_window") or {}).get("mean_batch") or row["requests"])
         rc = RowCosts(costs["fixed"], costs["token"], costs["row"], costs["query_row"])
         out[row["config"]] = {
-            "ratio_to_full": in_pool_speedup(rc, row["mean_acceptance_length"], length, row["requests"],
+            "ratio_to_full": in_pool_speedup(rc, row["mean_acceptance_length"], length, batch,
                                              row["draft_tokens"], budget),
-            "costs": costs, "length": length, "budget": budget, "draft_len": row["draft_tokens"],
+            "costs": costs, "length": length, "batch": batch, "budget": budget, "draft_len": row["draft_tokens"],
             "acceptance": row["mean_acceptance_length"]}
     return out
 
@@ -514,8 +528,9 @@ def main(argv=None) -> int:
     for name, p in in_pool_pred.items():
         measured = next(r["decode_ratio_to_full"] for r in report["results"] if r["config"] == name)
         log(f"{name}: in-pool model predicts x{p['ratio_to_full']:.2f} full KV (A={p['acceptance']:.2f}, "
-            f"X={p['draft_len']}, budget {p['budget']}, {p['length']} tokens), measured decode "
-            + (f"x{measured:.2f}" if measured else "n/a"))
+            f"X={p['draft_len']}, budget {p['budget']}, {p['length']} tokens, batch {p['batch']}; fitted over "
+            f"{p['costs']['fit_iterations']} iterations, {p['costs']['full_kv_iterations']} of them full-KV), "
+            "measured decode " + (f"x{measured:.2f}" if measured else "n/a"))
     if report["gpu_prediction"]:
         print_gpu_prediction(report["gpu_prediction"])
     log(f"wrote {out} and {out.with_suffix('.png')}")

@@ -156,13 +156,14 @@ class KVRuntime:
         # full KV on the device (decodes uncompressed).
         self.full_kv_admit = None
         # ... and may decide that a request need not be compressed at all:
-        # ``gate(rid, own_rows) -> reason or None``; with a reason it keeps its full KV on
-        # the device (VERICACHE while device memory does not bind).
+        # ``gate(rid, own_rows, spec) -> reason or None``; with a reason it keeps its full KV
+        # on the device (VERICACHE where compressing it does not pay).
         self.compress_gate = None
         self.tree_cache = None  # the radix cache (set by it): its evictable rows count as room
         # prompt rows of the scheduler's waiting queue after its last batch choice, kept
         # (by hooks.py) only while a compress gate reads it
         self.waiting_demand = 0
+        self.waiting_requests = 0
         # ... and, for a token-dropping method, learns which rows stayed on the device:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
@@ -290,7 +291,7 @@ class KVRuntime:
         p = plan.tree_prefix_len
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
-        if self.compress_gate is not None and (reason := self.compress_gate(plan.rid, n - p)) is not None:
+        if self.compress_gate is not None and (reason := self.compress_gate(plan.rid, n - p, spec)) is not None:
             plan.spec = None
             self.meta[plan.rid] = {"compressor": "none", "full_kv_reason": reason}
             return None

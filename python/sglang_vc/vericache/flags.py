@@ -75,10 +75,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--vc-compress-when",
         choices=[c.value for c in CompressWhen],
         default=CompressWhen.MEMORY_BINDS.value,
-        help="VERICACHE: 'memory-binds' (default) compresses a request after its prefill only "
+        help="VERICACHE: 'memory-binds' (default) compresses a request after its prefill (offload) only "
         "when the device KV pool (free plus evictable rows) could not then hold the waiting "
-        "requests' prompts at full KV; until then requests keep their full KV in the pool "
-        "(full-KV decoding or in-pool drafting, --vc-in-pool). 'always' compresses every request.",
+        "requests' prompts at full KV and, under the staggered schedule, the mode policy's fitted costs "
+        "predict that offloading it (and admitting waiting requests into the rows it frees) raises the "
+        "batch's tokens/s, within appendix B.1's cap (Eq. 9; before offload is measured, one request is "
+        "offloaded to measure it); otherwise it keeps its full KV in the pool (full-KV decoding or in-pool "
+        "drafting, --vc-in-pool) and waiting requests wait, as on a plain server. 'always' compresses every "
+        "request.",
     )
     g.add_argument(
         "--vc-in-pool",

@@ -370,6 +370,7 @@ class RowCosts:
     token: float
     row: float
     query_row: float = 0.0
+    offload_draft: float = 0.0  # per draft step over compressed KV (the offload drafter's own work)
 
 
 def full_kv_token_time(costs: RowCosts, length: int, batch: int) -> float:
@@ -395,3 +396,39 @@ def in_pool_speedup(costs: RowCosts, acceptance: float, length: int, batch: int,
     per full-KV token time."""
     cycle = in_pool_cycle_time(costs, length, batch, draft_len, budget)
     return acceptance * full_kv_token_time(costs, length, batch) / cycle if cycle > 0 else 0.0
+
+
+# ------------------------------------------------------------------- offload, priced alike
+
+
+def full_kv_request_time(costs: RowCosts, length: int) -> float:
+    """Seconds a full-KV request of ``length`` tokens adds to an iteration (one token)."""
+    return costs.token + (costs.row + costs.query_row) * length
+
+
+def offload_request_time(costs: RowCosts, length: int, draft_len: int) -> float:
+    """Seconds an offloaded request adds to an iteration, on average over its cycle: ``x``
+    draft steps over its compressed KV, then a verify of ``x + 1`` tokens over its full
+    ``length`` rows (staged from the host)."""
+    x = draft_len
+    cycle = x * (costs.token + costs.offload_draft) + (x + 1) * costs.token + (costs.row + (x + 1) * costs.query_row) * length
+    return cycle / (x + 1)
+
+
+def offload_gain(costs: RowCosts, acceptance: float, draft_len: int, length: int, full: int, offloaded: int,
+                 admitted: float) -> float:
+    """Committed tokens per second of a batch of ``full`` full-KV and ``offloaded``
+    offloaded requests (all of ``length`` tokens) when one of its full-KV requests is
+    offloaded and ``admitted`` waiting requests take the rows that frees at full KV, over
+    the batch's as it is (appendix B.1's tokens per iteration over the fitted iteration
+    time: ``A / (x + 1)`` tokens an iteration per offloaded request, one per full-KV one)."""
+    f, o = full_kv_request_time(costs, length), offload_request_time(costs, length, draft_len)
+    per_off = acceptance / (draft_len + 1)
+
+    def tokens_per_s(n_full: float, n_off: float) -> float:
+        t = costs.fixed + n_full * f + n_off * o
+        return (n_full + n_off * per_off) / t if t > 0 else 0.0
+
+    now = tokens_per_s(full, offloaded)
+    return tokens_per_s(full - 1 + admitted, offloaded + 1) / now if now > 0 else 0.0
+

@@ -7,8 +7,10 @@
   its compressed KV, verifies against the full KV reloaded from the host.
 
 Offload is decided when the prefill ends (``--vc-compress-when``, the runtime's compress
-gate). For a request whose full KV is resident, :class:`ModePolicy` chooses full or
-in-pool at every cycle boundary (after a verify, or between full-KV tokens): in-pool
+gate): where the pool binds, :meth:`ModePolicy.offload` weighs the batch's tokens/s with
+the request offloaded (and waiting requests admitted into the rows that frees) against
+it kept at full KV, by the same fitted costs. For a request whose full KV is resident,
+:class:`ModePolicy` chooses full or in-pool at every cycle boundary (after a verify, or between full-KV tokens): in-pool
 where :func:`.perf_model.in_pool_speedup` -- the costs fitted here from the server's own
 iterations and the acceptance A(x) seen from the view -- beats full-KV decoding by a
 margin. Until there is data (``MIN_ITERATIONS`` iterations and ``MIN_VERIFIES``
@@ -22,13 +24,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 from typing import Optional
 
 from .draft_length import MIN_ITERATIONS, MIN_VERIFIES, AcceptanceCurve, nonnegative_fit
-from .perf_model import RowCosts, in_pool_speedup
+from .perf_model import RowCosts, full_kv_request_time, in_pool_speedup, offload_gain
 
 COST_WINDOW = 256  # iterations the fit looks back over
 MARGIN = 1.05  # in-pool must be predicted this much faster (no flapping on noise)
+FULL_SAMPLES = 2  # full-KV iterations kept per batch size
+SAMPLE_TRIES = 8  # boundary decisions per request spent waiting for a batch size's full-KV sample
 PRIOR_LENGTH_RATIO = 4  # without data: draft where the request is this many budgets long
 
 
@@ -65,18 +70,78 @@ class ModePolicy:
         self.default_x = fixed_x or min(default_x, max_x)  # X before A(x) is known
         self.forced = forced  # IN_POOL (--vc-in-pool always) or FULL (never); None: auto
         self.history: collections.deque = collections.deque(maxlen=COST_WINDOW)
+        # iterations in which every request decoded from full KV, the last few per batch size:
+        # kept in the fit beyond the window (they separate the fixed cost from the rows')
+        self.full_samples: dict[int, collections.deque] = {}
+        self._sampling: collections.Counter = collections.Counter()  # batch -> decisions spent sampling
         self._costs: Optional[RowCosts] = None  # the fit of the history as it is (None: refit)
 
-    def record(self, seconds: float, it: IterationRows) -> None:
-        self.history.append((seconds, it.tokens, it.rows, it.query_rows, it.offload_drafts))
+    def record(self, seconds: float, it: IterationRows, batch: int = 0, full_only: bool = False) -> None:
+        """One iteration's forward time and what it forwarded; ``full_only``: each of its
+        ``batch`` requests decoded one token from full KV."""
+        row = (seconds, it.tokens, it.rows, it.query_rows, it.offload_drafts)
+        self.history.append(row)
+        if full_only:
+            self.full_samples.setdefault(batch, collections.deque(maxlen=FULL_SAMPLES)).append(row)
         self._costs = None
 
     def costs(self) -> Optional[RowCosts]:
-        """The costs fitted on the last ``COST_WINDOW`` iterations (once per iteration)."""
+        """The costs fitted on the last ``COST_WINDOW`` iterations and the full-KV samples
+        (once per iteration)."""
         if self._costs is None and len(self.history) >= MIN_ITERATIONS:
-            terms = nonnegative_fit([h[0] for h in self.history], [h[1:] for h in self.history])
-            self._costs = None if terms is None else RowCosts(*terms[:4])
+            kept = {id(h) for h in self.history}
+            rows = [*self.history, *(h for q in self.full_samples.values() for h in q if id(h) not in kept)]
+            terms = nonnegative_fit([h[0] for h in rows], [h[1:] for h in rows])
+            self._costs = None if terms is None else RowCosts(*terms)
         return self._costs
+
+    def needs_full_sample(self, batch: int) -> bool:
+        """Whether the fit lacks an iteration of ``batch`` requests all decoding from full
+        KV (without one the fixed cost and the rows' are not told apart: every drafting
+        iteration of a batch reads about the same rows). Requests at a cycle boundary then
+        decode full KV until the whole batch does once; a batch size that never gets there
+        is given up after ``SAMPLE_TRIES`` such decisions."""
+        if self.forced is not None or batch < 2 or batch in self.full_samples:
+            return False
+        return self._sampling[batch] < SAMPLE_TRIES * batch
+
+    def offload_measured(self) -> int:
+        """Iterations of the cost window that had offload drafters in them."""
+        return sum(1 for h in self.history if h[4] > 0)
+
+    def offload(self, length: int, full: int, offloaded: int, admitted: float, curve: AcceptanceCurve,
+                reload_s: float) -> Decision:
+        """Offload a request whose prefill just ended (the pool binds: compressing it frees
+        rows for ``admitted`` waiting requests), or keep its full KV, by the same fitted costs
+        as the in-pool choice (:func:`.perf_model.offload_gain`), with appendix B.1's cap on
+        the requests offloaded at once (Eq. 9: ``B_c * ell <= x + 1``, ``ell`` the reload's
+        iterations). Until the costs of an offload drafter are measured, one request is
+        offloaded to measure them."""
+        x = self.default_x
+        if admitted <= 0:
+            return Decision(Mode.FULL, None, "offloading it frees no room for a waiting request")
+        costs = self.costs()
+        if costs is None or self.offload_measured() < MIN_ITERATIONS or curve.verifies < MIN_VERIFIES:
+            if offloaded == 0:
+                return Decision(Mode.OFFLOAD, x, "the pool binds; no offload costs measured yet: this request "
+                                "is offloaded to measure them")
+            return Decision(Mode.FULL, None, f"the pool binds; offload costs not measured yet "
+                            f"({offloaded} request(s) offloaded to measure them)")
+        xs = [self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)
+        gain, x = max((offload_gain(costs, curve.acceptance(x), x, length, full, offloaded, admitted), x)
+                      for x in xs)
+        iteration = costs.fixed + full * full_kv_request_time(costs, length)
+        ell = max(1, math.ceil(reload_s / iteration)) if iteration > 0 else 1
+        if (offloaded + 1) * ell > x + 1:
+            return Decision(Mode.FULL, None, f"appendix B.1 Eq. 9: {offloaded} offloaded requests already keep the "
+                            f"link busy (a reload takes {ell} iterations, X={x})", gain)
+        terms = (f"offload draft {1e3 * costs.offload_draft:.1f} ms, full-KV request "
+                 f"{1e3 * full_kv_request_time(costs, length):.1f} ms an iteration, fixed {1e3 * costs.fixed:.1f} ms, "
+                 f"A({x})={curve.acceptance(x):.2f}, {admitted:.1f} waiting admitted")
+        if gain >= MARGIN:
+            return Decision(Mode.OFFLOAD, x, f"offload predicted {gain:.2f}x the batch's tokens/s ({terms})", gain)
+        return Decision(Mode.FULL, None, f"offload predicted {gain:.2f}x the batch's tokens/s, below {MARGIN:.2f}x "
+                        f"({terms})", gain)
 
     def decide(self, length: int, batch: int, curve: AcceptanceCurve) -> Decision:
         budget = self.budget_rows(length)
@@ -86,6 +151,9 @@ class ModePolicy:
             return Decision(Mode.FULL, None, f"its {length} tokens fit the draft budget ({budget}): nothing to skip")
         if self.forced is Mode.IN_POOL:
             return Decision(Mode.IN_POOL, self.default_x, "--vc-in-pool always")
+        if self.needs_full_sample(batch):
+            self._sampling[batch] += 1
+            return Decision(Mode.FULL, None, f"measuring full-KV decoding at batch {batch} (the cost fit needs it)")
         costs = self.costs()
         if costs is None or curve.verifies < MIN_VERIFIES:
             x = self.default_x

@@ -166,17 +166,36 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             return 1  # new, or prefilled again: its first token
         return len(track.drafts) + 1
 
-    def _full_kv_while_memory_free(self, rid: str, own_rows: int) -> Optional[str]:
-        """``--vc-compress-when memory-binds``: a request keeps its full KV when, after its
-        prefill, the pool still has room for the waiting requests' prompts (device memory
-        does not bind the batch: the request decodes full KV or drafts in place, by the
-        mode policy); otherwise it is compressed (offload)."""
-        room, waiting = self.runtime.free_room(), self.runtime.waiting_demand
+    def _full_kv_while_memory_free(self, rid: str, own_rows: int, spec) -> Optional[str]:
+        """``--vc-compress-when memory-binds``: whether a request whose prefill just ended
+        is compressed (offload; None) or keeps its full KV (the reason). It keeps it where
+        the pool still has room for the waiting requests' prompts (memory does not bind the
+        batch: it decodes full KV or drafts in place, by the mode policy) and, under the
+        staggered schedule, where offloading does not pay by the mode policy's fitted costs
+        (:meth:`.policy.ModePolicy.offload`); the waiting requests then wait, as on a plain
+        server."""
+        runtime = self.runtime
+        room, waiting = runtime.free_room(), runtime.waiting_demand
         if room >= waiting:
             stats.add("vericache", full_kv_memory_free=1)
             return (f"the KV pool has room for its full KV ({room} free rows >= {waiting} waiting; "
                     "--vc-compress-when)")
-        return None
+        if self.schedule is not flags.Schedule.STAGGERED:
+            return None
+        kept = spec.rows_kept(own_rows) if spec.scenario == "token_dropping" else 0
+        per_waiting = waiting / max(1, runtime.waiting_requests)
+        admitted = min(runtime.waiting_requests, max(0, room + own_rows - kept) // max(1, per_waiting))
+        offloaded = len(runtime.compressed_rids())
+        held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
+        reload_s = own_rows * runtime.bytes_per_slot / (self._bandwidth or measure_bandwidth(self.device))
+        decision = self.policy.offload(own_rows, max(1, held - offloaded), offloaded, admitted,
+                                       self.draft_length.curves[spec.compressor], reload_s)
+        if decision.mode is Mode.OFFLOAD:
+            self.modes[rid] = decision
+            stats.add("vericache", offload_chosen=1)
+            return None
+        stats.add("vericache", offload_declined=1)
+        return decision.reason
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
         ok = self.host.admit(rid, req_pool_idx, p, n, (n - p) * self.runtime.bytes_per_slot)
@@ -452,14 +471,16 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
             in_pool = {k: self.budget.rows(s.track.committed) for k, s in enumerate(part)
                        if s.role is Role.DRAFT and self._in_pool(s.track)}
             in_pool_drafts = self._in_pool_drafts(part, in_pool)
+            # full rows read: in-pool drafters' views, full-KV requests' and every verifier's rows
+            # (an offloaded one's staged ones too); offload drafters have a term of their own
+            full_rows = [k in in_pool or s.role is Role.VERIFY or self.runtime.entry_for_row(s.track.row) is None
+                         for k, s in enumerate(part)]
             rows_read = sum(min(in_pool[k], st + 1) if k in in_pool else st + n
-                            for k, (s, st, n) in enumerate(zip(part, starts, lens))
-                            if k in in_pool or self.runtime.entry_for_row(s.track.row) is None)
+                            for k, (st, n) in enumerate(zip(starts, lens)) if full_rows[k])
             # query x row products: a verify's queries each score every row (on this CPU the
             # extend path's compute grows with them)
             query_rows = sum(min(in_pool[k], st + 1) if k in in_pool else n * (st + n)
-                             for k, (s, st, n) in enumerate(zip(part, starts, lens))
-                             if k in in_pool or self.runtime.entry_for_row(s.track.row) is None)
+                             for k, (st, n) in enumerate(zip(starts, lens)) if full_rows[k])
             offload_drafts = sum(1 for k, s in enumerate(part) if s.role is Role.DRAFT and k not in in_pool)
             q_req = torch.arange(len(part)).repeat_interleave(torch.tensor(lens))
             pos_t = torch.tensor(positions, dtype=torch.int64)
@@ -535,7 +556,8 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         if part:
             self.draft_length.record_iteration(phases["forward_s"], len(drafters), len(full), verify_tokens,
                                                len(verifiers))
-            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, query_rows, offload_drafts))
+            self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, query_rows, offload_drafts),
+                               batch=bs, full_only=len(full) == len(part) == bs)
         self._count_modes(plan)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
@@ -569,10 +591,10 @@ class VeriCacheWorker(LockstepRound, ChainSpecWorker):
         for req, row, length in zip(batch.reqs, rows, committed):
             if self.runtime.entry_for_row(row) is not None:
                 decision = self.modes.get(req.rid)
-                if decision is None or decision.mode is not Mode.OFFLOAD:
+                if decision is None or decision.mode is not Mode.OFFLOAD:  # not the policy's choice
                     self.modes[req.rid] = decision = Decision(
-                        Mode.OFFLOAD, None, "its KV was compressed after its prefill: the pool could not hold it "
-                        "and the waiting requests at full KV (--vc-compress-when)")
+                        Mode.OFFLOAD, None, "its KV was compressed after its prefill (--vc-compress-when always, "
+                        "or the pool binds under --vc-schedule lockstep)")
                 self._note_mode(req, decision)
                 continue
             track = tracks.get(req.rid)
