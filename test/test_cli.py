@@ -47,6 +47,24 @@ def test_cpu_dtype_default_and_explicit_dtype(argv, dtype):
     assert server_args.dtype == (cpu_default_dtype() if dtype == "CPU_DEFAULT" else dtype)
 
 
+def test_cpu_hicache_gets_the_transfers_the_platform_supports(capsys):
+    """``--enable-hierarchical-cache`` on the CPU platform: the launcher sets the HiCache
+    I/O backend and layout it supports (SGLang's defaults are CUDA transfers, which crashed
+    the scheduler at start-up) and says so; one given that it cannot run is a CLI error."""
+    from sglang_vc import notices
+    from sglang_vc.launch_server import parse_args
+
+    _, server_args = parse_args(["--enable-hierarchical-cache", "--radix-cache-backend", "evicpress",
+                                 "--evicpress-disk-dir", "/tmp/unused-evicpress"])
+    assert (server_args.hicache_io_backend, server_args.hicache_mem_layout) == ("direct", "layer_first")
+    assert any("hicache-io-backend direct" in n.message() for n in notices.all_switched_off())
+    _, plain = parse_args([])
+    assert plain.hicache_io_backend == "kernel"  # untouched without HiCache
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first"])
+    assert exc.value.code == 2 and "--hicache-mem-layout layer_first" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, dtype", [("fpu avx2 avx512f avx512_bf16 sse", "bfloat16"),
                                           ("fpu avx2 amx_tile amx_bf16", "bfloat16"), ("fpu avx2 avx512f", "float32")])
 def test_cpu_default_dtype_follows_bf16_instructions(flags, dtype, tmp_path):

@@ -23,8 +23,8 @@ def drop_server(model_dir, tmp_path_factory):
     gb = FULL_BYTES / (1 << 30)
     args = [
         "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "2048",
+        # the README's flags only: the launcher sets the CPU platform's HiCache transfers
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
-        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
         "--radix-cache-backend", "evicpress",
         "--evicpress-policy", "fixed", "--evicpress-fixed-config", "knorm@0.5",
         "--evicpress-disk-dir", str(root / "disk"),

@@ -732,8 +732,8 @@ def ep_server(model_dir, tmp_path_factory):
     per_ctx_gb = CTX_TOKENS * 46080 / (1 << 30)
     args = [
         "--model-path", model_dir, "--dtype", "float32", "--max-total-tokens", "2048",
+        # the README's flags only: the launcher sets the CPU platform's HiCache transfers
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
-        "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
         "--radix-cache-backend", "evicpress", "--enable-metrics",
         "--evicpress-disk-dir", str(root / "disk"),
         "--evicpress-host-size-gb", f"{2.5 * per_ctx_gb:.6f}",
@@ -1048,3 +1048,19 @@ def test_bench_fixed_option_accepts_token_dropping_configs(tmp_path, capsys):
             bench.main(["--json", str(tmp_path / "x.json"), "--quick", "--fixed", bad])
         assert exc.value.code == 2
         assert "--fixed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"token_ids": list(range(1, 9000))}, "at most 8192 tokens"),
+    ({"token_ids": "abc"}, "non-empty list of token ids"),
+    ({"token_ids": []}, "non-empty list of token ids"),
+    ({"token_ids": [1, True]}, "non-empty list of token ids"),
+    ({}, "give 'text' or 'token_ids'"),
+])
+def test_bad_context_registrations_are_400(ep_server, body, message):
+    """``POST /evicpress/contexts`` bounds what it registers (each context is prefilled and
+    profiled): token ids as a list, at most the model's context length (8,192 here)."""
+    import requests
+
+    r = requests.post(ep_server.url + "/evicpress/contexts", json=body, timeout=60)
+    assert r.status_code == 400 and message in r.text, (r.status_code, r.text)

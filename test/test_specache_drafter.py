@@ -41,7 +41,8 @@ def test_fetched_rows_are_the_full_kv_from_host_and_tree_prefix():
     ({"vc_compressor": "specache", "vc_kv_bits": 1}, False, "kivi", "only a --speculative-algorithm VERICACHE"),
     ({"specache_topk": 8}, True, "snapkv", "would ignore it"),
     ({"specache_topk": 8}, False, None, "would ignore it"),
-    ({"vc_compressor": "specache", "specache_topk": -1}, True, None, "integer >= 0"),
+    ({"vc_compressor": "specache", "specache_topk": -1}, True, None, r"integer in \[0, 4096\]"),
+    ({"vc_compressor": "specache", "specache_topk": 2**31}, True, None, r"integer in \[0, 4096\]"),
     ({"vc_compressor": "none", "specache_topk": 8}, True, "specache", "would ignore it"),
 ])
 def test_per_request_drafter_choice(custom, vericache, default, error):

@@ -176,6 +176,7 @@ def test_registered_chunks_are_hits(rag):
     (_prompt("p", ["chunk"], "q"), {"_speccache_plan": {}}, "set by the server"),
     (_prompt("p", ["chunk"], "q"), {"speccache_overlap": "no"}, "true or false"),
     ("a prompt without chunks", {"speccache_ratio": 0.1}, "need a prompt whose chunks are marked"),
+    (_prompt("p", [f"chunk {i}" for i in range(65)], "q"), {}, "at most 64 chunks"),
 ])
 def test_bad_chunk_requests_are_400(rag, text, custom, message):
     r = _generate(rag, {"text": text}, n=1, **custom)
@@ -195,7 +196,7 @@ def test_logprobs_and_bad_registrations_are_400(rag):
     r = requests.post(rag.url + "/generate", json={"text": _prompt("p", ["chunk"], "q"), "return_logprob": True,
                                                     "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 400 and "log-probabilities" in r.text
-    for body in ({}, {"chunks": []}, {"chunks": ["ok", ""]}, {"chunks": "text"}):
+    for body in ({}, {"chunks": []}, {"chunks": ["ok", ""]}, {"chunks": "text"}, {"chunks": ["c"] * 65}):
         r = requests.post(rag.url + "/speccache/chunks", json=body)
         assert r.status_code == 400, (body, r.text)
     # a chunk holding the separator could never be marked in a prompt (it was a 500)

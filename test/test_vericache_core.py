@@ -689,3 +689,14 @@ def test_best_feasible_is_never_infeasible():
     with pytest.raises(ValueError):
         pm.best_feasible(weights_bytes=95 * GB, kv_full_bytes=10 * GB, compression=0.25, acceptance={30: 19},
                          hbm_bw=1e12, interconnect_bw=GB, gpu_mem_bytes=96 * GB)
+
+
+def test_the_host_store_is_bounded_by_default():
+    """Without ``--vc-host-kv-gb`` the host store holds at most half of the machine's
+    memory (pinned memory cannot be swapped: unbounded, it could take the machine)."""
+    import psutil
+
+    from sglang_vc.vericache import flags
+
+    assert flags.host_kv_bytes({}) == int(0.5 * psutil.virtual_memory().total)
+    assert flags.host_kv_bytes({"host_kv_gb": 1.5}) == int(1.5 * 2**30)

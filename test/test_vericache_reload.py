@@ -70,7 +70,7 @@ def test_layerwise_reload_stages_every_layer_in_order():
 
 def test_failed_copy_is_retried_synchronously(monkeypatch):
     store, full = _filled_store()
-    monkeypatch.setattr(reload_mod._faults, "remaining", 1)
+    monkeypatch.setattr(reload_mod.faults, "remaining", 1)
     with ThreadPoolExecutor(1) as pool:
         rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
         got = [rl.layer(l)[0] for l in LAYERS]
@@ -82,7 +82,7 @@ def test_failed_copy_is_retried_synchronously(monkeypatch):
 
 def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
     store, _ = _filled_store()
-    monkeypatch.setattr(reload_mod._faults, "whole", 1)  # every copy of the next reload fails
+    monkeypatch.setattr(reload_mod.faults, "whole", 1)  # every copy of the next reload fails
     with ThreadPoolExecutor(1) as pool:
         rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
         with pytest.raises(reload_mod.ReloadFailed, match="reload of layer 0 failed"):
@@ -96,7 +96,7 @@ def test_copy_failing_every_retry_hands_the_requests_over(monkeypatch):
     then on: the verify reads the restored device KV."""
     store, _ = _filled_store()
     taken = []
-    monkeypatch.setattr(reload_mod._faults, "whole", 1)
+    monkeypatch.setattr(reload_mod.faults, "whole", 1)
     with ThreadPoolExecutor(1) as pool:
         entries = {0: store.get("a", 5)}
         rl = LayerwiseReload(pool, entries, LAYERS, "cpu", on_failure=taken.append)

@@ -538,6 +538,31 @@ def test_failed_reload_and_full_host_store_keep_output_identical(server, model_d
     assert gained["bytes_reloaded"] > 0, gained  # the compressed one verified from host reloads
 
 
+def test_a_fault_ends_one_request_not_the_server(server, model_dir, tokenizer, tmp_path):
+    """Faults of one request inside VERICACHE's decode finish that request with an HTTP 500
+    and the reason, count it, and leave the server serving: the first request's host entry
+    is lost before its verify; the second one's reload fails every retry and the pool has
+    no room to restore its full KV (both injected: ``reload.faults``). The third is served
+    as the plain server serves it."""
+    log = tmp_path / "server.log"
+    env = {"SGLANG_VC_LOSE_HOST_ENTRIES": "1", "SGLANG_VC_FAIL_WHOLE_RELOADS": "2", "SGLANG_VC_NO_RESTORE_ROOM": "1"}
+    ids = [prompts(tokenizer, k)[1][:150] for k in range(3)]
+    with ServerProcess(["--dtype", "float32", "--max-total-tokens", "12000", "--speculative-algorithm", "VERICACHE",
+                        "--speculative-num-draft-tokens", "3", *ALWAYS, "--vc-compressor", "snapkv",
+                        "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"], log_path=log, env=env) as proc:
+        body = lambda i: {"input_ids": ids[i], "sampling_params": {"temperature": 0, "max_new_tokens": 16,  # noqa: E731
+                                                                     "ignore_eos": True}}
+        lost = requests.post(proc.url + "/generate", json=body(0), timeout=600)
+        assert lost.status_code == 500 and "not on the host" in lost.text, lost.text
+        failed = requests.post(proc.url + "/generate", json=body(1), timeout=600)
+        assert failed.status_code == 500 and "no free slots to restore" in failed.text, failed.text
+        assert requests.get(proc.url + "/health", timeout=30).status_code == 200
+        served = generate(proc, ids[2], 16)
+        counters = vc_counters(proc)["counters"]["vericache"]
+    assert counters["request_faults"] == 2, counters
+    _identical_to_full(server, model_dir, ids[2], served, 16)
+
+
 # ----------------------------------------------------------------------------- parameters
 
 @pytest.mark.parametrize("case", ["huge-id", "negative-id", "completion-token-prompt", "custom-params-not-object"])

@@ -123,10 +123,40 @@ def parse_args(argv: list[str]):
         sglang_argv += ["--device", "cpu"]
     if flag_value(sglang_argv, "--dtype")[0] < 0 and flag_value(sglang_argv, "--device")[1] == "cpu":
         sglang_argv += ["--dtype", cpu_default_dtype()]  # an explicit --dtype always wins
+    if flag_value(sglang_argv, "--device")[1] == "cpu":
+        try:
+            sglang_argv += cpu_hicache_flags(sglang_argv)
+        except ConfigError as exc:
+            parser.error(str(exc))
     server_args = prepare_server_args(sglang_argv)
     vc_config.switched_off = [dataclasses.asdict(n) for n in notices.all_switched_off()]
     setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
     return vc_config, server_args
+
+
+# HiCache's host transfers on the CPU platform: SGLang's defaults (``kernel`` I/O,
+# ``page_first`` layout) are sgl-kernel's CUDA copies, which a CPU build does not have
+CPU_HICACHE = {"--hicache-io-backend": "direct", "--hicache-mem-layout": "layer_first"}
+
+
+def cpu_hicache_flags(argv: list[str]) -> list[str]:
+    """With ``--enable-hierarchical-cache`` on the CPU platform: the HiCache I/O backend and
+    memory layout it supports, where not given (said as a notice); a ConfigError naming the
+    flag where one is given that it cannot run."""
+    if "--enable-hierarchical-cache" not in argv:
+        return []
+    added = []
+    for flag, value in CPU_HICACHE.items():
+        given = flag_value(argv, flag)[1]
+        if given is None:
+            added += [flag, value]
+        elif given != value:
+            raise ConfigError(f"{flag} {given}: HiCache on the CPU platform needs {flag} {value} "
+                              "(the other choices are sgl-kernel's CUDA transfers)")
+    if added:
+        notices.switched_off("HiCache's CUDA transfer kernels", "the CPU platform",
+                             "set " + " ".join(added) + " (the host transfers it supports)")
+    return added
 
 
 def backend_choice(vc_config: VCConfig, argv: list[str]) -> BackendChoice | None:

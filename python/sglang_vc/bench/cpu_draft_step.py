@@ -3,14 +3,8 @@ costs the CPU per layer and request, against full-KV decode attention over the s
 context, per context length; JSON and a plot.
 
 On the CPU a draft pays off only when it is cheaper than the full-KV token it stands
-for. Two calls on the same tensors (smollm2-135m's heads by default, float32):
-
-* ``full``: SGLang's own ``torch_native`` decode (``_run_sdpa_forward_decode``, what a
-  plain CPU server runs) for one request whose rows are scattered over the pool;
-* ``specache``: the calls VERICACHE's drafter makes on the CPU (``SpeCacheDrafter.attend``
-  without a GPU, outside its runtime): the 2-bit payload dequantized (``KIVI.dequantize``), the tail gathered from the
-  pool, SpeCache's attention with ``--topk`` rows per KV head fetched and substituted
-  (``specache.core.attend_fetching``).
+for. The two calls of :mod:`sglang_vc.vericache.draft_probe` (the server's own price of
+an offload drafter), on the same tensors (smollm2-135m's heads by default, float32).
 
 The ratio is what the CPU draft step costs against the full-KV token it replaces; the
 throughput benchmark's cost fit (``draft_s_per_request``) is the same cost over all layers.
@@ -20,56 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sglang_vc.bench.plots import plot_lines
-from sglang_vc.compress.kivi import KIVI
-from sglang_vc.specache import core
-
-
-def _ms(fn, repeats: int) -> float:
-    fn()
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats * 1e3
-
-
-def run_length(n: int, hq: int, h: int, d: int, topk: int, bits: int, repeats: int) -> dict:
-    gen = torch.Generator().manual_seed(n)
-    pool_k, pool_v = torch.randn(2 * n, h, d, generator=gen), torch.randn(2 * n, h, d, generator=gen)
-    slots = torch.randperm(2 * n, generator=gen)[:n]
-    k, v = pool_k[slots], pool_v[slots]
-    ckv = KIVI().compress(0, k, v, bits)
-    n_q = ckv.num_quantized
-    tail = slots[n_q:]
-    q = torch.randn(1, hq, d, generator=gen)
-    scale = d ** -0.5
-
-    def fetch(positions):
-        return core.gather_rows(k[:n_q], v[:n_q], positions)
-
-    backend = object.__new__(TorchNativeAttnBackend)  # its decode reads no state of the backend
-    req_to_token, one, lens = slots[None].to(torch.int32), torch.zeros(1, dtype=torch.int64), torch.tensor([n])
-    out = torch.empty_like(q)
-
-    def full():
-        return TorchNativeAttnBackend._run_sdpa_forward_decode(
-            backend, q, out, pool_k, pool_v, req_to_token, one, lens, scaling=scale, enable_gqa=True)
-
-    def specache():
-        kq, vq = KIVI.dequantize(ckv)
-        return core.attend_fetching(q, kq, vq, pool_k[tail], pool_v[tail], q_start=n - 1, scale=scale, topk=topk,
-                                    fetch=fetch)[0].out
-
-    row = {"tokens": n, "full_ms": _ms(full, repeats), "specache_ms": _ms(specache, repeats)}
-    row["specache_x_full"] = row["specache_ms"] / row["full_ms"]
-    return row
+from sglang_vc.vericache.draft_probe import step_times
 
 
 def main(argv=None) -> None:
@@ -91,7 +41,7 @@ def main(argv=None) -> None:
         parser.error("query heads must be a multiple of KV heads, and every length at least 256")
     rows = []
     for n in lengths:
-        rows.append(run_length(n, hq, h, d, args.topk, args.bits, args.repeats))
+        rows.append(step_times(n, hq, h, d, args.topk, args.bits, args.repeats))
         r = rows[-1]
         print(f"[cpu_draft_step] {n} tokens: full-KV decode {r['full_ms']:.3f} ms, SpeCache draft step "
               f"{r['specache_ms']:.3f} ms (x{r['specache_x_full']:.2f}) per layer and request", flush=True)

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-VIEW_KINDS = ("window", "reselect")
+VIEW_KINDS = ("window", "reselect", "shared")
 SINKS = 4
 
 
@@ -210,9 +210,12 @@ class ViewContext:
             self._queries = qs
         return self._queries
 
-    def reselect(self, budget: int, p_prev: int, p: int):
+    def reselect(self, budget: int, p_prev: int, p: int, shared: bool = False):
         """The ``LossyKV`` of ``reselect@budget`` for the round at committed prefix ``y_<p``
-        whose verify had queries at ``j in [p_prev, p)`` (first round: ``p_prev = 0, p = 1``)."""
+        whose verify had queries at ``j in [p_prev, p)`` (first round: ``p_prev = 0, p = 1``).
+        ``shared`` (``shared@budget``): one selection for every layer and KV head, from
+        the scores summed over them all (one row list per request, as a paged-attention
+        kernel reads it with one page table)."""
         from .lossy_hf import LossyKV
 
         n = self.T + p - 1
@@ -224,10 +227,15 @@ class ViewContext:
         head_dim = qs[0].shape[-1]
         scaling = self.scaling or head_dim ** -0.5
         q_pos = torch.arange(self.T - 1 + p_prev, self.T - 1 + p)
+        scores = []
         for li in range(n_layers):
             k = self.traj_base[li][0][0].transpose(0, 1)  # [L, Hkv, D]
-            sc = verify_scores(qs[li][p_prev:p], k, q_pos, n, scaling)
-            lossy.visible[li] = reselect_visible(sc, budget)
+            scores.append(verify_scores(qs[li][p_prev:p], k, q_pos, n, scaling))
+        if shared:
+            one = reselect_visible(torch.stack(scores).sum(dim=(0, 1))[None], budget)
+            lossy.visible = [one.expand(sc.shape[0], -1) for sc in scores]
+        else:
+            lossy.visible = [reselect_visible(sc, budget) for sc in scores]
         return lossy
 
 
@@ -259,7 +267,8 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
 
     # ---- teacher-forced pass: one endless round from the prefill
     t0 = time.perf_counter()
-    first_view = None if window else ctx.reselect(spec.budget, 0, 1)
+    shared = spec.kind == "shared"
+    first_view = None if window else ctx.reselect(spec.budget, 0, 1, shared)
     select_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
@@ -281,7 +290,7 @@ def evaluate_view(sess, spec: ViewSpec, ctx: ViewContext, lp_ref: Sequence[Tenso
             view = None
         else:
             ts = time.perf_counter()
-            view = first_view if (p_prev, p) == (0, 1) else ctx.reselect(spec.budget, p_prev, p)
+            view = first_view if (p_prev, p) == (0, 1) else ctx.reselect(spec.budget, p_prev, p, shared)
             work["select_s"] += time.perf_counter() - ts
         try:
             use(view)

@@ -157,6 +157,13 @@ def install(vc_config, server_args) -> None:
             if not isinstance(body.get("text"), str):
                 raise HTTPException(400, "give 'text' or 'token_ids'")
             body["token_ids"] = tok.encode(body["text"])
+        ids = body["token_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise HTTPException(400, "token_ids must be a non-empty list of token ids")
+        limit = context_limit(server_args)
+        if len(ids) > limit:
+            raise HTTPException(400, f"a context has at most {limit} tokens (the model's context length), "
+                                f"got {len(ids)}")
         template = body.get("query_template") or DEFAULT_TEMPLATE
         if "{query}" not in template:
             raise HTTPException(400, "query_template must contain {query}")
@@ -223,6 +230,20 @@ def install(vc_config, server_args) -> None:
 
     if not ep.get("no_profiler"):
         ProfilerService(client, base_url, tok, float(ep["idle_seconds"])).start()
+
+
+def context_limit(server_args) -> int:
+    """The most tokens a context may have: ``--context-length``, else the model's own."""
+    import json
+    from pathlib import Path
+
+    if getattr(server_args, "context_length", None):
+        return int(server_args.context_length)
+    try:
+        config = json.loads((Path(server_args.model_path) / "config.json").read_text())
+        return int(config.get("max_position_embeddings") or 1 << 20)
+    except (OSError, ValueError):
+        return 1 << 20  # a model folder without a readable config: SGLang's own checks apply
 
 
 class _Tokenizer:

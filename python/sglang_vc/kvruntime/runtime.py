@@ -141,6 +141,7 @@ class KVRuntime:
         # budget set aside for them when it sized the pool (the worker fills it in otherwise)
         self.staging_budget = kv_budget_split().get("reload_staging", 0)
         self.staging_arena = None  # VERICACHE's buffer of that share, once allocated (its stats())
+        self.host_store = None  # VERICACHE's host store of the full KV compression replaced
         self.payload_bytes = 0
         self.plans: dict[str, RequestPlan] = {}
         self.index: dict[int, CompressedKVIndex] = {}
@@ -187,6 +188,9 @@ class KVRuntime:
         # (``ahead(req) -> int``, VERICACHE's staggered schedule); None: SGLang's uniform
         # speculative reserve (hooks.py)
         self.slots_ahead = None
+        # called with a request's rid when SGLang releases it (finished, aborted, retracted):
+        # what a user holds for it (VERICACHE's host entry, reload, staging) goes at once
+        self.release_listeners: list = []
         logger.info(
             "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
@@ -425,6 +429,10 @@ class KVRuntime:
                 "reload_staging_budget_bytes": self.staging_budget,
                 # the most of that buffer reloads held at once (0: none allocated yet)
                 "reload_staging_peak_bytes": self.staging_arena.peak if self.staging_arena is not None else 0,
+                # what reloads hold of it now (0 once every reload was consumed or dropped)
+                "reload_staging_in_use_bytes": self.staging_arena.held() if self.staging_arena is not None else 0,
+                # host memory holding the full KV that compression replaced (VERICACHE)
+                "host_store_bytes": self.host_store.reserved_bytes if self.host_store is not None else 0,
                 "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0,
                 # SGLang's KV budget (--mem-fraction-static) before the split, where it was split
                 "kv_budget_bytes": sum(kv_budget_split().values())}
@@ -687,3 +695,5 @@ class KVRuntime:
         if plan is not None and plan.spec is not None:
             self.compressor(plan.spec.compressor).release(rid)
         self.meta.pop(rid, None)
+        for listener in self.release_listeners:
+            listener(rid)

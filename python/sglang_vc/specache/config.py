@@ -11,6 +11,10 @@ from sglang_vc.compress.kivi1 import KIVI1
 
 SUPPORTED_BITS = (1, 2)
 DEFAULT_TOPK = 64
+# rows prefetched per layer and KV head at most (the server's and a request's): past a few
+# thousand the fetch costs more than the full KV it stands for, and the batched kernels
+# index the rows with 32-bit offsets
+MAX_TOPK = 4096
 DEFAULT_RESIDUAL = 64  # the paper's fair comparison with KIVI at residual 128
 DEFAULT_GROUP = 32
 
@@ -33,8 +37,8 @@ class SpeCacheConfig:
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"specache: kv bits must be one of {SUPPORTED_BITS}, got {self.bits!r}")
-        if not isinstance(self.topk, int) or self.topk < 0:
-            raise ValueError(f"specache: topk must be an integer >= 0, got {self.topk!r}")
+        if not isinstance(self.topk, int) or not 0 <= self.topk <= MAX_TOPK:
+            raise ValueError(f"specache: topk must be an integer in [0, {MAX_TOPK}], got {self.topk!r}")
         if not isinstance(self.residual, int) or self.residual < 0:
             raise ValueError(f"specache: residual must be an integer >= 0, got {self.residual!r}")
         if not isinstance(self.group_size, int) or self.group_size < 1:

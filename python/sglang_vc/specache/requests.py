@@ -22,6 +22,7 @@ from typing import Any, Optional
 from sglang_vc.kvruntime import REQUEST_KEYS
 from sglang_vc.vericache.names import ALGORITHM as VERICACHE
 
+from .config import MAX_TOPK
 from .names import ALGORITHM
 
 TOPK_KEY = "specache_topk"
@@ -43,8 +44,8 @@ def _server() -> Optional[tuple[Optional[str], Optional[str]]]:
 
 
 def _check_topk(k: Any) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"{TOPK_KEY} must be an integer >= 0, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOPK:
+        raise ValueError(f"{TOPK_KEY} must be an integer in [0, {MAX_TOPK}], got {k!r}")
 
 
 def check_custom_params(custom_params: Any) -> None:

@@ -233,6 +233,9 @@ class Frontend:
     def chunk_ids_of(self, texts: Sequence[Any]) -> list[list[int]]:
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise ValueError("'chunks' must be a non-empty list of non-empty strings")
+        if len(texts) > layout.MAX_CHUNKS:
+            raise ValueError(f"at most {layout.MAX_CHUNKS} chunks a call (each is a prefill of its own), "
+                             f"got {len(texts)}")
         marked = [i for i, t in enumerate(texts) if self.settings.separator in t]
         if marked:  # a prompt could not carry it: the separator would split it
             raise ValueError(f"chunk {marked[0]} contains the chunk separator {self.settings.separator!r}")

@@ -25,6 +25,9 @@ class Prompt:
     chunk_ids: list[list[int]]
 
 
+MAX_CHUNKS = 64  # chunks per prompt: each one the front end fetches is an internal prefill
+
+
 def split(text: str, separator: str) -> tuple[str, list[str], str]:
     """(prefix, chunks, query) of a prompt marked with ``separator``; ``ValueError``
     when it does not have the shape ``prefix SEP chunk SEP ... SEP query``."""
@@ -33,6 +36,9 @@ def split(text: str, separator: str) -> tuple[str, list[str], str]:
         raise ValueError(f"a SpecCache prompt is 'prefix{separator}chunk{separator}...{separator}query': "
                          f"found {len(pieces) - 1} separator(s), need at least 2")
     chunks = pieces[1:-1]
+    if len(chunks) > MAX_CHUNKS:
+        raise ValueError(f"a SpecCache prompt has at most {MAX_CHUNKS} chunks (each is a prefill of its own), "
+                         f"got {len(chunks)}")
     empty = [i for i, c in enumerate(chunks) if not c.strip()]
     if empty:
         raise ValueError(f"SpecCache chunk {empty[0]} is empty (two separators in a row?)")

@@ -50,8 +50,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="VERICACHE: host memory for the full KV that compression replaces on the "
-        "device (GiB; default unbounded). A request that does not fit decodes from its "
-        "full device KV instead of being compressed.",
+        "device (GiB; default half of the machine's memory, logged at start-up). A request that "
+        "does not fit decodes from its full device KV instead of being compressed.",
     )
     g.add_argument(
         "--vc-staging-fraction",
@@ -258,10 +258,19 @@ def trace_path(settings: Optional[dict]) -> Optional[str]:
     return (settings or {}).get("schedule_trace")
 
 
-def host_kv_bytes(settings: Optional[dict]) -> Optional[int]:
-    """The host store's capacity in bytes (None: unbounded)."""
+DEFAULT_HOST_FRACTION = 0.5  # of the machine's memory, when --vc-host-kv-gb is not given
+
+
+def host_kv_bytes(settings: Optional[dict]) -> int:
+    """The host store's capacity in bytes: ``--vc-host-kv-gb``, by default
+    :data:`DEFAULT_HOST_FRACTION` of the machine's memory (pinned host memory is not
+    swappable: an unbounded store could take the machine)."""
     gb = (settings or {}).get("host_kv_gb")
-    return None if gb is None else int(gb * 2**30)
+    if gb is not None:
+        return int(gb * 2**30)
+    import psutil
+
+    return int(DEFAULT_HOST_FRACTION * psutil.virtual_memory().total)
 
 
 # The drafter without --vc-compressor: SpeCache 2-bit, the one that drafts longest on real

@@ -111,11 +111,12 @@ class LockstepRound:
                                    list(range(w)) * bs, t0.tolist())
         logits = logits.view(bs, w, -1)
 
-        # 4. accept
+        # 4. accept (a request a fault hit inside the forward commits nothing and ends)
         targets = self.targets(logits, batch, positions).to("cpu", torch.int64)
         verdict = greedy_verify_ids(drafts, targets, pad_id=0)
-        accepted = verdict.num_accepted  # [bs]
-        accept_lens = verdict.num_tokens.to(torch.int32)
+        failed = torch.tensor([self._failed(req) for req in batch.reqs], dtype=torch.bool)
+        accepted = verdict.num_accepted.masked_fill(failed, 0)  # [bs]
+        accept_lens = verdict.num_tokens.masked_fill(failed, 0).to(torch.int32)
         accept_tokens = verdict.tokens.to(torch.int32)  # [bs, W]
         new_seq_lens = (committed + accept_lens).to(device=dev, dtype=seq_dtype)
 

@@ -110,23 +110,34 @@ class ModePolicy:
         return sum(1 for h in self.history if h[4] > 0)
 
     def offload(self, length: int, full: int, offloaded: int, admitted: float, curve: AcceptanceCurve,
-                reload_s: float) -> Decision:
+                reload_s: float, draft_ratio: Optional[float] = None) -> Decision:
         """Offload a request whose prefill just ended (the pool binds: compressing it frees
         rows for ``admitted`` waiting requests), or keep its full KV, by the same fitted costs
         as the in-pool choice (:func:`.perf_model.offload_gain`), with appendix B.1's cap on
         the requests offloaded at once (Eq. 9: ``B_c * ell <= x + 1``, ``ell`` the reload's
-        iterations). Until the costs of an offload drafter are measured, one request is
-        offloaded to measure them."""
+        iterations). Until offloads are measured, an offload draft step is priced at
+        ``draft_ratio`` times a full-KV request's attention (:mod:`.draft_probe`: the
+        drafter's step timed on this machine) and the acceptance at the prior's; without a
+        ratio one request is offloaded to measure them. Before any decode iteration is
+        timed, requests keep their full KV."""
         x = self.default_x
         if admitted <= 0:
             return Decision(Mode.FULL, None, "offloading it frees no room for a waiting request")
         costs = self.costs()
-        if costs is None or self.offload_measured() < MIN_ITERATIONS or curve.verifies < MIN_VERIFIES:
-            if offloaded == 0:
-                return Decision(Mode.OFFLOAD, x, "the pool binds; no offload costs measured yet: this request "
-                                "is offloaded to measure them")
-            return Decision(Mode.FULL, None, f"the pool binds; offload costs not measured yet "
-                            f"({offloaded} request(s) offloaded to measure them)")
+        if costs is None:
+            return Decision(Mode.FULL, None, "the pool binds; no decode iteration timed yet: full KV until one is")
+        measured = self.offload_measured() >= MIN_ITERATIONS and curve.verifies >= MIN_VERIFIES
+        how = "measured"
+        if not measured:
+            if draft_ratio is None:
+                if offloaded == 0:
+                    return Decision(Mode.OFFLOAD, x, "the pool binds; no offload costs measured yet: this request "
+                                    "is offloaded to measure them")
+                return Decision(Mode.FULL, None, f"the pool binds; offload costs not measured yet "
+                                f"({offloaded} request(s) offloaded to measure them)")
+            costs = dataclasses.replace(costs, offload_draft=draft_ratio * (costs.row + costs.query_row) * length)
+            curve = curve if curve.verifies >= MIN_VERIFIES else _prior_curve(x)
+            how = f"priced by this machine's draft step, x{draft_ratio:.2f} a full-KV step"
         xs = [self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)
         gain, x = max((offload_gain(costs, curve.acceptance(x), x, length, full, offloaded, admitted), x)
                       for x in xs)
@@ -135,7 +146,7 @@ class ModePolicy:
         if (offloaded + 1) * ell > x + 1:
             return Decision(Mode.FULL, None, f"appendix B.1 Eq. 9: {offloaded} offloaded requests already keep the "
                             f"link busy (a reload takes {ell} iterations, X={x})", gain)
-        terms = (f"offload draft {1e3 * costs.offload_draft:.1f} ms, full-KV request "
+        terms = (f"{how}: offload draft {1e3 * costs.offload_draft:.1f} ms, full-KV request "
                  f"{1e3 * full_kv_request_time(costs, length):.1f} ms an iteration, fixed {1e3 * costs.fixed:.1f} ms, "
                  f"A({x})={curve.acceptance(x):.2f}, {admitted:.1f} waiting admitted")
         if gain >= MARGIN:
@@ -169,3 +180,13 @@ class ModePolicy:
                             f"A={curve.acceptance(x):.2f}", speedup)
         return Decision(Mode.FULL, None, f"in-pool drafting predicted {speedup:.2f}x full KV (below "
                         f"{MARGIN:.2f}x)", speedup)
+
+
+def _prior_curve(x: int) -> AcceptanceCurve:
+    """Before a drafter's verifies are seen: every draft accepted (the most offloading could
+    gain), so that only the costs can rule it out."""
+    curve = AcceptanceCurve()
+    for _ in range(MIN_VERIFIES):
+        curve.record(x, x)
+    return curve
+

@@ -49,8 +49,12 @@ SYNC_RETRIES = 2
 # Testing hooks, so that tests can force the fallback paths of a real server:
 # fail the first N staged copies (the async copy and its retries alike) ...
 FAIL_RELOADS_ENV = "SGLANG_VC_FAIL_RELOADS"
-# ... or every copy of the first N reloads (a permanent failure).
+# ... or every copy of the first N reloads (a permanent failure); and, for the faults that
+# end one request: the first N full-KV restores find no pool room, the first N verifies find
+# their host entry gone.
 FAIL_WHOLE_RELOADS_ENV = "SGLANG_VC_FAIL_WHOLE_RELOADS"
+NO_RESTORE_ROOM_ENV = "SGLANG_VC_NO_RESTORE_ROOM"
+LOSE_HOST_ENTRIES_ENV = "SGLANG_VC_LOSE_HOST_ENTRIES"
 
 
 @dataclasses.dataclass
@@ -309,7 +313,17 @@ class _FaultInjector:
     def __init__(self):
         self.remaining = int(os.environ.get(FAIL_RELOADS_ENV, "0") or 0)
         self.whole = int(os.environ.get(FAIL_WHOLE_RELOADS_ENV, "0") or 0)
+        self.no_room = int(os.environ.get(NO_RESTORE_ROOM_ENV, "0") or 0)
+        self.lose = int(os.environ.get(LOSE_HOST_ENTRIES_ENV, "0") or 0)
         self.lock = threading.Lock()
+
+    def take(self, name: str) -> bool:
+        """One of the ``name`` faults (``no_room``, ``lose``) left to inject: take it."""
+        with self.lock:
+            left = getattr(self, name)
+            if left > 0:
+                setattr(self, name, left - 1)
+            return left > 0
 
     def check(self) -> None:
         with self.lock:
@@ -325,7 +339,7 @@ class _FaultInjector:
             return False
 
 
-_faults = _FaultInjector()
+faults = _FaultInjector()
 
 
 class ReloadFailed(RuntimeError):
@@ -366,7 +380,7 @@ class LayerwiseReload:
         self.gave_up = False  # every retry failed: on_failure took the requests over
         self.staged_bytes = 0
         self._lock = threading.Lock()
-        self._doomed = _faults.doom_next_reload()
+        self._doomed = faults.doom_next_reload()
         self._slots = threading.Semaphore(depth)
         self._depth, self._acquired = depth, 0
         # per slot given back: an event on the consumer's stream at the hand-over, after
@@ -410,7 +424,7 @@ class LayerwiseReload:
         """``(spans, event)``: the layer's rows copied to the device (see :class:`CopyStream`)."""
         if self._doomed:
             raise RuntimeError(f"injected reload failure ({FAIL_WHOLE_RELOADS_ENV})")
-        _faults.check()
+        faults.check()
         out, event = self.copy_stream.copy(lambda: self._copy_layer(layer_id))
         with self._lock:
             self.staged_bytes += sum(span.nbytes() for span in out.values())

@@ -150,6 +150,12 @@ class StagingArena:
             del self._free[i]
         self._free.insert(i, (start, size))
 
+    def held(self) -> int:
+        """Bytes reloads hold now, once the blocks whose events passed are back (no wait)."""
+        self._adopt_orphans()
+        self._reclaim()
+        return self.in_use
+
     def stats(self) -> dict:
         return {"capacity_bytes": self.capacity, "in_use_bytes": self.in_use, "peak_bytes": self.peak,
                 "free_runs": len(self._free)}
