@@ -14,7 +14,7 @@ import requests
 
 from conftest import real_text_passages
 from sglang_vc.testing.client import concurrently, generate
-from sglang_vc.testing.reference import compare, finish_type, greedy_reference
+from sglang_vc.testing.reference import finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
 
 META = "sglang_vc_vericache"
@@ -23,7 +23,9 @@ RATIO = 0.25
 
 def _prompts(tokenizer, n: int, tokens: int, offset: int = 0) -> list[list[int]]:
     stream = [t for text in real_text_passages(24, words=400) for t in tokenizer(text)["input_ids"]]
-    return [stream[offset + i * (tokens + 40) : offset + i * (tokens + 40) + tokens] for i in range(n)]
+    out = [stream[offset + i * (tokens + 40) : offset + i * (tokens + 40) + tokens] for i in range(n)]
+    assert all(len(ids) == tokens for ids in out), len(stream)
+    return out
 
 
 def _vc_server(tmp_path, *extra) -> ServerProcess:
@@ -33,13 +35,17 @@ def _vc_server(tmp_path, *extra) -> ServerProcess:
                           *extra], log_path=tmp_path / "server.log")
 
 
-def _identical(server, model_dir, ids_list, outs, n):
-    refs = concurrently(lambda ids: generate(server, ids, n), [(i,) for i in ids_list])
+def _identical(server, model_dir, ids_list, outs, n, **sampling):
+    """Each output is the plain server's for the same request (same tokens, length and
+    finish reason), or parts from it only at a near-tie of the float32 reference."""
+    refs = concurrently(lambda ids: generate(server, ids, n, **sampling), [(i,) for i in ids_list])
     for ids, ref, out in zip(ids_list, refs, outs):
-        assert finish_type(out) == finish_type(ref) == "length" and len(out["output_ids"]) == n
-        if out["output_ids"] != ref["output_ids"]:
-            result = compare(greedy_reference(model_dir, ids, n), out["output_ids"], finish_type(out))
-            assert result.identical, result
+        if out["output_ids"] == ref["output_ids"]:
+            assert finish_type(out) == finish_type(ref) in ("length", "stop"), (out["meta_info"], ref["meta_info"])
+            continue
+        reference = greedy_reference(model_dir, ids, n)
+        at = next(j for j, (a, b) in enumerate(zip(out["output_ids"] + [-1], ref["output_ids"] + [-2])) if a != b)
+        assert at < len(reference.tokens) and reference.is_near_tie(at), (at, out["output_ids"], ref["output_ids"])
 
 
 def assert_idle_and_whole(proc, timeout: float = 60) -> dict:
@@ -60,16 +66,18 @@ def assert_idle_and_whole(proc, timeout: float = 60) -> dict:
 
 def test_retracted_requests_are_identical_and_leave_nothing_held(server, model_dir, tokenizer, tmp_path):
     """Eight compressed requests in a pool that binds mid-decode (admitted optimistically:
-    ``--schedule-conservativeness 0.05``): SGLang retracts some while they draft, verify and
-    reload, and prefills them again. Every output is the plain server's, drafts were
-    rejected somewhere, and the idle server holds nothing for them."""
-    n, new = 8, 96
+    they may stop at EOS, and ``--schedule-conservativeness 0.05``): their verifies starve
+    for staging room, so SGLang is made to retract some while they draft, verify and reload
+    (without that nothing committed and the server stalled: drafts take one slot an
+    iteration, as decoding does), and prefills them again. Every output is the plain
+    server's, drafts were rejected somewhere, and the idle server holds nothing for them."""
+    n, new = 8, 160
     ids_list = _prompts(tokenizer, n, 300)
-    with _vc_server(tmp_path, "--max-total-tokens", "1400", "--schedule-conservativeness", "0.05") as proc:
-        outs = concurrently(lambda ids: generate(proc, ids, new), [(i,) for i in ids_list])
+    with _vc_server(tmp_path, "--max-total-tokens", "1300", "--schedule-conservativeness", "0.05") as proc:
+        outs = concurrently(lambda ids: generate(proc, ids, new, ignore_eos=False), [(i,) for i in ids_list])
         counters = assert_idle_and_whole(proc)
     assert sum(o["meta_info"].get("num_retractions", 0) for o in outs) > 0, "nothing was retracted"
-    _identical(server, model_dir, ids_list, outs, new)
+    _identical(server, model_dir, ids_list, outs, new, ignore_eos=False)
     infos = [(o["meta_info"].get(META) or [{}])[-1] for o in outs]
     assert 0 < sum(i.get("accepted", 0) for i in infos) < sum(i.get("drafted", 0) for i in infos), infos
     assert counters["vericache"]["bytes_reloaded"] > 0, counters["vericache"]
@@ -99,7 +107,7 @@ def test_dropped_streams_and_aborts_release_everything(server, model_dir, tokeni
     drafting or reloading then). The three others finish with the plain server's tokens;
     the aborted one says so; the idle server holds nothing for any of them."""
     n, new = 6, 48
-    ids_list = _prompts(tokenizer, n, 300, offset=5000)
+    ids_list = _prompts(tokenizer, n, 300, offset=20)
     with _vc_server(tmp_path, "--max-total-tokens", "6000") as proc:
         aborted = threading.Event()
 
@@ -112,7 +120,7 @@ def test_dropped_streams_and_aborts_release_everything(server, model_dir, tokeni
         outs = concurrently(lambda ids, plan: _stream(proc, ids, new, plan[0], plan[1], plan[2]),
                             list(zip(ids_list, plans)))
         assert aborted.is_set()
-        assert finish_type(outs[5]) == "abort", outs[5]["meta_info"]
+        assert finish_type(outs[5]) == "abort", outs[5]
         _identical(server, model_dir, ids_list[:3], outs[:3], new)
         assert_idle_and_whole(proc)
         # and it serves on

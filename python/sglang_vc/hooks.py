@@ -372,13 +372,17 @@ def _decode_alloc_per_request(original, reqs, *, reserve: int, page_size: int):
 def _decode_need_per_request(original, batch, requests, page_size):
     """SGLang's retraction check asks for what its decode allocation takes
     (``_new_tokens_required_next_decode_spec_v2``); with VERICACHE's per-request reserve
-    (the hook above) it must ask for the same, or it retracts for slots nobody takes."""
+    (the hook above) it must ask for the same, or it retracts for slots nobody takes --
+    plus, while verifies starve for staging room, what the verify headroom lacks, so that
+    SGLang retracts a request to free it (its own correct, slower path)."""
     ahead = _slots_ahead()
     if ahead is None:
         return original(batch, requests, page_size)
+    from sglang_vc.kvruntime import current_runtime
     from sglang_vc.vericache.decode_slots import decode_alloc_lens
 
-    return decode_alloc_lens(requests, ahead, page_size)[2]
+    headroom = current_runtime().held_back
+    return decode_alloc_lens(requests, ahead, page_size)[2] + (headroom.starved_shortfall if headroom else 0)
 
 
 def _switch_remote_requests_to_local(*args, **kwargs):

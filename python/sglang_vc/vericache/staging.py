@@ -217,6 +217,7 @@ class VerifyHeadroom:
         self.evict = evict  # frees n slots from SGLang's prefix cache (its unlocked entries)
         self.slots: Optional[torch.Tensor] = None  # the held slots (the allocator's device)
         self.used = 0  # taken in the forward now running
+        self.need = 0  # what the last fit asked for
         self._starved = False  # a verify waits too long (warned once per episode)
 
     @property
@@ -232,6 +233,7 @@ class VerifyHeadroom:
         a forward holds some."""
         if self.used:
             return
+        self.need = need
         starved = stalled >= STARVED_AFTER
         if need > self.size and starved:
             if not self._starved:
@@ -254,6 +256,14 @@ class VerifyHeadroom:
                 stats.add("vericache", headroom_short=1)
         elif need < self.size:
             self._shrink_to(need)
+
+    @property
+    def starved_shortfall(self) -> int:
+        """Slots the headroom lacks while verifies starve: SGLang's next decode is asked
+        for them too (``hooks.py``), so that it retracts a request to free them where the
+        pool has none (staggered drafts take one slot an iteration, as decoding does, so
+        without this nothing else makes room and the verifies would wait forever)."""
+        return max(0, self.need - self.size) if self._starved else 0
 
     def yield_to_decode(self, n: int) -> None:
         """Give ``n`` held slots back to the allocator: SGLang's next decode lacks them (it
