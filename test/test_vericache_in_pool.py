@@ -345,8 +345,9 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
                                                                       vc_in_pool_servers, view, order):
     """A 600-token request alone has room: it drafts in place (its reply says in-pool and
     why). While it decodes, two more 600-token requests arrive: the pool cannot hold them
-    at full KV, so they are compressed and draft from the compressed KV (offload), and a
-    40-token one decodes from full KV (it fits the draft budget). Every output equals the plain
+    at full KV, so the policy offloads one (to measure an offload: it drafts from the
+    compressed KV) and keeps the other at full KV (in place), and a 40-token one decodes
+    from full KV (it fits the draft budget). Every output equals the plain
     server's, token for token, and drafts were rejected somewhere. With the re-selected
     view, its verifies re-selected the view."""
     vc_in_pool = _vc_in_pool(tmp_path_factory, view)
@@ -357,7 +358,10 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     t = threading.Thread(target=lambda: box.setdefault("out", generate(vc_in_pool, first, NEW)))
     t.start()
     deadline = time.time() + 120
-    while _counters(vc_in_pool).get("mode_iterations_in_pool", 0) <= before.get("mode_iterations_in_pool", 0):
+    # until the policy has timed enough iterations to weigh an offload (before that the pool
+    # binding keeps newcomers at full KV): then it offloads one to measure it
+    while _counters(vc_in_pool).get("mode_iterations_in_pool", 0) < before.get("mode_iterations_in_pool", 0) + \
+            MIN_ITERATIONS:
         assert time.time() < deadline and t.is_alive(), "the lone request never drafted in place"
         time.sleep(0.05)
     # one batch request: the three reach the scheduler together, so the pool's room is

@@ -716,8 +716,9 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
     """The default ``--vc-compress-when memory-binds`` at a pool that holds two full
     600-token requests: one request alone keeps its full KV (its reply says why, and
     nothing is drafted: as fast as the plain server); four at once, and the pool could
-    not hold the waiting ones at full KV, so they are compressed and draft (drafts
-    rejected somewhere). Every output is the plain server's. No ``--speculative-num-draft-tokens``: X is chosen from data (from 4, up to
+    not hold the waiting ones at full KV: the mode policy offloads one to measure what an
+    offload costs (snapkv's step has no probe) and keeps the others at full KV until it
+    has; the offloaded one drafts (drafts rejected somewhere), the others say why not. Every output is the plain server's. No ``--speculative-num-draft-tokens``: X is chosen from data (from 4, up to
     32; too few verifies here to move it)."""
     folder = tmp_path_factory.mktemp("vericache_memory_binds")
     proc = ServerProcess(
@@ -744,7 +745,9 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
         outs = generate(proc, ids_list, 24)
         _assert_identical(server, model_dir, ids_list, outs, 24)
         kinds = [o["meta_info"]["sglang_vc_compression"][0]["compressor"] for o in outs]
-        assert "snapkv" in kinds, kinds
+        assert kinds.count("snapkv") == 1, kinds
+        reasons = [o["meta_info"]["sglang_vc_compression"][0].get("full_kv_reason", "") for o in outs]
+        assert any("offload costs not measured yet" in r for r in reasons), reasons
         infos = [(o["meta_info"].get(META) or [{}])[-1] for o in outs]
         drafted, accepted = sum(i.get("drafted", 0) for i in infos), sum(i.get("accepted", 0) for i in infos)
         assert 0 < accepted < drafted, infos  # the compressed ones drafted, some drafts rejected

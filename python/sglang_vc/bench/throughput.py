@@ -304,6 +304,36 @@ def in_pool_predictions(rows: list[dict], cfgs: dict, ctx_tokens: int, prompt_to
     return out
 
 
+def offload_predictions(rows: list[dict], ctx_tokens: int, prompt_tokens: int, full_batch: int) -> dict:
+    """Per VERICACHE run that offloaded: the batch it held (per iteration, its mean full-KV
+    and offloaded requests) priced by :func:`sglang_vc.vericache.perf_model.mix_tokens_per_s`
+    at the run's fitted costs (full-KV iterations of every traced row pooled in, as above),
+    over full-KV decoding of the ``full_batch`` requests the pool holds: the model's ratio
+    to full KV, to set beside the measured one."""
+    from sglang_vc.vericache.perf_model import RowCosts, mix_tokens_per_s
+
+    full_only = [f for row in rows for f in (row.get("trace") or {}).get("fit_rows", []) if f[-1]]
+    out = {}
+    for row in rows:
+        trace, modes = row.get("trace") or {}, row.get("mode_iterations") or {}
+        if not trace.get("fit_rows") or not modes.get("offload") or not row.get("mean_acceptance_length"):
+            continue
+        own = trace["fit_rows"]
+        pooled = own + [f for f in full_only if all(f is not g for g in own)]
+        costs = _row_costs([{"forward_s": f[0], "regressors": f[1:5], "full_only": f[5]} for f in pooled])
+        if costs is None:
+            continue
+        rc = RowCosts(costs["fixed"], costs["token"], costs["row"], costs["query_row"], costs["offload_draft"])
+        iterations = max(1, trace["iterations"])
+        n_full, n_off = (modes.get("full", 0) + modes.get("in-pool", 0)) / iterations, modes["offload"] / iterations
+        length, a, x = (prompt_tokens + ctx_tokens) // 2, row["mean_acceptance_length"], row["draft_tokens"]
+        mixed = mix_tokens_per_s(rc, a, x, length, n_full, n_off)
+        out[row["config"]] = {"ratio_to_full": mixed / mix_tokens_per_s(rc, a, x, length, full_batch, 0),
+                              "costs": costs, "full": n_full, "offloaded": n_off, "full_batch": full_batch,
+                              "length": length, "draft_len": x, "acceptance": a}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.throughput",
                                      description=__doc__.split("\n\n")[0])
@@ -462,6 +492,7 @@ def main(argv=None) -> int:
     pred = predictions(rows, cfgs_by_name, weights=weights, kv_per_token=kv_per_token,
                        budget_tokens=budget, ctx_tokens=ctx, bw=bw)
     in_pool_pred = in_pool_predictions(rows, cfgs_by_name, ctx, args.prompt_tokens)
+    offload_pred = offload_predictions(rows, ctx, args.prompt_tokens, args.full_kv_batch)
     report = {
         "benchmark": "throughput",
         "model": args.model,
@@ -474,6 +505,7 @@ def main(argv=None) -> int:
         "results": [{k: v for k, v in r.items() if k not in ("output_ids", "finish_reasons")} for r in rows],
         "appendix_b1_prediction": pred,
         "in_pool_prediction": in_pool_pred,
+        "offload_prediction": offload_pred,
         "gpu_prediction": gpu_prediction(rows, args.predict_gpu) if args.predict_gpu else None,
         "definitions": {
             "tokens_per_s": "generated tokens of all requests / wall time from submitting them all to the last reply (prefill included)",
@@ -530,6 +562,12 @@ def main(argv=None) -> int:
         log(f"{name}: in-pool model predicts x{p['ratio_to_full']:.2f} full KV (A={p['acceptance']:.2f}, "
             f"X={p['draft_len']}, budget {p['budget']}, {p['length']} tokens, batch {p['batch']}; fitted over "
             f"{p['costs']['fit_iterations']} iterations, {p['costs']['full_kv_iterations']} of them full-KV), "
+            "measured decode " + (f"x{measured:.2f}" if measured else "n/a"))
+    for name, p in offload_pred.items():
+        measured = next(r["decode_ratio_to_full"] for r in report["results"] if r["config"] == name)
+        log(f"{name}: the offload model predicts x{p['ratio_to_full']:.2f} full KV ({p['full']:.1f} full-KV and "
+            f"{p['offloaded']:.1f} offloaded requests an iteration against {p['full_batch']} at full KV; A="
+            f"{p['acceptance']:.2f}, X={p['draft_len']}, offload draft {1e3 * p['costs']['offload_draft']:.1f} ms), "
             "measured decode " + (f"x{measured:.2f}" if measured else "n/a"))
     if report["gpu_prediction"]:
         print_gpu_prediction(report["gpu_prediction"])

@@ -422,13 +422,16 @@ def offload_gain(costs: RowCosts, acceptance: float, draft_len: int, length: int
     offloaded and ``admitted`` waiting requests take the rows that frees at full KV, over
     the batch's as it is (appendix B.1's tokens per iteration over the fitted iteration
     time: ``A / (x + 1)`` tokens an iteration per offloaded request, one per full-KV one)."""
-    f, o = full_kv_request_time(costs, length), offload_request_time(costs, length, draft_len)
-    per_off = acceptance / (draft_len + 1)
+    now = mix_tokens_per_s(costs, acceptance, draft_len, length, full, offloaded)
+    after = mix_tokens_per_s(costs, acceptance, draft_len, length, full - 1 + admitted, offloaded + 1)
+    return after / now if now > 0 else 0.0
 
-    def tokens_per_s(n_full: float, n_off: float) -> float:
-        t = costs.fixed + n_full * f + n_off * o
-        return (n_full + n_off * per_off) / t if t > 0 else 0.0
 
-    now = tokens_per_s(full, offloaded)
-    return tokens_per_s(full - 1 + admitted, offloaded + 1) / now if now > 0 else 0.0
+def mix_tokens_per_s(costs: RowCosts, acceptance: float, draft_len: int, length: int, full: float,
+                     offloaded: float) -> float:
+    """Committed tokens per second of a batch of ``full`` full-KV and ``offloaded``
+    offloaded requests of ``length`` tokens, at the fitted costs."""
+    t = (costs.fixed + full * full_kv_request_time(costs, length)
+         + offloaded * offload_request_time(costs, length, draft_len))
+    return (full + offloaded * acceptance / (draft_len + 1)) / t if t > 0 else 0.0
 

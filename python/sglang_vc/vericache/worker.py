@@ -186,8 +186,11 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             return None
         kept = spec.rows_kept(own_rows) if spec.scenario == "token_dropping" else 0
         per_waiting = waiting / max(1, runtime.waiting_requests)
-        admitted = min(runtime.waiting_requests, max(0, room + own_rows - kept) // max(1, per_waiting))
-        offloaded = len(runtime.compressed_rids())
+        # waiting requests the freed rows hold, as a fraction: compressing several requests
+        # admits whole ones (appendix B.1's batch grows with the compressed footprint)
+        admitted = min(runtime.waiting_requests, max(0, room + own_rows - kept) / max(1, per_waiting))
+        # compressed already, or chosen for it earlier in this prefill forward
+        offloaded = len(runtime.compressed_rids() | {r for r, d in self.modes.items() if d.mode is Mode.OFFLOAD})
         held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
         reload_s = own_rows * runtime.bytes_per_slot / (self._bandwidth or measure_bandwidth(self.device))
         decision = self.policy.offload(own_rows, max(1, held - offloaded), offloaded, admitted,
