@@ -31,8 +31,10 @@ def drop_server(model_dir, tmp_path_factory):
         "--evicpress-host-size-gb", f"{3 * gb:.6f}", "--evicpress-disk-size-gb", f"{3 * gb:.6f}",
         "--evicpress-no-profiler", "--evicpress-auto-context-tokens", "0",
         "--evicpress-device-size-gb", "0",  # device copies: SGLang's LRU (tier tests: test_evicpress_tree)
+        "--admin-api-key", "evicpress-dropping-admin",  # the digests its tests read
     ]
     proc = ServerProcess(args, log_path=root / "server.log", timeout=420)
+    proc.admin_key = "evicpress-dropping-admin"
     yield proc
     proc.stop()
 
@@ -95,7 +97,7 @@ def test_dropped_context_half_stored_served_from_kept_rows_across_tiers(drop_ser
     # a token-dropped copy cannot become another method or a larger one
     for config in ("kivi@2b", "knorm@0.6", "keydiff@0.3"):
         r = requests.post(s.url + "/evicpress/contexts/d1/placement",
-                          json={"tier": "host", "config": config}, timeout=60)
+                          json={"tier": "host", "config": config}, headers=epx.auth(s), timeout=60)
         assert r.status_code >= 400, (config, r.text)
 
 

@@ -31,6 +31,8 @@ KIVI2 = CompressionConfig("kivi", bits=2)
 DIMS = KVDims(layers=2, heads=2, head_dim=32, v_heads=2, v_head_dim=32, itemsize=4)
 
 
+ADMIN_KEY = "evicpress-admin-key-for-tests"
+
 def _kv(n: int, seed: int = 0) -> FullKV:
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(DIMS.layers, n, DIMS.heads, DIMS.head_dim, generator=g)
@@ -749,9 +751,11 @@ def ep_server(model_dir, tmp_path_factory):
         # this machine measures at start-up (their measurement has its own test)
         "--evicpress-host-bandwidth", "10", "--evicpress-disk-bandwidth", "1",
         "--evicpress-decompress-bandwidth", "5", "--evicpress-prefill-tokens-per-s", "200",
+        "--admin-api-key", ADMIN_KEY,  # the digests its tests read
     ]
     proc = ServerProcess(args, log_path=root / "server.log", timeout=420)
     proc.disk_dir = root / "disk"
+    proc.admin_key = ADMIN_KEY
     yield proc
     proc.stop()
 
@@ -822,7 +826,7 @@ def test_a_lossy_copy_never_stands_in_for_the_exact_rows_of_another_request(ep_s
     epx.api(s, "POST", "/evicpress/evict_device")
     want = run(plain)  # full-KV decoding, nothing cached
     epx.api(s, "POST", "/evicpress/contexts", {"id": "lossy", "token_ids": ctx_ids, "quality": {}})
-    epx.ask(s, tokenizer, ctx_ids)  # computed and stored
+    exact = epx.ask(s, tokenizer, ctx_ids)  # computed and stored
     epx.api(s, "POST", "/evicpress/contexts/lossy/placement", {"tier": "host", "config": "kivi@2b"})
     full = epx.api(s, "GET", "/evicpress/contexts/lossy/digest")
 
@@ -853,15 +857,18 @@ def test_a_lossy_copy_never_stands_in_for_the_exact_rows_of_another_request(ep_s
     again = epx.ask(s, tokenizer, ctx_ids)  # the context's own requests do reuse its device copy
     assert epx.counters(s)["hits_device"] == c1.get("hits_device", 0) + 1
     assert again["output_ids"] == lossy["output_ids"]
-    # ... but not a request with another cache_salt: SGLang keeps salted rows apart, so it
-    # loads a copy of its own from the host
+    # ... but not a request with another cache_salt: SGLang keeps salted rows apart, and so
+    # does EvicPress (the context is another tenant's): nothing of it is reused from any
+    # tier, the request computes its prompt and answers as full KV does
     c2 = epx.counters(s)
     r = requests.post(s.url + "/generate", json={"input_ids": ctx_ids + q, "cache_salt": "tenant-b",
                                                  "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
                       timeout=300)
     assert r.status_code == 200, r.text
-    assert epx.counters(s)["hits_host"] == c2.get("hits_host", 0) + 1
-    assert r.json()["output_ids"] == lossy["output_ids"]
+    c3 = epx.counters(s)
+    assert r.json()["meta_info"]["cached_tokens"] == 0, r.json()["meta_info"]
+    assert all(c3.get(k, 0) == c2.get(k, 0) for k in ("hits_device", "hits_host", "hits_disk")), (c2, c3)
+    assert r.json()["output_ids"] == exact["output_ids"]
 
     for order in (("ctx", "plain"), ("plain", "ctx")):  # one batch, both orders
         epx.api(s, "POST", "/evicpress/evict_device")
@@ -1062,5 +1069,22 @@ def test_bad_context_registrations_are_400(ep_server, body, message):
     profiled): token ids as a list, at most the model's context length (8,192 here)."""
     import requests
 
-    r = requests.post(ep_server.url + "/evicpress/contexts", json=body, timeout=60)
+    r = requests.post(ep_server.url + "/evicpress/contexts", json=body, headers=epx.auth(ep_server), timeout=60)
     assert r.status_code == 400 and message in r.text, (r.status_code, r.text)
+
+
+def test_routes_that_show_what_requests_sent_need_the_admin_key(ep_server, tokenizer):
+    """A context's token ids (and KV digests) are other users' prompts: on a server
+    started with ``--admin-api-key`` they answer only a client presenting it (401
+    otherwise), as do the routes that change EvicPress's state (SGLang's level for its
+    own cache routes); ``test_evicpress_tree`` checks a server without the key (403)."""
+    import requests
+
+    epx.api(ep_server, "POST", "/evicpress/contexts", {"id": "secret", "token_ids": list(range(100, 300))})
+    url = ep_server.url + "/evicpress/contexts/secret"
+    assert requests.get(url, params={"tokens": 1}, timeout=60).status_code == 401
+    assert requests.get(url + "/digest", timeout=60).status_code == 401
+    assert requests.post(ep_server.url + "/evicpress/evict_device", timeout=60).status_code == 401
+    got = requests.get(url, params={"tokens": 1}, headers=epx.auth(ep_server), timeout=60)
+    assert got.status_code == 200 and got.json()["token_ids"][:3] == [100, 101, 102], got.text
+    epx.api(ep_server, "DELETE", "/evicpress/contexts/secret")

@@ -156,3 +156,20 @@ def test_token_dropped_device_copy_holds_only_its_kept_rows(drop_tier_server, to
     c1 = epx.counters(s)
     assert c1.get("hits_disk", 0) == c0.get("hits_disk", 0) + 1, (c0, c1)
     assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS and out["output_ids"] == first
+
+
+def test_without_an_admin_key_no_route_shows_what_requests_sent(tier_server):
+    """On a server started without ``--admin-api-key`` a context's token ids and KV
+    digests are refused (403, naming the flag); what it is may still be described."""
+    import requests
+
+    import sglang_vc.testing.evicpress as epx
+
+    epx.api(tier_server, "POST", "/evicpress/contexts", {"id": "private", "token_ids": list(range(500, 700))})
+    url = tier_server.url + "/evicpress/contexts/private"
+    for r in (requests.get(url, params={"tokens": 1}, timeout=60), requests.get(url + "/digest", timeout=60)):
+        assert r.status_code == 403 and "--admin-api-key" in r.text, r.text
+    described = epx.api(tier_server, "GET", "/evicpress/contexts/private")
+    assert "token_ids" not in described and described["num_tokens"] == 200, described
+    epx.api(tier_server, "DELETE", "/evicpress/contexts/private")
+

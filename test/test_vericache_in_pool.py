@@ -229,10 +229,10 @@ def test_offload_is_chosen_by_the_same_costs_and_capped_by_eq9():
     assert waits.mode is Mode.FULL and "not measured" in waits.reason
     assert timed.offload(4000, 3, 0, 0, curve, 0.001).mode is Mode.FULL  # frees nothing usable
     # priced by this machine's draft step (draft_probe) instead: dearer than a full-KV step never pays
-    priced = timed.offload(4000, 3, 0, 1.0, curve, 0.001, draft_ratio=1.4)
-    assert priced.mode is Mode.FULL and "priced by this machine's draft step" in priced.reason, priced
+    priced = timed.offload(4000, 3, 0, 1.0, curve, 0.001, probe=(0.008, 0.011))
+    assert priced.mode is Mode.FULL and "priced by this machine's draft step, x1.38" in priced.reason, priced
     heavy = _fed(ModePolicy(lambda n: 512, 8, None), fixed=0.2, row=1e-6)
-    assert heavy.offload(4000, 3, 0, 1.0, curve, 0.001, draft_ratio=0.05).mode is Mode.OFFLOAD
+    assert heavy.offload(4000, 3, 0, 1.0, curve, 0.001, probe=(0.004, 0.0002)).mode is Mode.OFFLOAD
     pays = _fed_offload(ModePolicy(lambda n: 512, 8, None), fixed=0.2, row=1e-6, offload_draft=0.001)
     d = pays.offload(4000, 3, 1, 1.0, curve, 0.001)
     assert d.mode is Mode.OFFLOAD and d.predicted_speedup > 1.05 and "offload draft" in d.reason, d

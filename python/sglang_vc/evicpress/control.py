@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 
 import requests
 
+from . import tenant
 from .config import DROPPED, CompressionConfig, Placement, Tier
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class ControlServer:
                 ctx = self.mgr.register(
                     ids,
                     ctx_id=body.get("id"),
-                    namespace=body.get("extra_key"),
+                    namespace=tenant.namespace(body.get("extra_key"), body.get("cache_salt")),
                     queries=suffixes,
                     query_texts=body.get("query_texts") or [],
                 )

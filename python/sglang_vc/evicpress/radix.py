@@ -104,6 +104,7 @@ from .manager import EvicPressManager
 from .measure import measure_delay_inputs, storage_dir
 from .match_rows import MatchRows
 from .request_plan import ContextPlan, Origin
+from . import tenant
 from .tree_rows import TreeRows, private_namespace
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,9 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
                              "or --evicpress-disk-dir)")
         self._released = []  # host backups EvicPress released (tree_rows._trim_host_pool)
         self._own_backups: set = set()  # tree nodes EvicPress backed up to the host itself
-        model_id = f"{server_args.served_model_name}|{pool.dtype}|{dims.layers}x{dims.heads}x{dims.head_dim}"
+        # whose KV it is: the weights themselves (not the served name) and the KV layout
+        model_id = f"{tenant.weights_digest(server_args.model_path)}|{pool.dtype}|" \
+                   f"{dims.layers}x{dims.heads}x{dims.head_dim}"
         disk = StorageTier(backend, int(ep["disk_size_gb"] * flags.GB), namespace=model_id)
         # storage copies of every computed context (--evicpress-storage-copies): on the
         # same backend, bounded by the backend's own retention, not the disk tier's budget
@@ -479,7 +482,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
 
     def _before_match(self, params: MatchPrefixParams) -> None:
         req, key = params.req, params.key
-        ns = key.extra_key
+        ns = tenant.namespace(key.extra_key, key.cache_salt)
         mgr = self.evicpress
         if ns and ns.startswith(PROFILE_NAMESPACE):
             if ns.startswith(CFG_NAMESPACE):

@@ -5,7 +5,8 @@ Routes (JSON; added to SGLang's FastAPI app by ``python -m sglang_vc.launch_serv
 
 * ``POST /evicpress/contexts`` -- register a context: ``{"id"?, "text" | "token_ids",
   "queries"?: [str], "query_template"?: str, "query_suffix_ids"?: [[int]],
-  "extra_key"?: str, "quality"?: {config: q}, "prefill"?: bool}``. The query set is what
+  "extra_key"?: str, "cache_salt"?: str, "quality"?: {config: q}, "prefill"?: bool}``
+  (``cache_salt``: the tenant whose requests alone reuse it, :mod:`.tenant`). The query set is what
   the profiler answers under each candidate config; ``query_template`` (default
   ``"\\n\\nQuestion: {query}\\nAnswer:"``) turns a query into the prompt suffix after the
   context. ``prefill`` computes (and so stores) the context right away.
@@ -135,6 +136,7 @@ def install(vc_config, server_args) -> None:
         return
     from fastapi import Body, HTTPException
     from sglang.srt.entrypoints import http_server
+    from sglang.srt.utils.auth import AuthLevel, auth_level
 
     ep = settings_of(vc_config)
     client = ControlClient(int(ep["control_port"]))
@@ -176,6 +178,7 @@ def install(vc_config, server_args) -> None:
             "id": body.get("id"),
             "token_ids": body["token_ids"],
             "extra_key": body.get("extra_key"),
+            "cache_salt": body.get("cache_salt"),  # the tenant: only its requests reuse the context
             "query_suffixes": suffixes,
             "query_texts": queries,
             "quality": body.get("quality"),
@@ -183,21 +186,25 @@ def install(vc_config, server_args) -> None:
         info = call("POST", "/contexts", payload)
         if body.get("prefill"):
             _generate(base_url, body["token_ids"] + (suffixes[0] if suffixes else []),
-                      max_new_tokens=1, extra_key=body.get("extra_key"))
+                      max_new_tokens=1, extra_key=body.get("extra_key"), cache_salt=body.get("cache_salt"))
             info = call("GET", f"/contexts/{info['id']}")
         return info
 
-    app.add_api_route("/evicpress/contexts", register, methods=["POST"])
-    app.add_api_route("/evicpress/contexts", lambda: call("GET", "/contexts"), methods=["GET"])
-    app.add_api_route("/evicpress/status", lambda: call("GET", "/status", params={"sync": 1}), methods=["GET"])
-    app.add_api_route("/evicpress/evict_device", lambda: call("POST", "/evict_device"), methods=["POST"])
+    def list_contexts():
+        return call("GET", "/contexts")
+
+    def status():
+        return call("GET", "/status", params={"sync": 1})
+
+    def evict_device():
+        return call("POST", "/evict_device")
 
     def reconfigure(body: dict = Body(...)):
         return call("POST", "/reconfigure", body)
 
-    app.add_api_route("/evicpress/reconfigure", reconfigure, methods=["POST"])
-
     def get_ctx(ctx_id: str, tokens: int = 0):
+        if tokens:
+            _admin_key_configured(server_args, "a context's token ids")
         return call("GET", f"/contexts/{ctx_id}", params={"tokens": tokens})
 
     def del_ctx(ctx_id: str):
@@ -213,6 +220,7 @@ def install(vc_config, server_args) -> None:
         return call("POST", f"/contexts/{ctx_id}/quality", body)
 
     def digest(ctx_id: str):
+        _admin_key_configured(server_args, "a context's KV digests")
         return call("GET", f"/contexts/{ctx_id}/digest")
 
     def observe(ctx_id: str, body: dict = Body(...)):
@@ -220,16 +228,35 @@ def install(vc_config, server_args) -> None:
             raise HTTPException(400, "body needs {'config': str, 'quality': number}")
         return call("POST", "/work/observation", {"ctx_id": ctx_id, **body})
 
-    app.add_api_route("/evicpress/contexts/{ctx_id}", get_ctx, methods=["GET"])
-    app.add_api_route("/evicpress/contexts/{ctx_id}", del_ctx, methods=["DELETE"])
-    app.add_api_route("/evicpress/contexts/{ctx_id}/placement", place, methods=["POST", "PUT"])
-    app.add_api_route("/evicpress/contexts/{ctx_id}/profile", profile, methods=["POST"])
-    app.add_api_route("/evicpress/contexts/{ctx_id}/quality", quality, methods=["POST"])
-    app.add_api_route("/evicpress/contexts/{ctx_id}/digest", digest, methods=["GET"])
-    app.add_api_route("/evicpress/contexts/{ctx_id}/observations", observe, methods=["POST"])
+    # SGLang's level for its own cache routes (/flush_cache): open without keys, behind
+    # --admin-api-key (else --api-key) where one is set. Routes that return what requests
+    # sent (token ids, KV digests) also need --admin-api-key configured (checked above), as
+    # SGLang's HiCache storage-backend route does.
+    routes = [("/evicpress/contexts", register, "POST"), ("/evicpress/contexts", list_contexts, "GET"),
+              ("/evicpress/status", status, "GET"), ("/evicpress/evict_device", evict_device, "POST"),
+              ("/evicpress/reconfigure", reconfigure, "POST"), ("/evicpress/contexts/{ctx_id}", get_ctx, "GET"),
+              ("/evicpress/contexts/{ctx_id}", del_ctx, "DELETE"),
+              ("/evicpress/contexts/{ctx_id}/placement", place, ["POST", "PUT"]),
+              ("/evicpress/contexts/{ctx_id}/profile", profile, "POST"),
+              ("/evicpress/contexts/{ctx_id}/quality", quality, "POST"),
+              ("/evicpress/contexts/{ctx_id}/digest", digest, "GET"),
+              ("/evicpress/contexts/{ctx_id}/observations", observe, "POST")]
+    for path, endpoint, methods in routes:
+        app.add_api_route(path, auth_level(AuthLevel.ADMIN_OPTIONAL)(endpoint),
+                          methods=[methods] if isinstance(methods, str) else methods)
 
     if not ep.get("no_profiler"):
         ProfilerService(client, base_url, tok, float(ep["idle_seconds"])).start()
+
+
+def _admin_key_configured(server_args, what: str) -> None:
+    """403 unless the server was started with ``--admin-api-key`` (the route's auth level
+    then makes the client present it): ``what`` is other users' data."""
+    from fastapi import HTTPException
+
+    if not getattr(server_args, "admin_api_key", None):
+        raise HTTPException(403, f"{what} are shown only on a server started with --admin-api-key (and to a client "
+                            "presenting it as 'Authorization: Bearer KEY')")
 
 
 def context_limit(server_args) -> int:
@@ -273,7 +300,7 @@ class _Tokenizer:
 
 def _generate(base_url: str, input_ids, *, max_new_tokens: int, extra_key: Optional[str] = None,
               temperature: float = 0.0, timeout: float = 600.0, stop=None,
-              logprob_start_len: Optional[int] = None) -> dict:
+              logprob_start_len: Optional[int] = None, cache_salt: Optional[str] = None) -> dict:
     """One ``/generate`` call; with ``logprob_start_len`` the log-probabilities of the
     input tokens from there on and of the output tokens come back in ``meta_info``."""
     payload = {
@@ -286,6 +313,8 @@ def _generate(base_url: str, input_ids, *, max_new_tokens: int, extra_key: Optio
         payload["sampling_params"]["stop"] = stop
     if extra_key:
         payload["extra_key"] = extra_key
+    if cache_salt:
+        payload["cache_salt"] = cache_salt
     r = requests.post(base_url + "/generate", json=payload, timeout=timeout)
     r.raise_for_status()
     return r.json()

@@ -34,7 +34,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from . import codec
+from . import codec, tenant
 from .codec import FullKV
 from .config import CompressionConfig, Tier
 from .context import PROFILE_NAMESPACE, Context
@@ -76,13 +76,12 @@ class TreeRows:
     ``_host_pool``, the device and host KV pools)."""
 
     def _key(self, ids, like: Optional[RadixKey], namespace=SAME_NAMESPACE) -> RadixKey:
-        """A key for ``ids`` in ``like``'s namespace (or in ``namespace``)."""
-        return RadixKey(
-            array.array("q", [int(t) for t in ids]),
-            like.extra_key if namespace is SAME_NAMESPACE else namespace,
-            is_bigram=self.tree_core.is_eagle,
-            cache_salt=like.cache_salt if like is not None and namespace is SAME_NAMESPACE else None,
-        )
+        """A key for ``ids`` in ``like``'s namespace (or in ``namespace``, a context's
+        tenant namespace: :mod:`.tenant`)."""
+        extra_key, cache_salt = ((like.extra_key, like.cache_salt) if namespace is SAME_NAMESPACE
+                                 else tenant.tree_key(namespace))
+        return RadixKey(array.array("q", [int(t) for t in ids]), extra_key, is_bigram=self.tree_core.is_eagle,
+                        cache_salt=cache_salt)
 
     def _floor(self, n: int) -> int:
         return n // self.page_size * self.page_size
@@ -97,7 +96,8 @@ class TreeRows:
         if _private(key.extra_key):
             return True  # lossy and profiler rows: never a plain prefix
         start = self.tree_core.collect_path_info([node_id])[0][-1].path_start
-        return self.evicpress.covering(key.raw_token_ids(), key.extra_key, start) is not None
+        return self.evicpress.covering(key.raw_token_ids(), tenant.namespace(key.extra_key, key.cache_salt),
+                                       start) is not None
 
     def stored_by_evicpress(self, node_id) -> bool:
         """Whether the host backup of ``node_id`` is EvicPress's (a context's full host

@@ -8,9 +8,16 @@ QUESTION = "\n\nQuestion: What is this text about?\nAnswer:"
 CTX_TOKENS = 200  # the tests' contexts: 9 MB of float32 KV each for SmolLM2-135M
 
 
+def auth(server) -> dict:
+    """The header presenting the server's ``--admin-api-key`` (tests set ``admin_key`` on
+    a server started with one); empty otherwise."""
+    key = getattr(server, "admin_key", None)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def api(server, method: str, path: str, body=None) -> dict:
     """Call ``/evicpress...`` (or any JSON route); asserts HTTP 200 and shows the log tail."""
-    r = requests.request(method, server.url + path, json=body, timeout=300)
+    r = requests.request(method, server.url + path, json=body, headers=auth(server), timeout=300)
     assert r.status_code == 200, (r.status_code, r.text, server.log_tail(30))
     return r.json()
 

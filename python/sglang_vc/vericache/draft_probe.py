@@ -11,9 +11,9 @@ for. Two calls on the same tensors:
   from the pool, SpeCache's attention with ``topk`` rows per KV head fetched and
   substituted (``specache.core.attend_fetching``).
 
-The mode policy prices an offload drafter by the ratio before any request was offloaded
-to measure it (:meth:`.policy.ModePolicy.offload`); ``bench.cpu_draft_step`` reports it per
-length.
+The mode policy prices an offload drafter's step and a full-KV request's attention by
+them before any request was offloaded to measure it (:meth:`.policy.ModePolicy.offload`);
+``bench.cpu_draft_step`` reports them per length.
 """
 
 from __future__ import annotations
@@ -78,12 +78,13 @@ def step_times(n: int, hq: int, h: int, d: int, topk: int, bits: int, repeats: i
 
 
 @functools.lru_cache(maxsize=32)
-def draft_to_full(n: int, hq: int, h: int, d: int, topk: int, bits: int, dtype: torch.dtype) -> float:
-    """:func:`step_times`' ratio for a request of ``n`` tokens (measured once per shape;
-    the caller rounds ``n`` to a few lengths)."""
+def step_seconds(n: int, hq: int, h: int, d: int, topk: int, bits: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Seconds of one layer's full-KV decode step and SpeCache draft step for a request of
+    ``n`` tokens (:func:`step_times`, measured once per shape; the caller rounds ``n`` to a
+    few lengths)."""
     t0 = time.perf_counter()
-    ratio = step_times(n, hq, h, d, topk, bits, repeats=8, dtype=dtype)["specache_x_full"]
-    logger.info("VERICACHE: a SpeCache draft step at %d tokens costs %.2fx a full-KV decode step on this machine "
-                "(measured in %.2f s; the mode policy prices offloading by it until it has measured offloads)",
-                n, ratio, time.perf_counter() - t0)
-    return ratio
+    row = step_times(n, hq, h, d, topk, bits, repeats=8, dtype=dtype)
+    logger.info("VERICACHE: at %d tokens a SpeCache draft step costs %.2f ms a layer, a full-KV decode step %.2f ms "
+                "(x%.2f; measured in %.2f s): the mode policy prices offloading by them until it has measured "
+                "offloads", n, row["specache_ms"], row["full_ms"], row["specache_x_full"], time.perf_counter() - t0)
+    return row["full_ms"] / 1e3, row["specache_ms"] / 1e3

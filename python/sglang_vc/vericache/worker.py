@@ -195,7 +195,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         reload_s = own_rows * runtime.bytes_per_slot / (self._bandwidth or measure_bandwidth(self.device))
         decision = self.policy.offload(own_rows, max(1, held - offloaded), offloaded, admitted,
                                        self.draft_length.curves[spec.compressor], reload_s,
-                                       self._draft_ratio(spec, own_rows))
+                                       self._draft_probe(spec, own_rows))
         if decision.mode is Mode.OFFLOAD:
             self.modes[rid] = decision
             stats.add("vericache", offload_chosen=1)
@@ -203,22 +203,24 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         stats.add("vericache", offload_declined=1)
         return decision.reason
 
-    def _draft_ratio(self, spec, length: int) -> Optional[float]:
-        """This machine's SpeCache draft step over a full-KV decode step at about
-        ``length`` tokens (:mod:`.draft_probe`; timed once per power of two), where the
-        drafter's step is its torch path; None elsewhere (the policy then offloads one
-        request to measure the drafter)."""
+    def _draft_probe(self, spec, length: int) -> Optional[tuple[float, float]]:
+        """Seconds a full-KV request of about ``length`` tokens spends in attention per
+        iteration, and a SpeCache draft step of it, on this machine (:mod:`.draft_probe`,
+        every layer; timed once per power of two), where the drafter's step is its torch
+        path; None elsewhere (the policy then offloads one request to measure it)."""
         import sgl_kernel_ext as ext
 
-        from .draft_probe import draft_to_full
+        from .draft_probe import step_seconds
 
         k_buf = self.runtime.kv_pool.get_key_buffer(self.runtime.start_layer)
         if spec.compressor != "specache" or ext.backend_for(k_buf) is ext.Backend.TRITON or length < 256:
             return None
         n = 1 << (length.bit_length() - 1)
         q_heads = self.model_runner.model_config.num_attention_heads // max(1, self.server_args.tp_size)
-        return draft_to_full(n, q_heads, k_buf.shape[1], k_buf.shape[2], self.drafter.topk, spec.bits or 2,
-                             k_buf.dtype)
+        full_s, draft_s = step_seconds(n, q_heads, k_buf.shape[1], k_buf.shape[2], self.drafter.topk,
+                                       spec.bits or 2, k_buf.dtype)
+        layers = self.runtime.kv_pool.layer_num
+        return full_s * layers * length / n, draft_s * layers * length / n
 
     def _admit_host(self, rid: str, req_pool_idx: int, p: int, n: int) -> bool:
         ok = self.host.admit(rid, req_pool_idx, p, n, (n - p) * self.runtime.bytes_per_slot)
