@@ -700,3 +700,15 @@ def test_the_host_store_is_bounded_by_default():
 
     assert flags.host_kv_bytes({}) == int(0.5 * psutil.virtual_memory().total)
     assert flags.host_kv_bytes({"host_kv_gb": 1.5}) == int(1.5 * 2**30)
+
+
+def test_a_prompt_waiting_requests_share_is_not_compressed():
+    """The compress gate keeps a prompt whose first half waiting requests share at full KV
+    (a compressed request's rows never enter the radix tree, so each of them would prefill
+    the shared document again): ``shared_by`` counts them."""
+    from sglang_vc.vericache.worker import shared_by
+
+    doc = list(range(1000))
+    waiting = [doc + [5, 6], doc[:600] + [7] * 500, list(range(1, 1001)), doc[:400]]
+    assert shared_by(doc + [1, 2], waiting) == 2  # the first two share >= 501 tokens
+    assert shared_by([9] * 10, waiting) == 0

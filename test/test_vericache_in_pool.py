@@ -339,7 +339,7 @@ def _counters(proc) -> dict:
 
 @pytest.mark.parametrize("view, order", [
     ("window", "long-first"),
-    pytest.param("window", "short-first", marks=pytest.mark.slow),  # the 15-min default budget
+    ("window", "short-first"),
     ("reselect", "long-first")])
 def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, tmp_path_factory,
                                                                       vc_in_pool_servers, view, order):
@@ -438,8 +438,6 @@ def test_a_request_at_the_end_of_the_context_stays_inside_its_row(server, model_
     assert (out["meta_info"].get(META) or [{}])[-1].get("drafted", 0) > 0
 
 
-@pytest.mark.slow  # two more servers; the default suite covers never's behaviour through
-# test_vericache_serving::test_full_kv_until_memory_binds (auto's prior: nothing drafted)
 def test_in_pool_never_decodes_resident_requests_from_full_kv(server, model_dir, tokenizer, tmp_path_factory):
     """``--vc-in-pool never`` (the behaviour before in-pool drafting): a long request with
     room drafts nothing. ``always`` drafts for it. Both are the plain server's output."""

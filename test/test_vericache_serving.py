@@ -163,7 +163,7 @@ DEFAULT_DRAFTERS = {"snapkv": (None, 0.75), "kivi2": (DRAFTERS["kivi2"], 0.6),
 
 
 @pytest.mark.parametrize("drafter", [  # each drafter family; kivi2 (a second quantizer) in the slow run
-    "snapkv", pytest.param("kivi2", marks=pytest.mark.slow), "specache1"])
+    "snapkv", "kivi2", "specache1"])
 def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4, drafter):
     """VERICACHE at X = 4 gives the plain (full-KV) server's tokens, and the drafter was
     really lossy: some drafts were rejected, and while a request decodes the device pool
@@ -264,7 +264,6 @@ def test_full_kv_requests_before_drafters_in_one_batch(server, model_dir, tokeni
     assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos  # really lossy drafts
 
 
-@pytest.mark.slow  # the default run's VERICACHE identity test already runs staggered
 def test_staggered_schedule_follows_admit(server, model_dir, tokenizer, vc4):
     """Six concurrent requests under the staggered schedule: their tokens equal the
     full-KV server's, and the per-iteration trace shows (1) iterations in which some
@@ -320,7 +319,6 @@ def vc_lockstep(tmp_path_factory):
     proc.stop()
 
 
-@pytest.mark.slow
 def test_lockstep_schedule_identical_to_full_kv(server, model_dir, tokenizer, vc_lockstep):
     """The comparison mode: every request drafts X = 4 tokens and verifies every round."""
     outs = _check_identical(server, vc_lockstep, model_dir, prompts(tokenizer, 0), 24)
@@ -329,7 +327,6 @@ def test_lockstep_schedule_identical_to_full_kv(server, model_dir, tokenizer, vc
         assert info["drafted"] == 4 * info["verify_rounds"] > 0
 
 
-@pytest.mark.slow
 def test_lockstep_applies_penalties_grammars_and_logprobs(server, tokenizer, vc_lockstep):
     """The lock-step round's draft steps and verify apply the request features as the
     staggered iteration does: a penalised request, a regex-constrained one with logprobs
@@ -366,7 +363,6 @@ def test_lockstep_applies_penalties_grammars_and_logprobs(server, tokenizer, vc_
     assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos  # drafts rejected
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_identical_to_full_kv(server, model_dir, tokenizer, vc_x, drafter):
     """A concurrent batch of mixed-length prompts: VERICACHE's tokens == the plain
@@ -385,7 +381,6 @@ def test_greedy_identical_to_full_kv(server, model_dir, tokenizer, vc_x, drafter
 BATCH16_LENGTHS = (20, 40, 60, 90, 120, 150, 200, 250, 300, 400, 500, 600, 800, 1000, 1400, 2000)
 
 
-@pytest.mark.slow
 def test_batch_of_16_mixed_lengths_identical(server, model_dir, tokenizer, vc4):
     """16 concurrent requests, prompts of 20 to 2000 tokens from the code workload (X = 4)."""
     vc = vc4
@@ -398,7 +393,6 @@ def test_batch_of_16_mixed_lengths_identical(server, model_dir, tokenizer, vc4):
     _check_identical(server, vc, model_dir, ids_list, 20)
 
 
-@pytest.mark.slow
 def test_counters_in_server_info(server, tokenizer, vc_x):
     vc, x = vc_x
     ids = prompts(tokenizer, 3)[1]
@@ -436,7 +430,6 @@ def test_chi2_helper_detects_a_different_distribution():
     assert chi2_two_sample_p([[120, 20, 20], [40, 60, 60]]) < 1e-6
 
 
-@pytest.mark.slow
 def test_sampling_distribution_matches_full_kv(server, tokenizer, vc4):
     """temperature 1, top-k 4: the second and third tokens (from verify rounds) of 160
     samples per server have the same distribution as full-KV sampling (two-sample
@@ -488,7 +481,6 @@ def _identical_to_full(server, model_dir, ids, out, n):
     _assert_identical(server, model_dir, [ids], [out], n)
 
 
-@pytest.mark.slow  # 15-min default budget; in process: test_vericache_reload, _staging
 def test_failed_reload_and_full_host_store_keep_output_identical(server, model_dir, tokenizer, vc_constrained):
     """1. A compressed 150-token prompt whose first reload fails every retry: its full KV
     is restored on the device from the host store and it decodes from it (counted as a
@@ -627,7 +619,6 @@ def test_penalties_and_min_new_tokens_identical_to_full_kv(server, tokenizer, vc
     assert outs[2]["meta_info"][META][-1]["drafted"] == 0  # the opted-out one decoded full KV
 
 
-@pytest.mark.slow  # 15-min default budget: logit_bias and min_p are served only here
 def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
     """``logit_bias`` banning a token the full-KV output picks in a verify round changes
     the output, and VERICACHE gives the biased full-KV tokens; ``min_p = 1`` at
@@ -646,7 +637,6 @@ def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
         assert generate(vc4, ids, 16, **greedy_like)["output_ids"] == plain
 
 
-@pytest.mark.slow
 def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, tmp_path_factory):
     """At a KV pool that holds two full 700-token requests, six concurrent VERICACHE
     requests (SnapKV at 0.25) decode more than two at a time: SGLang's admission counts
@@ -686,7 +676,6 @@ def vc_no_pool_room(tmp_path_factory):
     proc.stop()
 
 
-@pytest.mark.slow  # 15-min default budget; in process: test_vericache_staging
 def test_verifies_without_pool_room_keep_output_identical(server, model_dir, tokenizer, vc_no_pool_room):
     """When the pool has no free slots to stage a verifier's full KV, the verify runs in
     the headroom held back for it (still SGLang's attention over pool slots); verifiers

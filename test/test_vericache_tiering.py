@@ -27,7 +27,6 @@ N_NEW = 24
 DRAFTS = 16
 
 
-@pytest.mark.slow  # two servers in turn, about 2.5 minutes here
 def test_a_request_drafts_from_the_compressed_copy_while_the_full_copy_loads_and_stays_exact(tmp_path, tokenizer):
     from conftest import real_text_passages
 

@@ -322,6 +322,7 @@ def _report_waiting_demand(result, *args, **kwargs):
         waiting = getattr(args[0], "waiting_queue", ())
         runtime.waiting_demand = sum(len(req.origin_input_ids) for req in waiting)
         runtime.waiting_requests = len(waiting)
+        runtime.waiting_prompts = [req.origin_input_ids for req in waiting]  # (references, no copy)
     return None
 
 

@@ -371,6 +371,11 @@ def main(argv=None) -> int:
     parser.add_argument("--full-kv-batch", type=int, default=4,
                         help="size the KV pool (--max-total-tokens) to hold this many full-KV requests")
     parser.add_argument("--server-args", default="--dtype float32", help="flags given to every server")
+    parser.add_argument("--full-args", default=None,
+                        help="flags given to the full-KV row's server only; with --shared-document by default "
+                        "'--attention-backend vc_torch': SGLang's decode with an extend that attends only the new "
+                        "queries (SGLang's torch_native extend attends the whole cached prefix again, hours at 16k "
+                        "on a CPU), the full-KV path VERICACHE's own iterations run")
     args = parser.parse_args(argv)
     if args.from_json:
         if not args.predict_gpu:
@@ -463,7 +468,13 @@ def main(argv=None) -> int:
 
     cfgs_by_name = {c["name"]: c for c in cfgs}
     rows = []
+    full_args = args.full_args if args.full_args is not None else (
+        "--attention-backend vc_torch" if args.shared_document else "")
+    if full_args:
+        log(f"the full-KV row's server also gets: {full_args}")
     for cfg in cfgs:  # --fits: prefilled first, so every row decodes the same requests from the same start
+        if cfg["kind"] == "full" and full_args:
+            cfg = {**cfg, "flags": [*cfg["flags"], *full_args.split()]}
         rows.append(run_config(cfg, common, prompts, args.max_new_tokens, log_dir, warm=args.fits))
     base = rows[0]
     for row in rows:

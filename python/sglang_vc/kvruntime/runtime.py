@@ -165,6 +165,7 @@ class KVRuntime:
         # (by hooks.py) only while a compress gate reads it
         self.waiting_demand = 0
         self.waiting_requests = 0
+        self.waiting_prompts: list = []
         # ... and, for a token-dropping method, learns which rows stayed on the device:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).

@@ -67,6 +67,14 @@ from .staggered import StaggeredSchedule
 logger = logging.getLogger(__name__)
 
 
+def shared_by(prompt, waiting: list) -> int:
+    """How many waiting prompts share at least half of ``prompt`` as a prefix (they would
+    reuse its rows from the radix tree, which a compressed request's never enter)."""
+    half = max(1, len(prompt) // 2)
+    head = list(prompt[:half])
+    return sum(1 for w in waiting if len(w) >= half and list(w[:half]) == head)
+
+
 # ----------------------------------------------------------------------------- worker
 
 
@@ -98,6 +106,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
                     else f"{flags.DEFAULT_HOST_FRACTION:.0%} of the machine's memory; --vc-host-kv-gb sets it")
         self.per_request: dict[str, dict] = {}
         self._faults = {}
+        self._prefill_prompts: dict = {}  # rid -> prompt of the prefill forward running now
         self.compress_when = flags.compress_when(settings)
         # X fixed by --speculative-num-draft-tokens, or chosen from data up to it
         self.draft_length = DraftLength(None if flags.draft_len_auto(server_args) else num_drafts, num_drafts,
@@ -178,6 +187,12 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         server."""
         runtime = self.runtime
         room, waiting = runtime.free_room(), runtime.waiting_demand
+        prompt = self._prefill_prompts.get(rid)
+        if prompt is not None and (sharing := shared_by(prompt, runtime.waiting_prompts)):
+            # compressed, its KV would not enter the tree: they would compute it again
+            stats.add("vericache", full_kv_shared_prefix=1)
+            return (f"{sharing} waiting request(s) share at least half of its prompt: the radix tree serves them "
+                    "from its full KV")
         if room >= waiting:
             stats.add("vericache", full_kv_memory_free=1)
             return (f"the KV pool has room for its full KV ({room} free rows >= {waiting} waiting; "
@@ -248,7 +263,9 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
                 result = self.result(batch, torch.zeros(len(batch.reqs), self.stride, dtype=torch.int64),
                                      torch.zeros(len(batch.reqs), dtype=torch.int64))
         else:
+            self._prefill_prompts = {req.rid: req.origin_input_ids for req in batch.reqs}  # (the compress gate's)
             result = self.prefill_result(batch, pp_proxy_tensors)
+            self._prefill_prompts = {}
             self.host.flush()  # what no compressor selected moves to the host whole
         self.host.retain(runtime.compressed_rids())
         # pool room for the verify of the longest compressed span (eq. 5: the device budget
