@@ -294,7 +294,8 @@ def in_pool_predictions(rows: list[dict], cfgs: dict, ctx_tokens: int, prompt_to
             continue
         budget = cfgs[row["config"]].get("budget") or DEFAULT_BUDGET
         length = (prompt_tokens + ctx_tokens) // 2
-        batch = round((row.get("steady_window") or {}).get("mean_batch") or row["mean_running"] or row["requests"])
+        steady = (row.get("steady_window") or {}).get("mean_batch")
+        batch = round(steady or row.get("mean_running") or row.get("requests") or 1)
         rc = RowCosts(costs["fixed"], costs["token"], costs["row"], costs["query_row"])
         out[row["config"]] = {
             "ratio_to_full": in_pool_speedup(rc, row["mean_acceptance_length"], length, batch,
