@@ -39,6 +39,29 @@ LONG_MODULES = ("test_vericache_serving", "test_vericache_in_pool", "test_verica
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_MODULES)))  # stable: in-module order kept
+    for item in items:  # the last test of its module that uses each fixture
+        for name in item.fixturenames:
+            _LAST_USE[(str(item.path), name)] = item.nodeid
+
+
+# A module-scoped server stays up until its module ends, pytest's rule: a module with
+# five servers, beside the other worker's, outgrew the CI machine's 24 GiB (the kernel
+# killed servers mid-run). A fixture that registers its server here stops it once the
+# last test of the module that uses it is done.
+_LAST_USE: dict[tuple[str, str], str] = {}
+_RELEASE: dict[str, list] = {}
+
+
+def release_after_last_use(request, proc) -> None:
+    """Stop ``proc`` (a module fixture's server) after the module's last test using it."""
+    last = _LAST_USE.get((str(request.node.path), request.fixturename))
+    if last is not None:
+        _RELEASE.setdefault(last, []).append(proc)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    for proc in _RELEASE.pop(item.nodeid, []):
+        proc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import sys
 import pytest
 import requests
 
-from conftest import assert_refused_then_serves, bad_token_requests, real_text_passages
+from conftest import assert_refused_then_serves, bad_token_requests, real_text_passages, release_after_last_use
 from sglang_vc.testing.client import concurrently, generate, stream_generate, stream_with_pool_snapshot
 from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
@@ -70,6 +70,7 @@ def vc_x(request, tmp_path_factory):
         yield request.getfixturevalue("vc4"), 4
         return
     proc = _server(tmp_path_factory, request.param)
+    release_after_last_use(request, proc)
     yield proc, request.param
     proc.stop()
 
@@ -313,8 +314,9 @@ def test_staggered_schedule_follows_admit(server, model_dir, tokenizer, vc4):
 
 
 @pytest.fixture(scope="module")
-def vc_lockstep(tmp_path_factory):
+def vc_lockstep(request, tmp_path_factory):
     proc = _server(tmp_path_factory, 4, "--vc-schedule", "lockstep")
+    release_after_last_use(request, proc)
     yield proc
     proc.stop()
 
@@ -461,7 +463,7 @@ def test_sampling_distribution_matches_full_kv(server, tokenizer, vc4):
 
 
 @pytest.fixture(scope="module")
-def vc_constrained(tmp_path_factory):
+def vc_constrained(request, tmp_path_factory):
     """A host store that holds the replaced KV of one 150-token prompt (46 KB/token for
     the embedded model in float32); every copy of the first reload fails, and the first
     staged copy of the second (retried)."""
@@ -473,6 +475,7 @@ def vc_constrained(tmp_path_factory):
          "--vc-host-kv-gb", "0.008", "--skip-server-warmup"],  # warm-up would take the failure
         log_path=log, env={"SGLANG_VC_FAIL_WHOLE_RELOADS": "1", "SGLANG_VC_FAIL_RELOADS": "1"},
     )
+    release_after_last_use(request, proc)
     yield proc
     proc.stop()
 
@@ -662,7 +665,7 @@ def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, t
 
 
 @pytest.fixture(scope="module")
-def vc_no_pool_room(tmp_path_factory):
+def vc_no_pool_room(request, tmp_path_factory):
     """A server whose verifies never take the allocator's free slots, only the verify
     headroom (``SGLANG_VC_STAGE_IN_HEADROOM_ONLY``: the path a full KV pool takes)."""
     log = tmp_path_factory.mktemp("vericache_no_pool_room") / "server.log"
@@ -672,6 +675,7 @@ def vc_no_pool_room(tmp_path_factory):
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO), "--skip-server-warmup"],
         log_path=log, env={"SGLANG_VC_STAGE_IN_HEADROOM_ONLY": "1"},
     )
+    release_after_last_use(request, proc)
     yield proc
     proc.stop()
 

@@ -125,3 +125,111 @@ def test_dropped_streams_and_aborts_release_everything(server, model_dir, tokeni
         assert_idle_and_whole(proc)
         # and it serves on
         assert len(generate(proc, ids_list[3], 8)["output_ids"]) == 8
+
+
+# ----------------------------------------------------------------------------- load
+
+LOAD_NEW = 24
+
+
+def _load_requests(tokenizer) -> list[tuple[str, dict]]:
+    """64 requests of 100-260 prompt tokens, of every kind a client sends: plain greedy,
+    streamed, stop strings (set later, from the plain server's text), ``n=2``, seeded
+    temperature > 0, penalties, a regex, and requests opted out of compression."""
+    stream = [t for text in real_text_passages(40, words=400) for t in tokenizer(text)["input_ids"]]
+    kinds = (["greedy"] * 14 + ["stream"] * 10 + ["stop"] * 10 + ["n2"] * 6 + ["seeded"] * 8
+             + ["penalised"] * 8 + ["regex"] * 4 + ["opted_out"] * 4)
+    out, at = [], 0
+    for i, kind in enumerate(kinds):
+        n = (100, 180, 260)[i % 3]
+        at = at + n if at + 2 * n < len(stream) else 0
+        params = {"temperature": 0, "max_new_tokens": LOAD_NEW, "ignore_eos": True}
+        body: dict = {"input_ids": stream[at : at + n]}
+        if kind == "n2":
+            params["n"] = 2
+        elif kind == "seeded":
+            params.update(temperature=0.8, top_k=20, sampling_seed=1000 + i)
+        elif kind == "penalised":
+            params.update(frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.1)
+        elif kind == "regex":
+            params.update(regex=r"( [a-z]+){3,}\.", ignore_eos=False)
+        elif kind == "opted_out":
+            params["custom_params"] = {"vc_compressor": "none"}
+        body["sampling_params"] = params
+        out.append((kind, body))
+    return out
+
+
+def _post(proc, body: dict) -> list[dict]:
+    """The reply (a list: ``n=2`` gives two) of ``/generate``; a streamed request's is its
+    last chunk, with the text joined from every chunk."""
+    if not body.get("stream"):
+        r = requests.post(proc.url + "/generate", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        return got if isinstance(got, list) else [got]
+    last, text = None, ""
+    with requests.post(proc.url + "/generate", json=body, stream=True, timeout=900) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                last = json.loads(line[5:])
+                text = last["text"]  # cumulative, as SGLang streams it by default
+    assert last is not None
+    return [{**last, "text": text}]
+
+
+def _near_tie(ref: dict, step: int) -> bool:
+    """The plain server's two best tokens at ``step`` are within float32 noise of each other."""
+    tops = ref["meta_info"]["output_top_logprobs"][step]
+    return len(tops) > 1 and abs(tops[0][0] - tops[1][0]) < 2e-3
+
+
+def test_sixty_four_mixed_requests_on_a_binding_pool_are_the_plain_servers(server, tokenizer, tmp_path):
+    """64 concurrent requests of every kind on a pool that binds, prefilled in chunks of
+    256: every greedy reply (streamed, stopped by a stop string, ``n=2``, penalised,
+    regex-constrained, opted out) has the plain server's tokens, text and finish reason,
+    parting from it only where the plain server's own two best tokens tie within float32
+    noise; seeded temperature > 0 replies have the length and finish reason sampling
+    gives; drafts were rejected somewhere, and the idle server holds nothing."""
+    reqs = _load_requests(tokenizer)
+
+    def run(proc, bodies, logprobs=False):
+        extra = {"return_logprob": True, "top_logprobs_num": 2} if logprobs else {}
+        return concurrently(lambda b: _post(proc, {**b, **extra}), [(b,) for b in bodies])
+
+    # stop strings: a word from the middle of what the plain server writes for them
+    stops = [i for i, (k, _) in enumerate(reqs) if k == "stop"]
+    for i, got in zip(stops, run(server, [reqs[i][1] for i in stops])):
+        words = [w for w in got[0]["text"][len(got[0]["text"]) // 3 :].split() if len(w) >= 3]
+        assert words, got[0]["text"]
+        reqs[i][1]["sampling_params"]["stop"] = [words[0]]
+    for kind, body in reqs:
+        if kind == "stream":
+            body["stream"] = True
+
+    refs = run(server, [b for _, b in reqs], logprobs=True)
+    with _vc_server(tmp_path, "--max-total-tokens", "5000", "--chunked-prefill-size", "256") as proc:
+        outs = run(proc, [b for _, b in reqs])
+        counters = assert_idle_and_whole(proc)
+        assert requests.get(proc.url + "/health", timeout=60).status_code == 200
+
+    for (kind, body), ref_list, out_list in zip(reqs, refs, outs):
+        assert len(out_list) == len(ref_list) == (2 if kind == "n2" else 1), (kind, len(out_list))
+        for ref, out in zip(ref_list, out_list):
+            if kind == "seeded":
+                assert len(out["output_ids"]) == LOAD_NEW and finish_type(out) == "length", out["meta_info"]
+                continue
+            assert finish_type(out) in ("length", "stop"), (kind, out["meta_info"])
+            if out["output_ids"] == ref["output_ids"]:
+                assert out["text"] == ref["text"] and out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], (
+                    kind, out["text"], ref["text"], out["meta_info"]["finish_reason"], ref["meta_info"]["finish_reason"])
+                continue
+            at = next(j for j, (a, b) in enumerate(zip(out["output_ids"] + [-1], ref["output_ids"] + [-2])) if a != b)
+            assert at < len(ref["output_ids"]) and _near_tie(ref, at), (kind, at, out["output_ids"], ref["output_ids"])
+    # every kind above shared the server's batches with compressed drafting
+    infos = [(o["meta_info"].get(META) or [{}])[-1] for got in outs for o in got]
+    assert 0 < sum(i.get("accepted", 0) for i in infos) < sum(i.get("drafted", 0) for i in infos), infos
+    assert counters["vericache"]["bytes_reloaded"] > 0, counters["vericache"]
+    stopped = [o for i in stops for o in outs[i]]
+    assert sum(finish_type(o) == "stop" for o in stopped) >= len(stops) // 2, [o["meta_info"]["finish_reason"] for o in stopped]

@@ -62,6 +62,20 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+SERVER_MEMORY = 3 << 30  # a test server on the embedded model in float32: up to ~3 GiB
+
+
+def _wait_for_memory(timeout: float = 600.0) -> None:
+    """Wait (up to ``timeout``) until the machine has room for one more server: the two
+    test workers start servers independently, and on a 24 GiB machine a start beside
+    the other worker's servers could have the kernel kill one mid-test."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while psutil.virtual_memory().available < SERVER_MEMORY and time.time() < deadline:
+        time.sleep(2)
+
+
 class ServerProcess:
     """A server subprocess in its own process group, so that stopping it also stops the
     scheduler and detokenizer processes SGLang spawns."""
@@ -84,6 +98,7 @@ class ServerProcess:
         self.cmd = LAUNCHERS[launcher] + ["--port", str(self.port), "--host", "127.0.0.1", *args]
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-vc-{self.port}.log"
         self._log = open(self.log_path, "w")
+        _wait_for_memory()
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=self._log,
