@@ -641,12 +641,15 @@ def test_verifier_applies_logit_bias_and_min_p(server, tokenizer, vc4):
 
 
 def test_batch_grows_to_the_compressed_footprint(server, model_dir, tokenizer, tmp_path_factory):
-    """At a KV pool that holds two full 700-token requests, six concurrent VERICACHE
-    requests (SnapKV at 0.25) decode more than two at a time: SGLang's admission counts
+    """At a KV pool that holds three full 700-token requests, six concurrent VERICACHE
+    requests (SnapKV at 0.25) decode more than three at a time: SGLang's admission counts
     a running request at the slots it holds, and compression gave the dropped ones back
-    (the trace shows the decode batch of each iteration). Output stays identical."""
+    (the trace shows the decode batch of each iteration). The pool also holds the verify
+    headroom (one request's full KV, staging.VerifyHeadroom) and a new request's whole
+    prompt, which is prefilled before it is compressed: with two full requests' room
+    that left none for a third. Output stays identical."""
     folder = tmp_path_factory.mktemp("vericache_admission")
-    budget = 2 * (700 + 24) + 64
+    budget = 3 * (700 + 24) + 64
     proc = ServerProcess(
         ["--dtype", "float32", "--max-total-tokens", str(budget), "--speculative-algorithm", "VERICACHE", *ALWAYS,
          "--speculative-num-draft-tokens", "4", "--vc-compressor", "snapkv", "--vc-compression-ratio",
