@@ -81,7 +81,6 @@ def test_serving_matches_the_lab_simulation_token_for_token(sc, model_dir, token
     assert after["compression"]["slots_freed"] - before.get("compression", {}).get("slots_freed", 0) >= 400
 
 
-@pytest.mark.slow
 def test_host_store_full_serves_full_kv(sc, model_dir, tokenizer):
     """A prompt whose quantized rows do not fit the host store keeps its full KV on the
     device: its tokens are full-KV greedy decoding's, and the refusal is counted."""

@@ -10,7 +10,6 @@ import json
 import threading
 import time
 
-import pytest
 import requests
 
 from conftest import real_text_passages
@@ -188,11 +187,10 @@ def _near_tie(ref: dict, step: int) -> bool:
     return len(tops) > 1 and abs(tops[0][0] - tops[1][0]) < 2e-3
 
 
-def _penalised_near_tie(model_dir, body: dict, prefix: list[int]) -> bool:
-    """After ``prefix`` (the output both servers share), a float32 reference's logits with
-    the request's frequency and presence penalties applied (SGLang's formula) have their
-    two best tokens within float32 noise: the servers' logits of another batch may order
-    them either way."""
+def _penalised_choice(model_dir, body: dict, prefix: list[int]) -> tuple[int, bool]:
+    """After ``prefix`` (the output both servers share): the token a float32 reference
+    picks with the request's frequency and presence penalties applied by SGLang's formula,
+    and whether its two best are a near-tie there."""
     import torch
 
     from sglang_vc.testing.reference import NEAR_TIE_REL, load_hf_model
@@ -202,8 +200,8 @@ def _penalised_near_tie(model_dir, body: dict, prefix: list[int]) -> bool:
         logits = load_hf_model(model_dir)(torch.tensor([body["input_ids"] + prefix])).logits[0, -1].float()
     counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=logits.numel()).float()
     logits = logits - sp.get("frequency_penalty", 0.0) * counts - sp.get("presence_penalty", 0.0) * (counts > 0)
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1]) < NEAR_TIE_REL * abs(float(top[0]))
+    top = torch.topk(logits, 2)
+    return int(top.indices[0]), float(top.values[0] - top.values[1]) < NEAR_TIE_REL * abs(float(top.values[0]))
 
 
 def test_sixty_four_mixed_requests_on_a_binding_pool_are_the_plain_servers(server, model_dir, tokenizer, tmp_path):
@@ -211,7 +209,8 @@ def test_sixty_four_mixed_requests_on_a_binding_pool_are_the_plain_servers(serve
     256: every greedy reply (streamed, stopped by a stop string, ``n=2``, penalised,
     regex-constrained, opted out) has the plain server's tokens, text and finish reason,
     parting from it only where the plain server's own two best tokens tie within float32
-    noise; seeded temperature > 0 replies have the length and finish reason sampling
+    noise, or, for a penalised request, where the plain server leaves SGLang's penalty
+    formula and VERICACHE takes the formula's token (a float32 reference's); seeded temperature > 0 replies have the length and finish reason sampling
     gives; drafts were rejected somewhere, and the idle server holds nothing.
 
     The pool binds at admission (requests wait for room), not by retraction: SGLang's
@@ -246,7 +245,7 @@ def test_sixty_four_mixed_requests_on_a_binding_pool_are_the_plain_servers(serve
         counters = assert_idle_and_whole(proc)
         assert requests.get(proc.url + "/health", timeout=60).status_code == 200
 
-    penalised_apart = []
+    plain_departs = []  # penalised requests where the plain server left the formula
     for (kind, body), ref_list, out_list in zip(reqs, refs, outs):
         assert len(out_list) == len(ref_list) == (2 if kind == "n2" else 1), (kind, len(out_list))
         for ref, out in zip(ref_list, out_list):
@@ -259,9 +258,13 @@ def test_sixty_four_mixed_requests_on_a_binding_pool_are_the_plain_servers(serve
                     kind, out["text"], ref["text"], out["meta_info"]["finish_reason"], ref["meta_info"]["finish_reason"])
                 continue
             at = next(j for j, (a, b) in enumerate(zip(out["output_ids"] + [-1], ref["output_ids"] + [-2])) if a != b)
-            if kind == "penalised":
-                if not _penalised_near_tie(model_dir, body, ref["output_ids"][:at]):
-                    penalised_apart.append((at, out["output_ids"], ref["output_ids"]))
+            if kind == "penalised" and at < len(ref["output_ids"]):
+                # the plain server's own penalised decode departs from SGLang's formula in
+                # some batches (docs/vericache.md, "Penalties"); VERICACHE must not
+                choice, tie = _penalised_choice(model_dir, body, ref["output_ids"][:at])
+                assert tie or out["output_ids"][at] == choice != ref["output_ids"][at], (
+                    at, choice, out["output_ids"], ref["output_ids"])
+                plain_departs.append(at)
                 continue
             assert at < len(ref["output_ids"]) and _near_tie(ref, at), (
                 kind, at, out["output_ids"], ref["output_ids"], out["meta_info"].get("num_retractions"))
@@ -272,6 +275,4 @@ def test_sixty_four_mixed_requests_on_a_binding_pool_are_the_plain_servers(serve
     assert counters["vericache"]["bytes_reloaded"] > 0, counters["vericache"]
     stopped = [o for i in stops for o in outs[i]]
     assert sum(finish_type(o) == "stop" for o in stopped) >= len(stops) // 2, [o["meta_info"]["finish_reason"] for o in stopped]
-    if penalised_apart:  # every check above holds; this one is an open bug, reported as such
-        pytest.xfail(f"known bug: {len(penalised_apart)} of 8 penalised requests in this mixed batch part from the "
-                     f"plain server at a token that is no near-tie (at, VERICACHE, plain): {penalised_apart}")
+    print(f"penalised replies where the plain server departs from the formula: {len(plain_departs)} (at {plain_departs})")
