@@ -39,7 +39,12 @@ LONG_MODULES = ("test_vericache_serving", "test_vericache_in_pool", "test_verica
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_MODULES)))  # stable: in-module order kept
-    for item in items:  # the last test of its module that uses each fixture
+
+
+def pytest_collection_finish(session):
+    """The last test of its module that uses each fixture, in the order the tests run
+    (after every reordering: pytest groups a module fixture's parameters)."""
+    for item in session.items:
         for name in item.fixturenames:
             _LAST_USE[(str(item.path), name)] = item.nodeid
 
