@@ -201,6 +201,11 @@ def test_policy_drafts_where_rows_dominate_and_decodes_full_kv_where_the_weights
     assert "below" in d.reason
     # a view that rejects everything never pays
     assert kv_bound.decide(8000, 8, _curve(4, 0)).mode is Mode.FULL
+    # before any acceptance is measured: explored where every draft accepted would pay,
+    # not where even that would not (the weights dominate)
+    assert kv_bound.decide(8000, 8, AcceptanceCurve()).mode is Mode.IN_POOL
+    d = weight_bound.decide(8000, 8, AcceptanceCurve())
+    assert d.mode is Mode.FULL and "no acceptance measured yet" in d.reason, d
 
 
 def _fed_offload(policy: ModePolicy, fixed: float, row: float, offload_draft: float) -> ModePolicy:
