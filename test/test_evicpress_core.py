@@ -634,3 +634,31 @@ def test_covering_finds_the_context_a_tree_span_starts_in():
     assert mgr.covering(header_only[:40], None, 0) is ctx  # a chunk ending in the context: can't tell yet
     assert mgr.covering(list(range(100, 200)) + [1] * 100, None, 0) is ctx  # half the context: its request
     assert mgr.covering(prompt[:4], None, 2) is ctx  # shorter than the index key
+
+
+# -- tenants ----------------------------------------------------------------------------------
+
+
+def test_tenant_namespaces_never_collide():
+    """Salt and LoRA are fields of their own: SGLang's joined tree key ("a" + adapter "b"
+    is "ab") never makes two tenants one namespace, and the tree key given back is
+    SGLang's."""
+    from sglang_vc.evicpress import tenant
+
+    cases = {  # (extra_key as SGLang's Req holds it, cache_salt, lora_id)
+        "plain": ("ab", None, None),
+        "lora": ("ab", None, "b"),
+        "other lora": ("ab", None, "ab"),
+        "salted": ("ab", "s", None),
+        "salted lora": ("ab", "s", "b"),
+        "none": (None, None, None),
+        "lora alone": ("b", None, "b"),
+        "marked": (tenant.MARK + '["ab", null]', None, None),
+    }
+    spaces = {name: tenant.namespace(*case) for name, case in cases.items()}
+    assert len(set(spaces.values())) == len(cases), spaces
+    assert spaces["plain"] == "ab" and spaces["none"] is None  # unsalted, no LoRA: as it is
+    for name, (extra_key, salt, _) in cases.items():
+        assert tenant.tree_key(spaces[name]) == (extra_key, salt), name
+    with pytest.raises(ValueError, match="LoRA"):
+        tenant.namespace("a", None, "b")  # not a key SGLang builds

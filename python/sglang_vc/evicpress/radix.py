@@ -177,6 +177,7 @@ def evicpress_factory(ctx):
 class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
     evicpress: Optional[EvicPressManager] = None
     _inserting_key: Optional[RadixKey] = None
+    _inserting_lora: Optional[str] = None  # the LoRA id of the request checkpointed meanwhile
 
     # ------------------------------------------------------------------ set-up
     def init_hicache(self, server_args, params) -> None:
@@ -482,7 +483,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
 
     def _before_match(self, params: MatchPrefixParams) -> None:
         req, key = params.req, params.key
-        ns = tenant.namespace(key.extra_key, key.cache_salt)
+        ns = tenant.namespace(key.extra_key, key.cache_salt, req.lora_id)
         mgr = self.evicpress
         if ns and ns.startswith(PROFILE_NAMESPACE):
             if ns.startswith(CFG_NAMESPACE):
@@ -553,7 +554,11 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         mgr.count(profile_loads=1)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
-        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        self._inserting_lora = req.lora_id  # the insert's key has it joined (tree_rows)
+        try:
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        finally:
+            self._inserting_lora = None
         if self.evicpress is None:
             return
         st = self._reqs.get(req.rid)

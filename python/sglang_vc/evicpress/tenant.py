@@ -6,9 +6,14 @@ SGLang keys its tree by a request's ``extra_key`` (with the LoRA id appended) an
 tenant cannot learn what another sent from what is cached. A context (registered, or a
 long prompt EvicPress made one of) belongs to the tenant that computed it, and its
 namespace -- in the registry, in every storage key, and for its rows put back in the tree
--- carries both. A context with no salt keeps its ``extra_key`` as it is; otherwise both
-are joined unambiguously (a plain ``extra_key`` that starts with the mark is encoded too,
-so that no key can pose as a salted one).
+-- carries all three. A context with no salt and no LoRA keeps its ``extra_key`` as it
+is; otherwise they are joined unambiguously (a plain ``extra_key`` that starts with the
+mark is encoded too, so that no key can pose as a salted one).
+
+SGLang appends the LoRA id to ``extra_key`` without a separator, so in its own tree
+``extra_key`` "a" with adapter "b" and ``extra_key`` "ab" without one share rows; a
+namespace keeps the LoRA id as its own field, so EvicPress's contexts and storage keys
+never do (the tree key it gives back is SGLang's, joined as SGLang joins it).
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ from typing import Optional
 MARK = "\x1e"  # starts an encoded (extra_key, cache_salt) namespace
 
 
-def namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Optional[str]:
-    """A tenant's context namespace."""
-    if not cache_salt and not (extra_key or "").startswith(MARK):
+def namespace(extra_key: Optional[str], cache_salt: Optional[str],
+              lora_id: Optional[str] = None) -> Optional[str]:
+    """A tenant's context namespace. ``extra_key`` is SGLang's tree key (a request's
+    ``extra_key``, with ``lora_id`` appended when the request has one)."""
+    if not cache_salt and not lora_id and not (extra_key or "").startswith(MARK):
         return extra_key
+    if lora_id:
+        if not (extra_key or "").endswith(lora_id):
+            raise ValueError(f"extra_key {extra_key!r} does not end with its LoRA id {lora_id!r}")
+        return MARK + json.dumps([extra_key[: len(extra_key) - len(lora_id)] or None, cache_salt or None, lora_id])
     return MARK + json.dumps([extra_key, cache_salt or None])
 
 
@@ -30,7 +41,9 @@ def tree_key(ns: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     """The (``extra_key``, ``cache_salt``) of SGLang's tree keys in namespace ``ns``."""
     if ns is None or not ns.startswith(MARK):
         return ns, None
-    extra_key, cache_salt = json.loads(ns[len(MARK):])
+    extra_key, cache_salt, *lora = json.loads(ns[len(MARK):])
+    if lora:  # joined as SGLang's Req joins them
+        extra_key = (extra_key or "") + lora[0]
     return extra_key, cache_salt
 
 

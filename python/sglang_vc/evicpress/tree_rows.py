@@ -96,8 +96,8 @@ class TreeRows:
         if _private(key.extra_key):
             return True  # lossy and profiler rows: never a plain prefix
         start = self.tree_core.collect_path_info([node_id])[0][-1].path_start
-        return self.evicpress.covering(key.raw_token_ids(), tenant.namespace(key.extra_key, key.cache_salt),
-                                       start) is not None
+        return self.evicpress.covering(key.raw_token_ids(), tenant.namespace(key.extra_key, key.cache_salt,
+                                                                        self._inserting_lora), start) is not None
 
     def stored_by_evicpress(self, node_id) -> bool:
         """Whether the host backup of ``node_id`` is EvicPress's (a context's full host
