@@ -253,3 +253,19 @@ def test_a_staging_slot_comes_back_when_the_gpu_used_the_layers_before():
     for s in synced:  # each host wait comes before the next layer's copy is issued
         at = next(i for i, (kind, e) in enumerate(fake.log) if e is s and kind == "sync")
         assert any(kind == "record" and e.stream == "copy" for kind, e in fake.log[at + 1:])
+
+
+@pytest.mark.parametrize("device, scheduler_device", [("cuda:1", 0), ("cuda", 3)])
+def test_the_copy_thread_uses_the_schedulers_device(device, scheduler_device):
+    """A new thread starts on device 0 (CUDA's rule, kept by the stand-in): the copy
+    thread's initializer binds it to the device its stream belongs to -- the one named,
+    or the one the constructing (scheduler) thread uses -- so a rank's reloads never
+    land on another GPU."""
+    fake = StandInStreams()
+    fake.set_device(scheduler_device)
+    stream = CopyStream(device, module=fake)
+    with ThreadPoolExecutor(1) as unbound:
+        assert unbound.submit(fake.current_device).result() == 0
+    with ThreadPoolExecutor(1, initializer=stream.bind_thread) as pool:
+        assert pool.submit(fake.current_device).result() == (1 if device == "cuda:1" else 3)
+    CopyStream("cpu").bind_thread()  # no device module: nothing to bind

@@ -29,6 +29,14 @@ class CopyStream:
         self.module = module if module is not None else (
             None if dev.type in ("cpu", "meta") else torch.get_device_module(dev))
         self.stream = None if self.module is None else self.module.Stream(dev)
+        # the device the constructing (scheduler) thread uses: a new thread starts on
+        # device 0, where its copies and events would land on another rank's GPU
+        self.index = dev.index if dev.index is not None or self.module is None else self.module.current_device()
+
+    def bind_thread(self) -> None:
+        """Make the calling thread use this stream's device (a copy thread's initializer)."""
+        if self.module is not None and self.index is not None:
+            self.module.set_device(self.index)
 
     def mark(self) -> Optional[object]:
         """An event on the current (producer's) stream, for a copy that reads what the

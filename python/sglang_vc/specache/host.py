@@ -125,7 +125,8 @@ class Prefetcher:
         self.device = device
         self.fetch = fetch or host.gather  # tests inject failures here
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-prefetch")
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specache-prefetch",
+                                         initializer=self.copy_stream.bind_thread)
         self.pending: dict[tuple[str, int], tuple[Future, torch.Tensor]] = {}
 
     def start(self, rid: str, layer_id: int, positions: torch.Tensor) -> None:

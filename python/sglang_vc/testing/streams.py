@@ -42,6 +42,13 @@ class StandInStreams:
                 self.local.inside = None
         return ctx()
 
+    def current_device(self) -> int:
+        """The calling thread's device (a new thread's is 0, as in CUDA)."""
+        return getattr(self.local, "device", 0)
+
+    def set_device(self, index: int) -> None:
+        self.local.device = index
+
     def current_stream(self):
         return types.SimpleNamespace(wait_event=lambda e: self.log.append(("wait", e)),
                                      record_event=lambda: self._event(self.COMPUTE))

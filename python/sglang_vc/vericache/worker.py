@@ -96,8 +96,9 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         self.schedule = schedule
         self.window = window
         self.trace_path = flags.trace_path(settings)
-        self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload")
         self.copy_stream = CopyStream(self.device)  # the copy thread's own stream on an accelerator
+        self.copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-reload",
+                                              initializer=self.copy_stream.bind_thread)
         # the prompt's full KV moves to the host on the same stream its reloads use
         host_bytes = flags.host_kv_bytes(settings)
         self.host = HostKVStore(host_bytes, copy_stream=self.copy_stream)
