@@ -65,6 +65,22 @@ def test_cpu_hicache_gets_the_transfers_the_platform_supports(capsys):
     assert exc.value.code == 2 and "--hicache-mem-layout layer_first" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [["--tp-size", "2"], ["--tensor-parallel-size=2"], ["--pp-size", "2"]],
+                         ids=["tp", "tp-long", "pp"])
+def test_vericache_on_more_than_one_rank_is_refused(extra, capsys):
+    """Each rank would choose its forwards from its own timings (ranks could hang in
+    NCCL): ``--tp-size 2`` (or pipeline ranks) under VERICACHE is a CLI error, exit 2,
+    with the flag named; one rank parses."""
+    from sglang_vc.launch_server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--speculative-algorithm", "VERICACHE", *extra])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "one rank" in err and ("--pp-size 2" if extra == ["--pp-size", "2"] else "--tp-size 2") in err
+    _, server_args = parse_args(["--speculative-algorithm", "VERICACHE"])
+    assert server_args.tp_size == 1
+
+
 @pytest.mark.parametrize("flags, dtype", [("fpu avx2 avx512f avx512_bf16 sse", "bfloat16"),
                                           ("fpu avx2 amx_tile amx_bf16", "bfloat16"), ("fpu avx2 avx512f", "float32")])
 def test_cpu_default_dtype_follows_bf16_instructions(flags, dtype, tmp_path):

@@ -129,6 +129,10 @@ def parse_args(argv: list[str]):
         except ConfigError as exc:
             parser.error(str(exc))
     server_args = prepare_server_args(sglang_argv)
+    try:
+        vericache_flags.check_parallelism(server_args)
+    except ConfigError as exc:
+        parser.error(str(exc))
     vc_config.switched_off = [dataclasses.asdict(n) for n in notices.all_switched_off()]
     setattr(server_args, SERVER_ARGS_ATTR, vc_config.to_dict())
     return vc_config, server_args

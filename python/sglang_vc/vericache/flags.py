@@ -254,6 +254,21 @@ def schedule(settings: Optional[dict]) -> Schedule:
     return Schedule((settings or {}).get("schedule") or Schedule.STAGGERED.value)
 
 
+def check_parallelism(server_args) -> None:
+    """A VERICACHE server runs one rank: each rank would choose its requests' modes, draft
+    lengths and offloads from its own wall-clock cost fit, so ranks could run different
+    forwards and wait on each other in NCCL for good (a ConfigError; the launcher exits 2)."""
+    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != ALGORITHM:
+        return
+    sizes = {"--tp-size": getattr(server_args, "tp_size", 1), "--pp-size": getattr(server_args, "pp_size", 1),
+             "--dp-size": getattr(server_args, "dp_size", 1)}
+    over = [f"{flag} {n}" for flag, n in sizes.items() if (n or 1) > 1]
+    if over:
+        raise ConfigError(f"--speculative-algorithm {ALGORITHM} runs on one rank ({', '.join(over)} given): its "
+                          "ranks would decide their forwards from their own timings and could hang; "
+                          "run one server per GPU")
+
+
 def trace_path(settings: Optional[dict]) -> Optional[str]:
     return (settings or {}).get("schedule_trace")
 
