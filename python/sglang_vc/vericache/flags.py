@@ -260,8 +260,9 @@ def check_parallelism(server_args) -> None:
     forwards and wait on each other in NCCL for good (a ConfigError; the launcher exits 2)."""
     if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != ALGORITHM:
         return
-    sizes = {"--tp-size": getattr(server_args, "tp_size", 1), "--pp-size": getattr(server_args, "pp_size", 1),
-             "--dp-size": getattr(server_args, "dp_size", 1)}
+    sizes = {"--tp-size": getattr(server_args, "tp_size", 1), "--pp-size": getattr(server_args, "pp_size", 1)}
+    if getattr(server_args, "enable_dp_attention", False):  # plain data-parallel replicas never sync
+        sizes["--dp-size"] = getattr(server_args, "dp_size", 1)
     over = [f"{flag} {n}" for flag, n in sizes.items() if (n or 1) > 1]
     if over:
         raise ConfigError(f"--speculative-algorithm {ALGORITHM} runs on one rank ({', '.join(over)} given): its "
