@@ -150,6 +150,10 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._runtime.release_listeners.append(self._released)
             self._runtime.host_store = self.host
             self._install_specache_drafter(self._runtime)
+            # at the first forward (SGLang's warm-up request, before the server serves):
+            # allocated at the first reload, the caching allocator may have handed its
+            # bytes to activations, and reloads would stage outside the budget
+            self._staging_arena()
         return self._runtime
 
     def _install_specache_drafter(self, runtime) -> None:
@@ -336,8 +340,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         return int(self.runtime.staging_budget)
 
     def _staging_arena(self) -> StagingArena:
-        """The staging share as one buffer, allocated at the first reload (the share is
-        known once the runtime is)."""
+        """The staging share as one buffer, allocated with the runtime (:attr:`runtime`)."""
         runtime = self.runtime
         if runtime.staging_arena is None:
             runtime.staging_arena = StagingArena(self._staging_budget(), self.device, self.copy_stream.fences)
