@@ -717,3 +717,36 @@ def test_a_prompt_one_evicpress_server_computed_is_a_storage_hit_for_the_next(tm
     assert outs["a"]["meta_info"]["cached_tokens"] == 0
     assert outs["b"]["meta_info"]["cached_tokens"] >= len(ids) - 1, outs["b"]["meta_info"]
     assert outs["b"]["output_ids"] == outs["a"]["output_ids"]
+
+
+@pytest.mark.slow  # two servers in turn on a local SeaweedFS
+@pytest.mark.parametrize("pause", [5, 60])
+def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monkeypatch, tokenizer, pause):
+    """What HiCache shares, EvicPress shares, for the long prompts it makes contexts of:
+    server A (the README's EvicPress flags with SeaweedFS, the profiler on) answers a
+    prompt of about 2,000 tokens of ordinary text and stops ``pause`` seconds later (while
+    its profiler may still run); server B, started after it on the same bucket, takes the
+    prompt less at most one page from storage (``cached_tokens_details`` says so) and
+    answers with A's tokens."""
+    from conftest import real_text_passages
+    from sglang_vc.testing.server import ServerProcess
+
+    ids = tokenizer("\n\n".join(real_text_passages(8, words=400)))["input_ids"][:2000]
+    with seaweedfs(tmp_path, monkeypatch) as endpoint:
+        extra = json.dumps({"endpoint": endpoint, "bucket": "sglang-hicache"})
+        args = ["--dtype", "float32", "--max-total-tokens", "8192", "--enable-hierarchical-cache",
+                "--hicache-ratio", "2", "--radix-cache-backend", "evicpress", "--hicache-storage-backend",
+                "seaweedfs", "--hicache-storage-backend-extra-config", extra,
+                "--hicache-storage-prefetch-policy", "wait_complete"]
+        outs = {}
+        for name in ("a", "b"):
+            with ServerProcess(args, log_path=tmp_path / f"server-{name}.log", timeout=420) as srv:
+                outs[name] = srv.generate(input_ids=ids, max_new_tokens=8, ignore_eos=True)
+                if name == "a":
+                    time.sleep(pause)
+    assert len(ids) == 2000 and outs["a"]["meta_info"]["cached_tokens"] == 0
+    meta = outs["b"]["meta_info"]
+    assert meta["cached_tokens"] >= len(ids) - 1, meta  # page size 1
+    # reported as SGLang reports a storage hit: the tier the rows came from
+    assert meta["cached_tokens_details"]["storage"] >= len(ids) - 1, meta
+    assert outs["b"]["output_ids"] == outs["a"]["output_ids"]

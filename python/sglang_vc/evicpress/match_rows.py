@@ -11,7 +11,7 @@ import torch
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from .config import CompressionConfig
+from .config import CompressionConfig, Tier
 from .context import Context, Fetched
 from .tree_rows import SAME_NAMESPACE, private_namespace
 
@@ -47,10 +47,19 @@ class MatchRows:
         cfg = fetched.config
         if cfg.is_full:  # exact rows: in the request's own namespace, shared by all
             n = cache._floor(min(usable, fetched.kv.num_tokens))
-            return n > have and cache._inject(ids, self.key, SAME_NAMESPACE, n, fetched.kv) >= n
-        # lossy: a private node only this context's requests are sent to (a token-dropped
-        # copy's kept rows stand for exactly num_tokens tokens)
-        n = usable if fetched.dropped else cache._floor(min(usable, fetched.kv.num_tokens))
-        return (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
-                and cache._load_private(self.req, ctx, ids, private_namespace(ctx, cfg, n, salt=self.key.cache_salt),
-                                        n, cfg, fetched.kv))
+            loaded = n > have and cache._inject(ids, self.key, SAME_NAMESPACE, n, fetched.kv) >= n
+            start = have
+        else:
+            # lossy: a private node only this context's requests are sent to (a token-dropped
+            # copy's kept rows stand for exactly num_tokens tokens)
+            n = usable if fetched.dropped else cache._floor(min(usable, fetched.kv.num_tokens))
+            loaded = (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
+                      and cache._load_private(self.req, ctx, ids,
+                                              private_namespace(ctx, cfg, n, salt=self.key.cache_salt),
+                                              n, cfg, fetched.kv))
+            start = 0
+        if loaded and fetched.tier is Tier.DISK:
+            # SGLang's tier split of the cached prefix (cached_tokens_details, the prefill
+            # log's storage hits) reads the span a storage prefetch loaded from these
+            self.req.storage_hit_start, self.req.storage_hit_length = start, n - start
+        return loaded
