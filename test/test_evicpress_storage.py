@@ -725,13 +725,23 @@ def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monke
     """What HiCache shares, EvicPress shares, for the long prompts it makes contexts of:
     server A (the README's EvicPress flags with SeaweedFS, the profiler on) answers a
     prompt of about 2,000 tokens of ordinary text and stops ``pause`` seconds later (while
-    its profiler may still run); server B, started after it on the same bucket, takes the
+    its profiler may still run); server B, started after it on the same bucket, serves the
+    prompt under another ``cache_salt`` with nothing cached, then under A's salt takes the
     prompt less at most one page from storage (``cached_tokens_details`` says so) and
     answers with A's tokens."""
+    import requests
+
     from conftest import real_text_passages
     from sglang_vc.testing.server import ServerProcess
 
     ids = tokenizer("\n\n".join(real_text_passages(8, words=400)))["input_ids"][:2000]
+
+    def salted(srv, salt):
+        r = requests.post(srv.url + "/generate", json={"input_ids": ids, "cache_salt": salt, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}, timeout=300)
+        assert r.status_code == 200, (r.status_code, r.text)
+        return r.json()
+
     with seaweedfs(tmp_path, monkeypatch) as endpoint:
         extra = json.dumps({"endpoint": endpoint, "bucket": "sglang-hicache"})
         args = ["--dtype", "float32", "--max-total-tokens", "8192", "--enable-hierarchical-cache",
@@ -741,10 +751,14 @@ def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monke
         outs = {}
         for name in ("a", "b"):
             with ServerProcess(args, log_path=tmp_path / f"server-{name}.log", timeout=420) as srv:
-                outs[name] = srv.generate(input_ids=ids, max_new_tokens=8, ignore_eos=True)
+                if name == "b":  # another tenant first: nothing of tenant-a's reaches it
+                    outs["other"] = salted(srv, "tenant-b")
+                outs[name] = salted(srv, "tenant-a")
                 if name == "a":
                     time.sleep(pause)
     assert len(ids) == 2000 and outs["a"]["meta_info"]["cached_tokens"] == 0
+    assert outs["other"]["meta_info"]["cached_tokens"] == 0, outs["other"]["meta_info"]
+    assert outs["other"]["output_ids"] == outs["a"]["output_ids"]  # computed again, the same
     meta = outs["b"]["meta_info"]
     assert meta["cached_tokens"] >= len(ids) - 1, meta  # page size 1
     # reported as SGLang reports a storage hit: the tier the rows came from
