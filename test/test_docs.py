@@ -1,0 +1,188 @@
+"""The docs a newcomer reads first stay short and their commands stay runnable.
+
+No server, no network: the tables and lines of README.md and docs/status.md are measured,
+and every ``python -m sglang_vc.<module>`` / ``make <target>`` line in their fenced code
+blocks is checked against the module (it exists, each ``--flag`` is in its ``--help``) or
+the Makefile (the target exists).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "status.md"]
+
+MAX_CELL_CHARS = 240   # a table cell, Markdown included
+MAX_LINE_CHARS = 400   # a line of prose outside tables and code blocks
+HELP_TIMEOUT_S = 300   # `python -m <module> --help` (launch_server imports SGLang)
+
+MODULE_RE = re.compile(r"python[0-9.]*\s+-m\s+(sglang_vc(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
+MAKE_RE = re.compile(r"(?:^|[\s;&|(])make\s+([A-Za-z0-9_.-]+)")
+FLAG_RE = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9-]*")
+
+
+def _split_blocks(text: str):
+    """(prose_lines, code_blocks): lines outside fences, and each fenced block's lines."""
+    prose, blocks, current = [], [], None
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            if current is None:
+                current = []
+            else:
+                blocks.append(current)
+                current = None
+            continue
+        if current is None:
+            prose.append(line)
+        else:
+            current.append(line)
+    return prose, blocks
+
+
+def _cells(line: str):
+    """A table row's cells; a `|` inside backticks or escaped is not a separator."""
+    row = line.strip()
+    row = row[1:] if row.startswith("|") else row
+    row = row[:-1] if row.endswith("|") and not row.endswith("\\|") else row
+    cells, buf, in_code, prev = [], [], False, ""
+    for ch in row:
+        if ch == "`":
+            in_code = not in_code
+        if ch == "|" and not in_code and prev != "\\":
+            cells.append("".join(buf))
+            buf = []
+        else:
+            buf.append(ch)
+        prev = ch
+    cells.append("".join(buf))
+    return [c.strip() for c in cells]
+
+
+def _commands(block):
+    """Logical lines of a code block (backslash continuations joined), comments cut."""
+    out, buf = [], ""
+    for line in block:
+        s = line.rstrip()
+        if s.endswith("\\"):
+            buf += s[:-1] + " "
+            continue
+        out.append(buf + s)
+        buf = ""
+    if buf:
+        out.append(buf)
+    return out
+
+
+def _segments(command: str):
+    """The shell pieces of a line (split at ;, &&, ||, |), its comment removed."""
+    try:
+        lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        tokens = list(lexer)
+    except ValueError:
+        return []
+    segs, cur = [], []
+    for tok in tokens:
+        if tok and set(tok) <= set(";&|"):
+            segs.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    segs.append(cur)
+    return [s for s in segs if s]
+
+
+def _module_invocations(path: Path):
+    """(module, flags, line) for each `python -m sglang_vc.X ...` in the file's code blocks."""
+    _, blocks = _split_blocks(path.read_text())
+    found = []
+    for block in blocks:
+        for line in _commands(block):
+            for seg in _segments(line):
+                for i, tok in enumerate(seg[:-2]):
+                    if re.fullmatch(r"python[0-9.]*|\S*/python[0-9.]*", tok) and seg[i + 1] == "-m" \
+                            and seg[i + 2].startswith("sglang_vc"):
+                        flags = sorted({FLAG_RE.match(t).group(0) for t in seg[i + 3:] if FLAG_RE.match(t)})
+                        found.append((seg[i + 2], flags, line.strip()))
+    return found
+
+
+def _make_targets_used(path: Path):
+    _, blocks = _split_blocks(path.read_text())
+    found = []
+    for block in blocks:
+        for line in _commands(block):
+            for seg in _segments(line):
+                if seg[0] == "make" and len(seg) > 1 and not seg[1].startswith("-") and "=" not in seg[1]:
+                    found.append((seg[1], line.strip()))
+    return found
+
+
+def _makefile_targets():
+    text = (ROOT / "Makefile").read_text()
+    return set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, flags=re.M))
+
+
+@functools.lru_cache(maxsize=None)
+def _help(module: str) -> str:
+    env = dict(os.environ)
+    extra = [str(ROOT / "python"), str(ROOT / "sgl-kernel-ext" / "python")]
+    env["PYTHONPATH"] = os.pathsep.join(extra + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                          timeout=HELP_TIMEOUT_S, env=env, cwd=ROOT)
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_table_cells_and_lines_are_short(path):
+    prose, _ = _split_blocks(path.read_text())
+    long_cells, long_lines = [], []
+    for n, line in enumerate(prose, 1):
+        if line.lstrip().startswith("|"):
+            for cell in _cells(line):
+                if len(cell) > MAX_CELL_CHARS:
+                    long_cells.append(f"{len(cell)} chars: {cell[:80]}...")
+        elif len(line) > MAX_LINE_CHARS:
+            long_lines.append(f"{len(line)} chars: {line[:80]}...")
+    assert not long_cells, f"{path.name}: cells over {MAX_CELL_CHARS} chars:\n" + "\n".join(long_cells)
+    assert not long_lines, f"{path.name}: lines over {MAX_LINE_CHARS} chars:\n" + "\n".join(long_lines)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_make_targets_exist(path):
+    targets = _makefile_targets()
+    missing = [f"make {t}  ({line})" for t, line in _make_targets_used(path) if t not in targets]
+    assert not missing, f"{path.name}: Makefile has no such target:\n" + "\n".join(missing)
+
+
+def _invocations():
+    seen = []
+    for path in DOCS:
+        for module, flags, line in _module_invocations(path):
+            seen.append(pytest.param(module, flags, line, id=f"{path.name}:{module}"))
+    return seen
+
+
+@pytest.mark.parametrize("module,flags,line", _invocations() or [pytest.param(None, [], "", id="none")])
+def test_documented_commands_run(module, flags, line):
+    if module is None:
+        pytest.skip("no sglang_vc command in the docs")
+    sys.path[:0] = [p for p in (str(ROOT / "python"), str(ROOT / "sgl-kernel-ext" / "python")) if p not in sys.path]
+    assert importlib.util.find_spec(module) is not None, f"no module {module}: {line}"
+    if not flags:
+        return
+    text = _help(module)
+    known = set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9-]*", text))
+    unknown = [f for f in flags if f not in known]
+    assert not unknown, f"{module} --help lists none of {unknown}: {line}\n(help tail: {text[-300:]})"
