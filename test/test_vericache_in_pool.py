@@ -277,8 +277,11 @@ def test_policy_before_data_forced_and_short_requests():
     policy = ModePolicy(lambda n: 512, 8, 4)
     assert "measuring full-KV" in policy.decide(4096, 8, AcceptanceCurve()).reason  # the first iteration
     policy.record(0.1, IterationRows(8, 8 * 4096, 8 * 4096, 0), batch=8, full_only=True)
-    assert policy.decide(4096, 8, AcceptanceCurve()).mode is Mode.IN_POOL  # 4096 >= 4 x 512
-    assert policy.decide(1500, 8, AcceptanceCurve()).mode is Mode.FULL
+    d = policy.decide(16384, 8, AcceptanceCurve())  # no fit yet: never an unpriced draft, however long
+    assert d.mode is Mode.FULL and "no cost data yet" in d.reason, d
+    fitted = _fed(ModePolicy(lambda n: 512, 8, 4), fixed=0.005, row=2e-6)
+    d = fitted.decide(1500, 8, AcceptanceCurve())  # priced: explored at any length the costs allow
+    assert d.mode is Mode.IN_POOL and d.draft_len == 4 and "exploring" in d.reason, d
     assert policy.decide(400, 8, _curve(4, 4)).mode is Mode.FULL  # fits the budget: nothing to skip
     forced = ModePolicy(lambda n: 512, 8, 4, forced=Mode.IN_POOL)
     assert forced.decide(1500, 8, AcceptanceCurve()) == forced.decide(1500, 1, AcceptanceCurve())

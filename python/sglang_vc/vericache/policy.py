@@ -13,8 +13,9 @@ it kept at full KV, by the same fitted costs. For a request whose full KV is res
 :class:`ModePolicy` chooses full or in-pool at every cycle boundary (after a verify, or between full-KV tokens): in-pool
 where :func:`.perf_model.in_pool_speedup` -- the costs fitted here from the server's own
 iterations and the acceptance A(x) seen from the view -- beats full-KV decoding by a
-margin. Until there is data (``MIN_ITERATIONS`` iterations and ``MIN_VERIFIES``
-verifies) it drafts only where the request is ``PRIOR_LENGTH_RATIO`` times the budget.
+margin. Until ``MIN_ITERATIONS`` iterations are timed a request decodes full KV (what the
+plain server does); until ``MIN_VERIFIES`` verifies are seen it explores in-pool only where
+the fitted costs predict a gain with every draft accepted.
 
 No SGLang dependency.
 """
@@ -35,7 +36,6 @@ MARGIN = 1.05  # in-pool must be predicted this much faster (no flapping on nois
 OFFLOAD_MARGIN = 1.10  # offload too (measured: the model over-predicted an offload run by 21-26%)
 FULL_SAMPLES = 2  # full-KV iterations kept per batch size
 SAMPLE_TRIES = 8  # boundary decisions per request spent waiting for a batch size's full-KV sample
-PRIOR_LENGTH_RATIO = 4  # without data: draft where the request is this many budgets long
 
 
 class Mode(str, enum.Enum):
@@ -170,22 +170,20 @@ class ModePolicy:
             self._sampling[batch] += 1
             return Decision(Mode.FULL, None, f"measuring full-KV decoding at batch {batch} (the cost fit needs it)")
         costs = self.costs()
-        if costs is not None and curve.verifies < MIN_VERIFIES:
+        if costs is None:
+            # an unpriced draft can only lose (2k requests at batch 2-3 explored before the
+            # fit: 0.87x full KV, bench.throughput --quick); the fit needs MIN_ITERATIONS
+            return Decision(Mode.FULL, None, f"no cost data yet: full KV until {MIN_ITERATIONS} iterations are timed")
+        if curve.verifies < MIN_VERIFIES:
             # no acceptance measured yet: explore in-pool only where the costs allow a gain
-            # with every draft accepted (on 2,048-token requests at batch 2 they did not:
-            # exploring cost 0.87x full KV, bench.throughput --quick)
-            best, x = max((in_pool_speedup(costs, _prior_curve(x).acceptance(x), length, batch, x, budget), x)
-                          for x in ([self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)))
+            # with every draft accepted
+            best = max(in_pool_speedup(costs, _prior_curve(x).acceptance(x), length, batch, x, budget)
+                       for x in ([self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)))
             if best < MARGIN:
                 return Decision(Mode.FULL, None, f"no acceptance measured yet; even every draft accepted predicts "
                                 f"{best:.2f}x full KV (below {MARGIN:.2f}x)", best)
-        if costs is None or curve.verifies < MIN_VERIFIES:
-            x = self.default_x
-            if length >= PRIOR_LENGTH_RATIO * budget:
-                return Decision(Mode.IN_POOL, x, f"no cost data yet; {length} tokens >= {PRIOR_LENGTH_RATIO} x "
-                                f"the {budget}-token budget")
-            return Decision(Mode.FULL, None, f"no cost data yet; {length} tokens < {PRIOR_LENGTH_RATIO} x the "
-                            f"{budget}-token budget")
+            return Decision(Mode.IN_POOL, self.default_x, f"exploring at X={self.default_x}: no acceptance measured "
+                            f"yet, every draft accepted would give {best:.2f}x full KV", best)
         xs = [self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)
         speedup, x = max((in_pool_speedup(costs, curve.acceptance(x), length, batch, x, budget), x) for x in xs)
         if speedup >= MARGIN:
