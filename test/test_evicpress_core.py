@@ -609,33 +609,6 @@ def test_a_request_is_marked_exact_only_when_its_own_lossy_rows_were_rewritten()
     assert cache.install_full(ctx, None) == 0  # returns before touching the tree
 
 
-def test_covering_finds_the_context_a_tree_span_starts_in():
-    """``covering(key, namespace, start)``: the span of a radix-tree node that starts
-    at ``start`` on the key being inserted is EvicPress's when the key is the context's
-    request (or a prefill chunk of it) and the context's tokens run past ``start``
-    (HiCache's write-through skips it); the rows after the context, another namespace,
-    and a plain prompt that only shares a header with the context are not."""
-    from sglang_vc.evicpress.context import KVDims, Settings
-    from sglang_vc.evicpress.host_tier import RamHostStore
-    from sglang_vc.evicpress.manager import EvicPressManager
-
-    dims = KVDims(layers=1, heads=1, head_dim=8, v_heads=1, v_head_dim=8, itemsize=4)
-    mgr = EvicPressManager(Settings(prefill_measured=False), dims, RamHostStore(1 << 20), RamHostStore(1 << 20))
-    ctx = mgr.register(list(range(100, 300)), ctx_id="doc")
-    prompt = list(range(100, 300)) + [7, 8, 9]
-    assert mgr.covering(prompt, None, 0) is ctx
-    assert mgr.covering(prompt[:64], None, 32) is ctx  # a first chunk, shorter than half the context
-    assert mgr.covering(prompt, None, 199) is ctx
-    assert mgr.covering(prompt, None, 200) is None  # the question after the context
-    assert mgr.covering(prompt, "other", 0) is None
-    header_only = list(range(100, 150)) + [1] * 100  # leaves the context at 50 of 200 tokens
-    assert mgr.covering(header_only, None, 60) is None
-    assert mgr.covering(header_only, None, 0) is None  # its header is a plain prefix too
-    assert mgr.covering(header_only[:40], None, 0) is ctx  # a chunk ending in the context: can't tell yet
-    assert mgr.covering(list(range(100, 200)) + [1] * 100, None, 0) is ctx  # half the context: its request
-    assert mgr.covering(prompt[:4], None, 2) is ctx  # shorter than the index key
-
-
 # -- tenants ----------------------------------------------------------------------------------
 
 

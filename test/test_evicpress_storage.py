@@ -539,8 +539,7 @@ def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_sea
     reads the prompt back from storage (HiCache's pages and prefetch). Server B, started
     after it on the same store, reads the prompt from storage too (at least the prompt
     less one page cached, A's tokens), and serves the context from its compressed
-    storage copy (``--evicpress-load-copy kivi@4b``), which HiCache's write-through left
-    to EvicPress. A plain prompt that only shares a header with the context is a plain
+    storage copy (``--evicpress-load-copy kivi@4b``). A plain prompt that only shares a header with the context is a plain
     prefix, header included: it is read back from storage on both servers too."""
     import requests
 
@@ -574,7 +573,6 @@ def test_plain_prefixes_go_through_hicache_and_contexts_keep_their_copies_on_sea
             assert first_shared["meta_info"]["cached_tokens"] <= 40
             counters = api(a, "GET", "/evicpress/status")["counters"]
             assert counters.get("misses") == 1 and counters.get("storage_copies_written") == 2, counters
-            assert counters.get("write_through_left_to_evicpress", 0) >= 1, counters  # the context's rows
             # HiCache writes the prompt's pages to storage after its host backup; SGLang
             # flushes only once that is done (idle): wait for both
             deadline, again = time.monotonic() + 120, None

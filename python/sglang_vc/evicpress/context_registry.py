@@ -89,26 +89,6 @@ class ContextRegistry:
             self.querylog.forget(ctx.ctx_id)
             return True
 
-    def covering(self, token_ids, namespace, start: int) -> Optional[Context]:
-        """The context whose rows the radix-tree span starting at ``start`` of
-        ``token_ids`` (a key being inserted) holds, if any: that span is stored by
-        EvicPress, not by HiCache's write-through. The key must be the context's request
-        (it shares at least what :meth:`match` asks, or it ends inside the context: a
-        prefill chunk) and the span must start before the key leaves the context. A
-        plain prompt that only shares a header with a context is a plain prefix,
-        header included."""
-        ids = as_token_array(token_ids)
-        with self.lock:
-            if len(ids) >= self.INDEX_TOKENS:
-                candidates = [self.contexts[c] for c in self._index.get(self._key(ids, namespace), ())]
-            else:  # a path shorter than the index key: a node of a few tokens at the root
-                candidates = [c for c in self.contexts.values() if c.namespace == namespace]
-            for ctx in candidates:
-                n = common_prefix_len(ids, ctx.token_ids)
-                if (n == len(ids) or self._shares_enough(ctx, n)) and n > start:
-                    return ctx
-        return None
-
     @staticmethod
     def _shares_enough(ctx: Context, n: int) -> bool:
         """Whether a request sharing its first ``n`` tokens with ``ctx`` is ``ctx``'s."""

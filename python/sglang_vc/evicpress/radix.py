@@ -9,9 +9,11 @@
   copies are SGLang's LRU cache of what requests loaded;
 * **host tier** -- the HiCache host pool SGLang allocates for ``--enable-hierarchical-cache``.
   Plain prefixes are written through to it, and from it to the storage backend, by
-  SGLang's rules, as with plain HiCache; the rows of EvicPress's contexts (and its
-  private namespaces) are skipped there (:meth:`TreeRows.owned_by_evicpress`, see
-  :mod:`.tree_rows`): EvicPress decides where they go (:mod:`.host_tier`). A full
+  SGLang's rules, as with plain HiCache, and so are a context's full rows where a storage
+  backend is set (other servers match HiCache's pages); EvicPress's private namespaces
+  are skipped there, and without a storage backend so are its contexts' rows
+  (:meth:`TreeRows.owned_by_evicpress`, see :mod:`.tree_rows`): EvicPress decides where
+  they go (:mod:`.host_tier`). A full
   copy on the host is the tree's own backup of the context's nodes, written by the
   HiCache controller when the policy places it there; a request that finds it evicted
   from the device is SGLang's host hit, loaded back by the scheduler. A compressed copy
@@ -90,7 +92,7 @@ import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV, UpdatePendingBackupOnNodeSplit
+from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from . import codec, flags
@@ -177,7 +179,6 @@ def evicpress_factory(ctx):
 class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
     evicpress: Optional[EvicPressManager] = None
     _inserting_key: Optional[RadixKey] = None
-    _inserting_lora: Optional[str] = None  # the LoRA id of the request checkpointed meanwhile
 
     # ------------------------------------------------------------------ set-up
     def init_hicache(self, server_args, params) -> None:
@@ -216,7 +217,6 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             raise ValueError("evicpress: no HiCache storage backend (--hicache-storage-backend "
                              "or --evicpress-disk-dir)")
         self._released = []  # host backups EvicPress released (tree_rows._trim_host_pool)
-        self._own_backups: set = set()  # tree nodes EvicPress backed up to the host itself
         # whose KV it is: the weights themselves (not the served name) and the KV layout
         model_id = f"{tenant.weights_digest(server_args.model_path)}|{pool.dtype}|" \
                    f"{dims.layers}x{dims.heads}x{dims.head_dim}"
@@ -272,7 +272,6 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         super().reset()
         if self.evicpress is not None:
             self._released = []
-            self._own_backups.clear()
             self.evicpress.on_host_cleared()
             self._reqs.clear()
             self._private.clear()
@@ -368,15 +367,12 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
                 if not keep:
                     return
                 action = BackupKV(node_ids=keep)
-        elif isinstance(action, UpdatePendingBackupOnNodeSplit) and action.old_node_id in self._own_backups:
-            self._own_backups.update((action.new_node_id, action.new_child_node_id))
         super()._apply_cache_action(action)
 
     def write_backup_storage(self, node_id) -> None:
-        # A context's full host copy is the tree's backup of its nodes: its storage
-        # copies are EvicPress's (storage_copies), not HiCache's pages too.
+        # lossy and profiler rows are EvicPress's alone (a context's compressed storage
+        # copies are its storage_copies); full rows reach storage as HiCache's pages
         if self.evicpress is not None and self.stored_by_evicpress(node_id):
-            self._own_backups.discard(node_id)
             return
         super().write_backup_storage(node_id)
 
@@ -554,11 +550,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         mgr.count(profile_loads=1)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
-        self._inserting_lora = req.lora_id  # the insert's key has it joined (tree_rows)
-        try:
-            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
-        finally:
-            self._inserting_lora = None
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
         if self.evicpress is None:
             return
         st = self._reqs.get(req.rid)

@@ -9,17 +9,17 @@ The request path (``match_prefix`` and the hooks around a request) stays in
 object of its own.
 
 **Who stores which rows.** HiCache writes the tree through to the host pool and the
-storage backend by SGLang's rules, except the rows EvicPress stores itself
-(:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces, and, in
-a context's own request, every span that starts inside the context (the context's
-placement and storage copies are EvicPress's). A plain prompt that only shares a header
-with a context is a plain prefix (but where the context's full copy was already backed up
-to the host, the header node split off it keeps that backup, which is EvicPress's: the
-prompt's header is not written to storage, so another server cannot prefetch the prompt
-from storage). HiCache backs a node up only after its parent, so the rows
+storage backend by SGLang's rules. With a storage backend that includes a context's full
+rows in its tenant namespace: they reach storage as HiCache's own pages, under SGLang's
+hash chain for the prompt, so the next server's ordinary prefix match finds them (a plain
+HiCache server's included), whatever EvicPress decides for its compressed copies and
+placement. What HiCache never writes is what only EvicPress reads
+(:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces, and, without
+a storage backend, a context's spans in its own request (EvicPress's placement decides
+whether they go to the host). HiCache backs a node up only after its parent, so the rows
 after a context are written through once the context's own rows are on the host. A
-context's full host copy is still the tree's own backup of its nodes, written when
-EvicPress places it there.
+context's full host copy is the tree's own backup of its nodes, written by HiCache's
+write-through or when EvicPress places it there.
 """
 
 from __future__ import annotations
@@ -89,20 +89,15 @@ class TreeRows:
     def owned_by_evicpress(self, node_id) -> bool:
         """Whether tree node ``node_id``, which SGLang writes through to the host while
         it inserts a key (kept by :meth:`~.radix.EvicPressRadixCache.insert`; the node
-        lies on that key's path), holds rows EvicPress stores itself (module docstring)."""
+        lies on that key's path), holds rows only EvicPress reads (lossy and profiler rows,
+        module docstring): a context's full rows are HiCache's to write, as a plain prefix's."""
         key = self._inserting_key
-        if key is None:
-            return self.stored_by_evicpress(node_id)
-        if _private(key.extra_key):
-            return True  # lossy and profiler rows: never a plain prefix
-        start = self.tree_core.collect_path_info([node_id])[0][-1].path_start
-        return self.evicpress.covering(key.raw_token_ids(), tenant.namespace(key.extra_key, key.cache_salt,
-                                                                        self._inserting_lora), start) is not None
+        return self.stored_by_evicpress(node_id) if key is None else _private(key.extra_key)
 
     def stored_by_evicpress(self, node_id) -> bool:
-        """Whether the host backup of ``node_id`` is EvicPress's (a context's full host
-        copy, or lossy and profiler rows): HiCache does not write it to storage."""
-        return node_id in self._own_backups or _private(self.tree_core.prefetch_anchor_info(node_id)[0])
+        """Whether the host backup of ``node_id`` holds lossy or profiler rows: HiCache
+        does not write it to storage."""
+        return _private(self.tree_core.prefetch_anchor_info(node_id)[0])
 
     def _device_match(self, key: RadixKey):
         """(device tokens, last device node, their device indices) for ``key``."""
@@ -220,10 +215,7 @@ class TreeRows:
         for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
             if self.tree_core.is_backuped(node_id):
                 continue
-            if self.enable_storage:  # its storage copies are EvicPress's, not HiCache's pages
-                self._own_backups.add(node_id)  # (write_backup_storage discards it; never called without storage)
-            if not self.backup_node_for_write_back(node_id):
-                self._own_backups.discard(node_id)
+            if not self.backup_node_for_write_back(node_id):  # HiCache then writes it to storage too
                 logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
                 return None
         self._released = [p for p in self._released if p.node != node]  # held again
