@@ -718,15 +718,20 @@ def test_a_prompt_one_evicpress_server_computed_is_a_storage_hit_for_the_next(tm
 
 
 @pytest.mark.slow  # two servers in turn on a local SeaweedFS
+@pytest.mark.parametrize("reader", ["evicpress", "hicache"])
 @pytest.mark.parametrize("pause", [5, 60])
-def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monkeypatch, tokenizer, pause):
+def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monkeypatch, tokenizer, pause, reader):
     """What HiCache shares, EvicPress shares, for the long prompts it makes contexts of:
     server A (the README's EvicPress flags with SeaweedFS, the profiler on) answers a
-    prompt of about 2,000 tokens of ordinary text and stops ``pause`` seconds later (while
-    its profiler may still run); server B, started after it on the same bucket, serves the
-    prompt under another ``cache_salt`` with nothing cached, then under A's salt takes the
-    prompt less at most one page from storage (``cached_tokens_details`` says so) and
-    answers with A's tokens."""
+    prompt of about 2,000 tokens of ordinary text (an automatic context) and gets SIGTERM
+    ``pause`` seconds later (while its profiler may still run): it stops by itself within
+    SGLang's own drain time. Server B, started after it on the same bucket (EvicPress, or
+    plain HiCache: the context's full rows are HiCache's own pages under SGLang's hash
+    chain), serves the prompt under another ``cache_salt`` with nothing cached, then under
+    A's salt takes the prompt less at most one page from storage (``cached_tokens_details``
+    says so) and answers with A's tokens."""
+    import signal
+
     import requests
 
     from conftest import real_text_passages
@@ -742,18 +747,24 @@ def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monke
 
     with seaweedfs(tmp_path, monkeypatch) as endpoint:
         extra = json.dumps({"endpoint": endpoint, "bucket": "sglang-hicache"})
-        args = ["--dtype", "float32", "--max-total-tokens", "8192", "--enable-hierarchical-cache",
-                "--hicache-ratio", "2", "--radix-cache-backend", "evicpress", "--hicache-storage-backend",
-                "seaweedfs", "--hicache-storage-backend-extra-config", extra,
-                "--hicache-storage-prefetch-policy", "wait_complete"]
+        hicache = ["--dtype", "float32", "--max-total-tokens", "8192", "--enable-hierarchical-cache",
+                   "--hicache-ratio", "2", "--hicache-storage-backend", "seaweedfs",
+                   "--hicache-storage-backend-extra-config", extra, "--hicache-storage-prefetch-policy",
+                   "wait_complete"]
+        evicpress = hicache + ["--radix-cache-backend", "evicpress"]
         outs = {}
-        for name in ("a", "b"):
-            with ServerProcess(args, log_path=tmp_path / f"server-{name}.log", timeout=420) as srv:
-                if name == "b":  # another tenant first: nothing of tenant-a's reaches it
-                    outs["other"] = salted(srv, "tenant-b")
-                outs[name] = salted(srv, "tenant-a")
-                if name == "a":
-                    time.sleep(pause)
+        with ServerProcess(evicpress, log_path=tmp_path / "server-a.log", timeout=420) as a:
+            outs["a"] = salted(a, "tenant-a")
+            time.sleep(pause)
+            t0 = time.monotonic()
+            rc = a.stop(signal.SIGTERM, timeout=90)  # SGLang drains, then exits; SIGKILL past 90 s
+            stop_s = time.monotonic() - t0
+        print(f"server A stopped {pause} s after its answer in {stop_s:.1f} s (rc {rc})")
+        assert rc != -signal.SIGKILL, (stop_s, a.log_tail(30))
+        with ServerProcess(evicpress if reader == "evicpress" else hicache, log_path=tmp_path / "server-b.log",
+                           timeout=420) as b:
+            outs["other"] = salted(b, "tenant-b")  # another tenant first: nothing of tenant-a's reaches it
+            outs["b"] = salted(b, "tenant-a")
     assert len(ids) == 2000 and outs["a"]["meta_info"]["cached_tokens"] == 0
     assert outs["other"]["meta_info"]["cached_tokens"] == 0, outs["other"]["meta_info"]
     assert outs["other"]["output_ids"] == outs["a"]["output_ids"]  # computed again, the same

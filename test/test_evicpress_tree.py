@@ -80,8 +80,9 @@ def test_device_tier_pins_demotes_and_promotes(tier_server, tokenizer):
     c1 = epx.counters(s)
     assert c1.get("hits_host", 0) == c0.get("hits_host", 0) + 1
     assert again["output_ids"] == first_a and again["meta_info"]["cached_tokens"] >= CTX_TOKENS
-    # SGLang's own host hit: its scheduler loaded the HiCache backup back (not EvicPress)
-    assert again["meta_info"]["cached_tokens_details"]["host"] == CTX_TOKENS, again["meta_info"]
+    # SGLang's own host hit: its scheduler loaded the HiCache backup back (not EvicPress);
+    # the question asked before was written through with the context, so it is a host hit too
+    assert again["meta_info"]["cached_tokens_details"]["host"] >= CTX_TOKENS, again["meta_info"]
     assert epx.placement(s, "a")["tier"] == "device" and epx.placement(s, "b")["tier"] == "host"
     assert c1.get("promotions", 0) > c0.get("promotions", 0)
     epx.api(s, "POST", "/evicpress/evict_device")
