@@ -115,8 +115,10 @@ def drop_tier_server(tmp_path_factory):
     proc = _server(tmp_path_factory, "evicpress-tree-drop", "--evicpress-policy", "fixed",
                    "--evicpress-fixed-config", "knorm@0.5",
                    "--hicache-storage-backend", "file",
-                   "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(storage)}))
+                   "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(storage)}),
+                   "--admin-api-key", "evicpress-tree-admin")  # the digest its test reads
     proc.storage_dir = storage
+    proc.admin_key = "evicpress-tree-admin"
     yield proc
     proc.stop()
 
