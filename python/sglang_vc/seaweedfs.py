@@ -81,7 +81,9 @@ class LocalSeaweedFS:
             f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
+            # 64 MB volumes, up to 32 (2 GiB): weed's default of 8 filled with one 2,000-token
+            # prompt's HiCache pages and EvicPress copies of two tenants (writes then fail)
+            "-master.volumeSizeLimitMB=64", "-volume.max=32", "-volume.preStopSeconds=0",
             # its unix sockets default to /tmp/seaweedfs-*-<port>.sock: keep them beside the data
             f"-s3.localSocket={sockets / 's3.sock'}", f"-filer.localSocket={sockets / 'filer.sock'}",
         ]
