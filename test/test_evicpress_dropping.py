@@ -140,11 +140,11 @@ def test_ratio_one_answer_equals_full_kv_answer(drop_server, tokenizer):
 @pytest.mark.slow
 def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
     """The profiler's request for a token-dropping candidate (namespace
-    ``evicpress:cfg:knorm@...``) is served from the kept rows of the context's full KV,
+    ``evicpress:cfg:knorm@.../p1``) is served from the kept rows of the context's full KV,
     like a user hit: not prefilled again, and at ratio 1 the reference answer."""
     from conftest import real_text_passages
 
-    from sglang_vc.evicpress.context import CFG_NAMESPACE, REF_NAMESPACE
+    from sglang_vc.evicpress.context import ref_namespace, variant_namespace
 
     s = drop_server
     ids = epx.register(s, tokenizer, "p1", real_text_passages(4, words=220)[3])[0]
@@ -157,10 +157,10 @@ def test_profiler_answers_on_the_token_dropped_kv(drop_server, tokenizer):
         assert r.status_code == 200, r.text
         return r.json()
 
-    ref = gen(REF_NAMESPACE)  # full KV, kept as the source of the variants
+    ref = gen(ref_namespace("p1"))  # full KV, kept as the source of the variants
     for label in ("knorm@1", "knorm@0.5"):
         before = epx.counters(s)
-        out = gen(CFG_NAMESPACE + label)
+        out = gen(variant_namespace(label, "p1"))
         after = epx.counters(s)
         assert out["meta_info"]["cached_tokens"] >= CTX_TOKENS, (label, out["meta_info"])
         for key in ("profile_loads", "dropped_prefix_requests"):

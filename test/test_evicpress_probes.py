@@ -138,7 +138,7 @@ def test_served_floor_is_what_the_two_generic_questions_leave_and_the_spread(tmp
 def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
     import math
 
-    from sglang_vc.evicpress.context import REF_NAMESPACE, variant_label
+    from sglang_vc.evicpress.context import ref_namespace, variant_label
     from sglang_vc.evicpress.profiler import likelihood_quality
     from sglang_vc.evicpress.service import ProfilerService
 
@@ -155,7 +155,7 @@ def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
         def _gen(self, ids, ns, max_new_tokens, **kw):
             calls.append((ns, max_new_tokens, kw))
             meta = {"cached_tokens": len(ctx)}
-            if ns == REF_NAMESPACE:
+            if ns == ref_namespace("c"):
                 meta["output_token_logprobs"] = [[lp, 7 + i, None] for i, lp in enumerate(ref_lp)]
                 return {"text": "abc", "output_ids": [7, 8, 9], "meta_info": meta}
             assert ids[-3:] == [7, 8, 9] and kw["logprob_start_len"] == len(ids) - 4  # the full answer, teacher-forced
@@ -171,7 +171,7 @@ def test_likelihood_proxy_scores_the_full_answer_read_over_each_config():
            "profile_metric": "likelihood", "likelihood_scale": 0.5}
     q = prof.profile(job)
     assert abs(q["kivi@4b"] - math.exp(-0.05 / 0.5)) < 1e-9 and abs(q["kivi@2b"] - math.exp(-1.0 / 0.5)) < 1e-9
-    assert all(n == 1 for ns, n, kw in calls if ns != REF_NAMESPACE)  # no decoding per config
+    assert all(n == 1 for ns, n, kw in calls if ns != ref_namespace("c"))  # no decoding per config
     # a config that reads the answer as likely as the full KV scores 1; a gain is not above 1
     assert likelihood_quality([-1.0, -2.0], [-1.0, -2.0], 1.0) == 1.0
     assert likelihood_quality([-1.0], [-0.5], 1.0) == 1.0 and likelihood_quality([], [], 1.0) == 1.0

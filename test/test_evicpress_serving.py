@@ -517,7 +517,7 @@ def test_profiler_job_scores_variants_against_reference():
     """The profiler answers each prompt with full KV (reference) and under each config,
     scores the agreement, skips a config whose compressed context was not loaded, and
     posts the profile."""
-    from sglang_vc.evicpress.context import REF_NAMESPACE, variant_label
+    from sglang_vc.evicpress.context import ref_namespace, variant_label
     from sglang_vc.evicpress.service import ProfilerService
 
     posted = []
@@ -528,12 +528,12 @@ def test_profiler_job_scores_variants_against_reference():
             return {}
 
     ctx = list(range(100, 300))
-    answers = {REF_NAMESPACE: "the cat sat", "kivi@4b": "the cat sat", "kivi@2b": "a dog ran"}
+    answers = {"ref": "the cat sat", "kivi@4b": "the cat sat", "kivi@2b": "a dog ran"}
 
     class Prof(ProfilerService):
         def _gen(self, ids, ns, max_new_tokens, **kw):
-            assert ns == REF_NAMESPACE or ns.endswith("/c")  # each context's variants in their own namespace
-            label = ns if ns == REF_NAMESPACE else variant_label(ns)
+            assert ns.endswith("/c")  # each context's reference and variants in namespaces of its own
+            label = "ref" if ns == ref_namespace("c") else variant_label(ns)
             cached = len(ctx) if label != "kivi1@1b" else 3  # 1-bit failed to load
             return {"text": answers.get(label, "x"), "meta_info": {"cached_tokens": cached}}
 
@@ -1015,6 +1015,37 @@ def test_server_long_prompt_becomes_a_context(ep_server, tokenizer):
     assert sum(after.get(k, 0) - before.get(k, 0) for k in ("hits_host", "hits_disk")) == 1
     assert again["meta_info"]["cached_tokens"] >= CTX_TOKENS
     assert again["output_ids"] == first["output_ids"]
+
+
+def test_a_salted_context_is_profiled_in_its_tenant(ep_server, tokenizer):
+    """A long prompt under a ``cache_salt`` is a context of that tenant, and the server's
+    profiler (its requests carry no salt: they name the context by id) loads each
+    candidate copy of it and profiles it; until 2026-12-02 every load missed ("could not
+    load kivi@2b of context ... for profiling") and the profile failed."""
+    from conftest import real_text_passages
+
+    s = ep_server
+    ids = tokenizer(real_text_passages(12, words=220)[9])["input_ids"][:CTX_TOKENS]
+    q = tokenizer(epx.QUESTION, add_special_tokens=False)["input_ids"]
+    known = {c["id"] for c in epx.api(s, "GET", "/evicpress/contexts")["contexts"]}
+    before = epx.counters(s)
+    r = requests.post(s.url + "/generate", json={"input_ids": ids + q, "cache_salt": "tenant-p",
+                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+                      timeout=300)
+    assert r.status_code == 200, r.text
+    new = [c for c in epx.api(s, "GET", "/evicpress/contexts")["contexts"] if c["id"] not in known]
+    assert len(new) == 1 and new[0]["namespace"] is not None, new  # the tenant's own context
+    deadline = time.time() + 600  # the profiler starts after 5 s without requests
+    while time.time() < deadline:
+        info = epx.api(s, "GET", f"/evicpress/contexts/{new[0]['id']}")
+        if info["profiled"] or epx.counters(s).get("profile_failures", 0) > before.get("profile_failures", 0):
+            break
+        time.sleep(2)
+    after = epx.counters(s)
+    assert info["profiled"], (info, s.log_tail(20))
+    assert after.get("profile_failures", 0) == before.get("profile_failures", 0), after
+    assert set(info["quality"]) >= {"full", "kivi@2b", "kivi@4b"}, info
+    assert after.get("profile_loads", 0) >= before.get("profile_loads", 0) + 2, (before, after)
 
 
 @pytest.mark.slow

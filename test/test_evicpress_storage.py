@@ -717,6 +717,20 @@ def test_a_prompt_one_evicpress_server_computed_is_a_storage_hit_for_the_next(tm
     assert outs["b"]["output_ids"] == outs["a"]["output_ids"]
 
 
+def _wait_profiled(srv, n: int, timeout: float = 600) -> list:
+    """The server's contexts once ``n`` of them are profiled (its profiler works when the
+    server is idle), or what there is at ``timeout``."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while True:
+        contexts = requests.get(srv.url + "/evicpress/contexts", timeout=60).json()["contexts"]
+        done = [c for c in contexts if c["profiled"]]
+        if len(done) >= n or time.monotonic() > deadline:
+            return done
+        time.sleep(3)
+
+
 @pytest.mark.slow  # two servers in turn on a local SeaweedFS
 @pytest.mark.parametrize("reader", ["evicpress", "hicache"])
 @pytest.mark.parametrize("pause", [5, 60])
@@ -729,7 +743,8 @@ def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monke
     plain HiCache: the context's full rows are HiCache's own pages under SGLang's hash
     chain), serves the prompt under another ``cache_salt`` with nothing cached, then under
     A's salt takes the prompt less at most one page from storage (``cached_tokens_details``
-    says so) and answers with A's tokens."""
+    says so) and answers with A's tokens; an EvicPress server B then profiles both
+    tenants' contexts as its own."""
     import signal
 
     import requests
@@ -765,6 +780,10 @@ def test_a_long_prompt_is_read_from_seaweedfs_by_the_next_server(tmp_path, monke
                            timeout=420) as b:
             outs["other"] = salted(b, "tenant-b")  # another tenant first: nothing of tenant-a's reaches it
             outs["b"] = salted(b, "tenant-a")
+            if reader == "evicpress":  # the context read from storage is profiled as B's own
+                profiled = _wait_profiled(b, 2)
+                assert profiled and all({"kivi@2b", "kivi@4b"} <= set(c["quality"]) for c in profiled), (
+                    profiled, b.log_tail(30))
     assert len(ids) == 2000 and outs["a"]["meta_info"]["cached_tokens"] == 0
     assert outs["other"]["meta_info"]["cached_tokens"] == 0, outs["other"]["meta_info"]
     assert outs["other"]["output_ids"] == outs["a"]["output_ids"]  # computed again, the same

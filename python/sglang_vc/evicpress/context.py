@@ -17,7 +17,7 @@ from .profiler import ProfileMetric
 
 __all__ = ["Settings", "KVDims", "Context", "Fetched", "common_prefix_len", "as_token_array",
            "PROFILE_NAMESPACE", "REF_NAMESPACE", "CFG_NAMESPACE", "MIN_CONTEXT_TOKENS",
-           "variant_namespace", "variant_label"]
+           "variant_namespace", "variant_label", "ref_namespace", "profiled_context_id"]
 
 PROFILE_NAMESPACE = "evicpress:"  # extra_key prefix of the profiler's own requests
 REF_NAMESPACE = "evicpress:ref"
@@ -31,6 +31,18 @@ def variant_namespace(label: str, ctx_id: Any) -> str:
     variant's rows are compressed over the whole context -- in a shared namespace one
     context's variant would start from another's rows."""
     return f"{CFG_NAMESPACE}{label}/{ctx_id}"
+
+
+def ref_namespace(ctx_id: Any) -> str:
+    """The profiler's namespace for context ``ctx_id``'s full-KV reference answers: one per
+    context, so that the server finds the context by its id whatever tenant it belongs to
+    (the profiler's requests carry no ``cache_salt``)."""
+    return f"{REF_NAMESPACE}/{ctx_id}"
+
+
+def profiled_context_id(namespace: str) -> str:
+    """The context id of a profiler namespace (:func:`ref_namespace`, :func:`variant_namespace`)."""
+    return namespace.split("/", 1)[1] if "/" in namespace else ""
 
 
 def variant_label(namespace: str) -> str:

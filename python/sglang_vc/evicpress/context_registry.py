@@ -94,6 +94,18 @@ class ContextRegistry:
         """Whether a request sharing its first ``n`` tokens with ``ctx`` is ``ctx``'s."""
         return n >= max(MIN_CONTEXT_TOKENS, ctx.num_tokens // 2)
 
+    def match_id(self, ctx_id: str, token_ids) -> Optional[tuple[Context, int]]:
+        """Context ``ctx_id`` and the prefix ``token_ids`` share with it, as :meth:`match`
+        gives them (None unless it covers at least half of the context); for the
+        profiler's requests, which name the context they profile."""
+        ids = as_token_array(token_ids)
+        with self.lock:
+            ctx = self.contexts.get(str(ctx_id))
+            if ctx is None:
+                return None
+            n = common_prefix_len(ids, ctx.token_ids)
+            return (ctx, n) if self._shares_enough(ctx, n) else None
+
     def match(self, token_ids, namespace=None) -> Optional[tuple[Context, int]]:
         """The registered context sharing the longest prefix with ``token_ids``, and
         that prefix length; None unless it covers at least half of the context."""

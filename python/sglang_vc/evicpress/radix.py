@@ -101,7 +101,8 @@ from .config import FULL, CompressionConfig, Tier
 from .device_tier import DeviceTierStore
 from .host_tier import HostSlotStore, HostTierStore
 from .storage_tier import StorageTier
-from .context import CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims, variant_label
+from .context import (CFG_NAMESPACE, PROFILE_NAMESPACE, REF_NAMESPACE, Context, KVDims, profiled_context_id,
+                      ref_namespace, variant_label)
 from .manager import EvicPressManager
 from .measure import measure_delay_inputs, storage_dir
 from .match_rows import MatchRows
@@ -484,8 +485,8 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         if ns and ns.startswith(PROFILE_NAMESPACE):
             if ns.startswith(CFG_NAMESPACE):
                 self._inject_variant(req, key, ns)
-            elif ns == REF_NAMESPACE and req.rid not in self._reqs:
-                m = mgr.match(key.raw_token_ids(), None)
+            elif ns.startswith(REF_NAMESPACE + "/") and req.rid not in self._reqs:
+                m = mgr.match_id(profiled_context_id(ns), key.raw_token_ids())
                 if m is not None and m[0].ctx_id not in self._profile_kv:
                     n = self._floor(min(m[1], len(key)))
                     self._reqs[req.rid] = ContextPlan(Origin.REF, m[0], m[1], n, capture_len=n,
@@ -511,7 +512,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         mgr = self.evicpress
         cfg = CompressionConfig.parse(variant_label(ns))
         ids = key.raw_token_ids()
-        m = mgr.match(ids, None)
+        m = mgr.match_id(profiled_context_id(ns), ids)
         if m is None:
             return
         ctx, lcp = m
@@ -523,7 +524,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             return
         # The full KV to compress: the profiler's reference copy, the user copy (always
         # exact), or a full stored blob.
-        spaces = [REF_NAMESPACE, ctx.namespace]
+        spaces = [ref_namespace(ctx.ctx_id), ctx.namespace]
         src = None
         kept = self._profile_kv.get(ctx.ctx_id)
         if kept is not None and kept.num_tokens >= n:
@@ -559,7 +560,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         n, st.capture_len = st.capture_len, 0
         if st.origin is Origin.REF:  # the profiler's full-KV copy: keep it for the variants
             have, _, idx = self._device_match(RadixKey(
-                array.array("q", [int(t) for t in req.origin_input_ids[:n]]), REF_NAMESPACE,
+                array.array("q", [int(t) for t in req.origin_input_ids[:n]]), ref_namespace(st.ctx.ctx_id),
                 is_bigram=self.tree_core.is_eagle))
             if have >= n:
                 self._profile_kv[st.ctx.ctx_id] = self._gather(idx)

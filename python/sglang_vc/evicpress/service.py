@@ -59,7 +59,7 @@ import requests
 from .config import CompressionConfig
 from .control import ControlClient, ControlError
 from .flags import settings_of
-from .context import REF_NAMESPACE, variant_namespace
+from .context import ref_namespace, variant_namespace
 from .probes import ProbeSource, context_probes
 from .profiler import ProfileMetric, likelihood_quality, monotone_profile
 
@@ -459,7 +459,7 @@ class ProfilerService:
     def _written_questions(self, job: dict, n: int) -> list[str]:
         ids = job["token_ids"] + self.tok.encode(QUESTION_PROMPT, special=False)
         outs = _parallel([
-            (lambda i=i: self._gen(ids, REF_NAMESPACE, 24, temperature=0.7 + 0.1 * i, stop=["\n"]))
+            (lambda i=i: self._gen(ids, ref_namespace(job["ctx_id"]), 24, temperature=0.7 + 0.1 * i, stop=["\n"]))
             for i in range(n)
         ])
         texts = []
@@ -476,7 +476,8 @@ class ProfilerService:
         m = job["max_new_tokens"]
         likelihood = ProfileMetric(job.get("profile_metric", ProfileMetric.ANSWER)) is ProfileMetric.LIKELIHOOD
         refs = _parallel([
-            (lambda p=p: self._gen(p, REF_NAMESPACE, m, **({"logprob_start_len": len(p) - 1} if likelihood else {})))
+            (lambda p=p: self._gen(p, ref_namespace(job["ctx_id"]), m,
+                                   **({"logprob_start_len": len(p) - 1} if likelihood else {})))
             for p in prompts
         ])
         labels = list(job["candidates"])
@@ -525,7 +526,7 @@ class ProfilerService:
         return float(self.scorer(answer, reference))
 
     def observe(self, obs: dict) -> float:
-        ref = self._gen(obs["prompt_ids"], REF_NAMESPACE, max(1, len(obs["output_ids"])))
+        ref = self._gen(obs["prompt_ids"], ref_namespace(obs["ctx_id"]), max(1, len(obs["output_ids"])))
         q = self._score(self.tok.decode(obs["output_ids"]), ref["text"])
         self.client.call("POST", "/work/observation",
                          {"ctx_id": obs["ctx_id"], "config": obs["config"], "quality": q})
