@@ -9,9 +9,8 @@
   copies are SGLang's LRU cache of what requests loaded;
 * **host tier** -- the HiCache host pool SGLang allocates for ``--enable-hierarchical-cache``.
   Plain prefixes are written through to it, and from it to the storage backend, by
-  SGLang's rules, as with plain HiCache, and so are a context's full rows where a storage
-  backend is set (other servers match HiCache's pages); EvicPress's private namespaces
-  are skipped there, and without a storage backend so are its contexts' rows
+  SGLang's rules, as with plain HiCache, and so are a context's full rows (other servers
+  match HiCache's pages); EvicPress's private namespaces are skipped there
   (:meth:`TreeRows.owned_by_evicpress`, see :mod:`.tree_rows`): EvicPress decides where
   they go (:mod:`.host_tier`). A full
   copy on the host is the tree's own backup of the context's nodes, written by the

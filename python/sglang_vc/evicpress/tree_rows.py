@@ -9,17 +9,14 @@ The request path (``match_prefix`` and the hooks around a request) stays in
 object of its own.
 
 **Who stores which rows.** HiCache writes the tree through to the host pool and the
-storage backend by SGLang's rules. With a storage backend that includes a context's full
-rows in its tenant namespace: they reach storage as HiCache's own pages, under SGLang's
-hash chain for the prompt, so the next server's ordinary prefix match finds them (a plain
-HiCache server's included), whatever EvicPress decides for its compressed copies and
-placement. What HiCache never writes is what only EvicPress reads
-(:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces, and, without
-a storage backend, a context's spans in its own request (EvicPress's placement decides
-whether they go to the host). HiCache backs a node up only after its parent, so the rows
-after a context are written through once the context's own rows are on the host. A
-context's full host copy is the tree's own backup of its nodes, written by HiCache's
-write-through or when EvicPress places it there.
+storage backend by SGLang's rules (EvicPress always has a storage backend), a context's
+full rows in its tenant namespace included: they reach storage as HiCache's own pages,
+under SGLang's hash chain for the prompt, so the next server's ordinary prefix match finds
+them (a plain HiCache server's too), whatever EvicPress decides for its compressed copies
+and placement. What HiCache never writes is what only EvicPress reads
+(:meth:`TreeRows.owned_by_evicpress`): its private and profiler namespaces. A context's
+full host copy is the tree's own backup of its nodes, written by HiCache's write-through
+or when EvicPress places it there.
 """
 
 from __future__ import annotations
