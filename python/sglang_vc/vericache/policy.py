@@ -106,6 +106,10 @@ class ModePolicy:
             return False
         return self._sampling[batch] < SAMPLE_TRIES * batch
 
+    def _draft_lengths(self):
+        """The anchors X a decision weighs: the fixed one, or 1 to ``max_x``."""
+        return [self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)
+
     def offload_measured(self) -> int:
         """Iterations of the cost window that had offload drafters in them."""
         return sum(1 for h in self.history if h[4] > 0)
@@ -142,7 +146,7 @@ class ModePolicy:
             costs = dataclasses.replace(costs, row=full_s / max(1, length), query_row=0.0, offload_draft=draft_s)
             curve = curve if curve.verifies >= MIN_VERIFIES else _prior_curve(x)
             how = f"priced by this machine's draft step, x{draft_s / full_s:.2f} a full-KV step"
-        xs = [self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)
+        xs = self._draft_lengths()
         gain, x = max((offload_gain(costs, curve.acceptance(x), x, length, full, offloaded, admitted), x)
                       for x in xs)
         iteration = costs.fixed + full * full_kv_request_time(costs, length)
@@ -178,14 +182,14 @@ class ModePolicy:
             # no acceptance measured yet: explore in-pool only where the costs allow a gain
             # with every draft accepted
             best = max(in_pool_speedup(costs, _prior_curve(x).acceptance(x), length, batch, x, budget)
-                       for x in ([self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)))
+                       for x in self._draft_lengths())
             if best < MARGIN:
                 return Decision(Mode.FULL, None, f"no acceptance measured yet; even every draft accepted predicts "
                                 f"{best:.2f}x full KV (below {MARGIN:.2f}x)", best)
             return Decision(Mode.IN_POOL, self.default_x, f"exploring at X={self.default_x}: no acceptance measured "
                             f"yet, every draft accepted would give {best:.2f}x full KV", best)
-        xs = [self.fixed_x] if self.fixed_x else range(1, self.max_x + 1)
-        speedup, x = max((in_pool_speedup(costs, curve.acceptance(x), length, batch, x, budget), x) for x in xs)
+        speedup, x = max((in_pool_speedup(costs, curve.acceptance(x), length, batch, x, budget), x)
+                         for x in self._draft_lengths())
         if speedup >= MARGIN:
             return Decision(Mode.IN_POOL, x, f"predicted {speedup:.2f}x full KV at X={x}, "
                             f"A={curve.acceptance(x):.2f}", speedup)
