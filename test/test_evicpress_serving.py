@@ -849,10 +849,11 @@ def test_a_lossy_copy_never_stands_in_for_the_exact_rows_of_another_request(ep_s
     got = run(plain)  # the lossy copy is on the device now
     check_plain(got)
     # No device row of the header is reused: what is cached is HiCache's host backup of
-    # the plain request's own exact rows (its first run was written through; the
-    # context's request later split that node at the header)
+    # the plain request's own exact rows (its first run was written through, and so is the
+    # context's request since its rows are HiCache's too: how much of the plain prompt's
+    # backup survives the context's split of that node depends on the write-through's timing)
     details = got["meta_info"]["cached_tokens_details"]
-    assert details["device"] == 0 and got["meta_info"]["cached_tokens"] <= len(header), got["meta_info"]
+    assert details["device"] == 0 and details["host"] == got["meta_info"]["cached_tokens"], got["meta_info"]
     c1 = epx.counters(s)
     again = epx.ask(s, tokenizer, ctx_ids)  # the context's own requests do reuse its device copy
     assert epx.counters(s)["hits_device"] == c1.get("hits_device", 0) + 1
