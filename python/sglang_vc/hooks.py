@@ -435,6 +435,26 @@ def _row_headroom_for_chain_workers(result, *args, **kwargs):
     return None
 
 
+def _view_rows_for_in_pool_drafts(original, configurator, *, max_num_reqs: int):
+    """VERICACHE's in-pool drafts attend a view of their own rows written into a second
+    ``req_to_token`` row per drafting request (:mod:`sglang_vc.vericache.view_rows`), so
+    that SGLang's attention backends read it with their own kernels. SGLang sizes the table
+    to ``max_running_requests`` rows exactly; the table gets that many rows more (up to
+    ``view_rows.MAX_VIEW_ROWS``). ``max_running_requests`` itself is unchanged, so the
+    extra rows never admit a request. No seam for a plugin."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_vc.vericache import view_rows
+
+    algorithm = get_spec().speculative_algorithm
+    if algorithm is not None and str(algorithm).upper() == "VERICACHE":
+        extra = view_rows.extra_rows(max_num_reqs)
+        logger.info("VERICACHE: req_to_token holds %d rows more than the %d running requests, for in-pool "
+                    "drafts' views", extra, max_num_reqs)
+        max_num_reqs += extra
+    return original(configurator, max_num_reqs=max_num_reqs)
+
+
 def _payload_store_inside_the_budget(result, *args, **kwargs):
     """SGLang sizes the KV pool from the device memory left after the weights (with
     ``--mem-fraction-static``); compressed-KV serving keeps its quantized payloads in a
@@ -606,6 +626,11 @@ def install() -> None:
         "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len",
         _row_headroom_for_chain_workers,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool",
+        _view_rows_for_in_pool_drafts,
+        HookType.AROUND,
     )
     HookRegistry.register(
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",

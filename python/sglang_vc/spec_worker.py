@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import Optional
 
 import torch
 from sgl_kernel_ext.payload_batch import to_device
@@ -140,11 +141,29 @@ class ChainSpecWorker(BaseSpecWorker):
 
     forwards: int = 0  # model forwards run by forward_sub (the trace reports them per iteration)
 
-    def forward_sub(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info) -> torch.Tensor:
+    def forward_sub(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, *,
+                    rows: Optional[list[int]] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One model forward of ``sub``. ``rows``: the ``req_to_token`` row each request reads
+        (its own by default; VERICACHE's in-pool drafters read a view row); ``positions``:
+        the tokens' true positions where SGLang would derive other ones from ``seq_lens``
+        (a ``DECODE`` forward over a view row, whose ``seq_len`` is the view's length)."""
         self.forwards += 1
         self.set_batch(sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info,
                         sub.seq_lens.dtype, sub.seq_lens.device)
-        res = self.target_worker.forward_batch_generation(sub, is_verify=True)
+        if rows is not None:
+            sub.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
+            sub.req_pool_indices = to_device(sub.req_pool_indices_cpu.to(sub.req_pool_indices.dtype),
+                                             sub.req_pool_indices.device)
+        if positions is None:
+            res = self.target_worker.forward_batch_generation(sub, is_verify=True)
+        else:
+            from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+            self.target_worker.set_hicache_consumer(getattr(sub, "hicache_consumer_index", -1))
+            forward_batch = ForwardBatch.init_new(sub, self.model_runner, return_hidden_states_before_norm=False)
+            forward_batch.positions = to_device(positions.to(forward_batch.positions.dtype),
+                                                forward_batch.positions.device)
+            res = self.target_worker.forward_batch_generation(None, forward_batch=forward_batch, is_verify=True)
         return res.logits_output.next_token_logits
 
     def set_batch(self, batch, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, seq_dtype, dev):

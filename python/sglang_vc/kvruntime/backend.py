@@ -175,6 +175,8 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
             self.full_kv.init_forward_metadata(forward_batch)
             stats.add("attention", full_kv_backend_forwards=1)
         self.decode_index, self.own_decode = None, None
+        if forward_batch.forward_mode.is_decode() and batch.any_compressed:
+            stats.add("attention", project_attention_forwards=1)  # a request reads compressed rows
         if (forward_batch.forward_mode.is_decode() and batch.any_compressed and not batch.online
                 and ext.backend_for(forward_batch.seq_lens) is ext.Backend.TRITON):
             own = [i for i, e in enumerate(batch.entries) if e is not None and self._decodes_own(e)]

@@ -93,6 +93,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         for w in lens:
             offsets.append(offsets[-1] + w)
         drafting = [i for i, e in enumerate(entries) if e is not None]
+        if drafting:  # offload drafters: the project's attention over their compressed rows
+            stats.add("attention", project_attention_forwards=1)
         if any(lens[i] > 1 for i in drafting):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
@@ -152,8 +154,10 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         return frozenset(self.in_pool.budgets) if self.in_pool is not None else frozenset()
 
     def _in_pool_views(self, forward_batch, in_pool: list[int], offsets: list[int]) -> "InPoolViews":
-        """The in-pool drafters' sparse views over their own pool rows: index lists
-        ``[n, width]`` built on the device once for every layer (:mod:`.draft_view`)."""
+        """The re-selected view's drafters (per layer and KV head: no single row list a
+        backend could read; the window view's drafters forward over view rows of
+        ``req_to_token`` through SGLang's backend, :mod:`.view_rows`): their positions
+        built on the device once for every layer (:mod:`.draft_view`)."""
         dev = forward_batch.seq_lens.device
         ip = self.in_pool
         idx = to_device(torch.tensor(in_pool, dtype=torch.int64), dev)
@@ -161,26 +165,21 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         # a draft query sits at position seq_len (its own KV written there first)
         lengths = forward_batch.seq_lens[idx].to(torch.int64) + 1
         rows = forward_batch.req_pool_indices[idx]
-        if ip.view is draft_view.View.RESELECT:
-            # per request: its last verify's selection, or (none yet) the window view
-            sels = [(self.selections or {}).get(ip.rids[i]) for i in in_pool]
-            k_max = max([s.shape[-1] for s in sels if s is not None], default=0)
-            layers, heads = self.runtime.kv_pool.layer_num, self.token_to_kv_pool.head_num
-            selected = torch.zeros(len(in_pool), layers, heads, k_max, dtype=torch.int64, device=dev)
-            n_sel, recent = [], []
-            for b, (i, sel) in enumerate(zip(in_pool, sels)):
-                if sel is not None:
-                    selected[b, :, :, : sel.shape[-1]] = sel
-                n_sel.append(0 if sel is None else sel.shape[-1])
-                recent.append(ip.budgets[i] - draft_view.SINKS if sel is None else ip.recent[i])
-            stats.add("vericache", in_pool_draft_rows=sum(draft_view.SINKS + a + b for a, b in zip(n_sel, recent)))
-            return InPoolViews(q_rows, None, None, lengths, rows, selected,
-                               to_device(torch.tensor(n_sel), dev), to_device(torch.tensor(recent), dev), max(recent))
-        budgets = to_device(torch.tensor([ip.budgets[i] for i in in_pool], dtype=torch.int64), dev)
-        width = max(ip.budgets[i] for i in in_pool)
-        slots, valid = draft_view.view_slots(self.req_to_token_pool.req_to_token, rows, lengths, budgets, width)
-        stats.add("vericache", in_pool_draft_rows=len(in_pool) * width)
-        return InPoolViews(q_rows, slots, valid)
+        # per request: its last verify's selection, or (none yet) the window view
+        sels = [(self.selections or {}).get(ip.rids[i]) for i in in_pool]
+        k_max = max([s.shape[-1] for s in sels if s is not None], default=0)
+        layers, heads = self.runtime.kv_pool.layer_num, self.token_to_kv_pool.head_num
+        selected = torch.zeros(len(in_pool), layers, heads, k_max, dtype=torch.int64, device=dev)
+        n_sel, recent = [], []
+        for b, (i, sel) in enumerate(zip(in_pool, sels)):
+            if sel is not None:
+                selected[b, :, :, : sel.shape[-1]] = sel
+            n_sel.append(0 if sel is None else sel.shape[-1])
+            recent.append(ip.budgets[i] - draft_view.SINKS if sel is None else ip.recent[i])
+        stats.add("vericache", in_pool_draft_rows=sum(draft_view.SINKS + a + b for a, b in zip(n_sel, recent)))
+        stats.add("attention", project_attention_forwards=1)
+        return InPoolViews(q_rows, lengths, rows, selected, to_device(torch.tensor(n_sel), dev),
+                           to_device(torch.tensor(recent), dev), max(recent))
 
     def _full_kv_backend(self):
         """SGLang's backend for full KV (``torch_native``: this class's own base)."""
@@ -244,12 +243,11 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if vf.in_pool is not None:  # in-pool drafters: their sparse views, one call for all
             iv = vf.in_pool
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[iv.q_rows]
-            slots, valid = iv.slots, iv.valid
-            if slots is None:  # the re-selected view: this layer's positions per KV head
-                pos, valid = draft_view.reselect_positions(
-                    iv.lengths, iv.selected[:, lid - self.runtime.kv_pool.start_layer], iv.n_selected, iv.recent,
-                    iv.recent_width)
-                slots = self.req_to_token_pool.req_to_token[iv.rows.to(torch.int64)[:, None, None], pos].to(torch.int64)
+            # the re-selected view: this layer's positions per KV head
+            pos, valid = draft_view.reselect_positions(
+                iv.lengths, iv.selected[:, lid - self.runtime.kv_pool.start_layer], iv.n_selected, iv.recent,
+                iv.recent_width)
+            slots = self.req_to_token_pool.req_to_token[iv.rows.to(torch.int64)[:, None, None], pos].to(torch.int64)
             out = draft_view.attend_view(q_, k_buf, v_buf, slots, valid, layer.scaling)
             o[iv.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
         if self.in_pool is not None and self.in_pool.verifiers:
@@ -352,18 +350,16 @@ class InPoolDrafts:
 
 @dataclasses.dataclass
 class InPoolViews:
-    """The in-pool drafters' views, built once per forward on the device."""
+    """The re-selected view's drafters, built once per forward on the device (their
+    positions differ per layer and KV head)."""
 
     q_rows: torch.Tensor  # [n] their query rows in the forward
-    slots: Optional[torch.Tensor]  # [n, width] pool slots of each view (window view), or:
-    valid: Optional[torch.Tensor]  # [n, width]
-    # the re-selected view, whose positions differ per layer and KV head
-    lengths: Optional[torch.Tensor] = None  # [n] attendable positions
-    rows: Optional[torch.Tensor] = None  # [n] req_pool_idx
-    selected: Optional[torch.Tensor] = None  # [n, layers, Hkv, K]
-    n_selected: Optional[torch.Tensor] = None  # [n]
-    recent: Optional[torch.Tensor] = None  # [n]
-    recent_width: int = 0
+    lengths: torch.Tensor  # [n] attendable positions
+    rows: torch.Tensor  # [n] req_pool_idx
+    selected: torch.Tensor  # [n, layers, Hkv, K]
+    n_selected: torch.Tensor  # [n]
+    recent: torch.Tensor  # [n]
+    recent_width: int
 
 
 @dataclasses.dataclass

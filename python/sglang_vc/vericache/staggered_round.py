@@ -230,7 +230,15 @@ class StaggeredRound:
             # in-pool drafters attend a sparse view of their own rows (:mod:`.draft_view`)
             in_pool = {k: self.budget.rows(s.track.committed) for k, s in enumerate(part)
                        if s.role is Role.DRAFT and self._in_pool(s.track)}
-            in_pool_drafts = self._in_pool_drafts(part, in_pool)
+            # the window view: each drafter forwards over a view row of req_to_token, read by
+            # SGLang's backend (:mod:`.view_rows`); the re-selected one is the project's attention
+            views = None
+            if in_pool and self.budget.view is View.WINDOW:
+                views = self.view_rows.write(in_pool, [row_list[s.index] for s in part], [st + 1 for st in starts])
+            in_pool_drafts = self._in_pool_drafts(part, in_pool if self.budget.view is not View.WINDOW else {})
+            fwd_rows, fwd_starts = [row_list[s.index] for s in part], list(starts)
+            for k, view_row in (views.rows.items() if views is not None else ()):
+                fwd_rows[k], fwd_starts[k] = view_row, views.lengths[k] - 1
             # full rows read: in-pool drafters' views, full-KV requests' and every verifier's rows
             # (an offloaded one's staged ones too); offload drafters have a term of their own
             full_rows = [k in in_pool or s.role is Role.VERIFY or self.runtime.entry_for_row(s.track.row) is None
@@ -255,17 +263,23 @@ class StaggeredRound:
             try:
                 self._verify_forward_with(staging)
                 self.model_runner.attn_backend.in_pool = in_pool_drafts
-                if len(full) == len(part):
-                    # every request decodes one token from full KV: SGLang's own decode
-                    # forward (its decode kernels), not a verify layout with one query each
-                    logits = self.forward_sub(sub, ForwardMode.DECODE, ids_t, torch.tensor(starts) + 1,
-                                              slots.flatten(), None)
+                viewed = views.rows if views is not None else {}
+                if all(s.role is Role.FULL or k in viewed for k, s in enumerate(part)):
+                    # every request decodes one token from full KV or drafts one over its view
+                    # row: SGLang's own decode forward (its decode kernels), not a verify
+                    # layout with one query each
+                    logits = self.forward_sub(sub, ForwardMode.DECODE, ids_t, torch.tensor(fwd_starts) + 1,
+                                              slots.flatten(), None, rows=fwd_rows if viewed else None,
+                                              positions=pos_t if viewed else None)
+                    stats.add("vericache", decode_forwards=1, view_decode_forwards=1 if viewed else 0)
                 else:
                     # vc_verify runs the forward as a causal extend: no dense mask to build
-                    spec_info = self.ragged_verify_input(ids_t, pos_t, starts, lens, dev, mask=False)
-                    logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(starts),
-                                              slots.flatten(), spec_info)
+                    spec_info = self.ragged_verify_input(ids_t, pos_t, fwd_starts, lens, dev, mask=False)
+                    logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(fwd_starts),
+                                              slots.flatten(), spec_info, rows=fwd_rows if viewed else None)
+                    stats.add("vericache", verify_forwards=1)
             finally:
+                self.view_rows.give_back()
                 self.model_runner.attn_backend.in_pool = None
                 self._verify_forward_done()
                 for r in reloads.values():

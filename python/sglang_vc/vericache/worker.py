@@ -63,6 +63,7 @@ from .policy import Decision, Mode, ModePolicy
 from .lockstep import LockstepRound
 from .staggered_round import StaggeredRound
 from .staggered import StaggeredSchedule
+from .view_rows import ViewRows
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,15 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             # the link is measured once, here rather than in the first decode iteration (the
             # schedule itself is built then: its HBM budget needs the runtime's payload store)
             self._bandwidth = measure_bandwidth(self.device)
+
+    _view_rows: Optional[ViewRows] = None
+
+    @property
+    def view_rows(self) -> ViewRows:
+        """In-pool drafters' view rows of SGLang's ``req_to_token`` (:mod:`.view_rows`)."""
+        if self._view_rows is None:
+            self._view_rows = ViewRows(self.req_to_token_pool)
+        return self._view_rows
 
     @property
     def runtime(self):

@@ -1,0 +1,95 @@
+"""In-pool drafts as SGLang's own forwards: each drafting request's view (sinks and a
+recent window, :func:`.draft_view.view_slots`) is written into a second row of SGLang's
+``req_to_token`` table, and the draft forwards with that row and the view's length as its
+``seq_len`` (positions the true ones, ``out_cache_loc`` the request's real next slot).
+Every attention backend (``torch_native`` here, FlashInfer, FA3 or Triton on a GPU) then
+reads the view with its own kernels, in a ``DECODE`` forward SGLang's decode graph runner
+can replay, or as one more request of a ragged verify: no project attention code runs for
+the drafters.
+
+The rows come from SGLang's own table, widened for them at start-up
+(``hooks._view_rows_for_in_pool_drafts``: SGLang's ``max_running_requests`` is unchanged,
+so they never admit a request); they are taken for one forward and given back after it.
+Where the table has no row left a drafter drafts over its full row for that step: a draft
+is only a guess, so the output is unchanged (``in_pool_view_rows_short`` counts them).
+
+Writing a forward's views is one gather and one scatter on the device for the whole batch,
+nothing read back on the host (the views' lengths are the host's own arithmetic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from sgl_kernel_ext.payload_batch import to_device
+
+from sglang_vc import stats
+
+from . import draft_view
+
+# rows the table is widened by, at most: past that many drafters in one forward the rest
+# draft over their full rows (a 32k-token row is 128 KiB of int32 on the device)
+MAX_VIEW_ROWS = 256
+
+
+def extra_rows(max_running_requests: int) -> int:
+    """Rows SGLang's ``req_to_token`` table is widened by for the views."""
+    return max(1, min(int(max_running_requests), MAX_VIEW_ROWS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Views:
+    """One forward's views: for each drafter (by its index in the forward) its view row and
+    the view's length (the draft query's own position included)."""
+
+    rows: dict  # index -> view row of req_to_token
+    lengths: dict  # index -> attended rows
+
+
+class ViewRows:
+    """Takes view rows from SGLang's ``ReqToTokenPool`` for one forward and writes the
+    drafters' views into them."""
+
+    def __init__(self, req_to_token_pool):
+        self.pool = req_to_token_pool
+        self.held: list[int] = []
+
+    def write(self, drafters: dict, rows: list[int], lengths: list[int]) -> Optional[Views]:
+        """``drafters``: index -> budget; ``rows`` / ``lengths``: per index, the request's own
+        row and its attendable positions (the draft query's included). Returns the views
+        of as many drafters as rows are free (the rest draft over their full rows), or
+        None when none is."""
+        if self.held:
+            raise RuntimeError("VERICACHE: view rows of an earlier forward were not given back")
+        want = sorted(drafters)
+        free = self.pool.available_size()
+        if len(want) > free:
+            stats.add("vericache", in_pool_view_rows_short=len(want) - free)
+            want = want[:free]
+        if not want:
+            return None
+        taken = self.pool.alloc_rows(len(want))
+        if taken is None:  # (free was just read: cannot happen on one thread)
+            stats.add("vericache", in_pool_view_rows_short=len(want))
+            return None
+        self.held = list(taken)
+        req_to_token = self.pool.req_to_token
+        dev = req_to_token.device
+        up = lambda xs: to_device(torch.tensor(xs, dtype=torch.int64), dev)  # noqa: E731
+        budgets = [drafters[k] for k in want]
+        width = max(budgets)
+        slots, _ = draft_view.view_slots(req_to_token, up([rows[k] for k in want]),
+                                         up([lengths[k] for k in want]), up(budgets), width)
+        # past a view's length the row holds padding no backend reads (it reads seq_len rows)
+        req_to_token[up(taken)[:, None], torch.arange(width, device=dev)[None, :]] = slots.to(req_to_token.dtype)
+        view_lens = [min(lengths[k], b) for k, b in zip(want, budgets)]
+        stats.add("vericache", in_pool_view_rows=len(want), in_pool_draft_rows=sum(view_lens))
+        return Views(dict(zip(want, taken)), dict(zip(want, view_lens)))
+
+    def give_back(self) -> None:
+        """The forward is done (or failed): its rows go back to SGLang's table."""
+        if self.held:
+            self.pool.free_rows(self.held)
+            self.held = []
