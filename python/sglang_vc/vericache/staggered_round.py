@@ -25,6 +25,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import syncs
+from sglang_vc.kvruntime.plan import NO_COMPRESSION
 
 from .attention import InPoolDrafts
 from .decode_slots import draft_cap
@@ -38,6 +39,14 @@ from .staggered import Outcome, Role, Slot, StaggeredSchedule
 from .staging import PoolStaging, staged_layers
 
 logger = logging.getLogger(__name__)
+
+
+def opted_out(req) -> bool:
+    """``{"vc_compressor": "none"}`` in the request's ``custom_params``: full KV, no drafts
+    over a view of it either."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    return isinstance(params, dict) and "vc_compressor" in params and \
+        str(params["vc_compressor"]).lower() in NO_COMPRESSION
 
 
 class StaggeredRound:
@@ -375,7 +384,10 @@ class StaggeredRound:
             at_boundary = track is None or (not track.drafts and track.admission is None) or track.full
             if req.rid in self.modes and self.modes[req.rid].mode is not Mode.OFFLOAD and not at_boundary:
                 continue
-            decision = self.policy.decide(length, len(batch.reqs), self.draft_length.curves[self.budget.name])
+            if opted_out(req):
+                decision = Decision(Mode.FULL, None, "the request opted out of lossy KV (vc_compressor: none)")
+            else:
+                decision = self.policy.decide(length, len(batch.reqs), self.draft_length.curves[self.budget.name])
             self.modes[req.rid] = decision
             self._note_mode(req, decision)
 
