@@ -123,7 +123,11 @@ def test_in_pool_drafts_are_sglang_decode_forwards_and_identical(server, native,
     assert [i.get("mode") for i in infos] == ["in-pool", "full", "full", "in-pool"], infos
     assert infos[2]["mode_reason"].startswith("the request opted out") and infos[2].get("drafted", 0) == 0
     drafters = [infos[0], infos[3]]
-    assert 0 < sum(i["accepted"] for i in drafters) < sum(i["drafted"] for i in drafters), drafters  # rejected
+    accepted, drafted = sum(i["accepted"] for i in drafters), sum(i["drafted"] for i in drafters)
+    assert 0 < accepted < drafted, drafters  # rejected somewhere
+    # the drafts run at their true positions: 0.9 of them accepted here; at the view's own
+    # positions (SGLang's default for a DECODE forward, seq_len - 1) 0.24 were
+    assert accepted / drafted > 0.6, drafters
     vc, attention = _grew(before, after, "vericache"), _grew(before, after, "attention")
     assert vc["view_decode_forwards"] > 0 and vc["in_pool_view_rows"] > 0, vc
     assert vc["verify_forwards"] > 0 and vc.get("in_pool_view_rows_short", 0) == 0, vc
