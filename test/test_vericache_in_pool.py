@@ -349,8 +349,9 @@ def _counters(proc) -> dict:
     return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"].get("vericache", {})
 
 
-@pytest.mark.parametrize("view, order", [  # reselect first: the window's server then serves on
+@pytest.mark.parametrize("view, order", [  # re-selecting first: the window's server then serves on
     ("reselect", "long-first"),
+    ("shared", "long-first"),
     ("window", "long-first"),
     ("window", "short-first")])
 def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, tmp_path_factory,
@@ -360,8 +361,9 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     at full KV, so the policy offloads one (to measure an offload: it drafts from the
     compressed KV) and keeps the other at full KV (in place), and a 40-token one decodes
     from full KV (it fits the draft budget). Every output equals the plain
-    server's, token for token, and drafts were rejected somewhere. With the re-selected
-    view, its verifies re-selected the view."""
+    server's, token for token, and drafts were rejected somewhere. With a re-selected
+    view (per head, or shared by all heads and layers), its verifies re-selected it; the
+    window and shared views were read from view rows of ``req_to_token``."""
     vc_in_pool = _vc_in_pool(tmp_path_factory, view)
     first, *rest = _prompts(tokenizer, (600, 600, 600, 40))
     rest = rest if order == "long-first" else rest[::-1]
@@ -396,7 +398,8 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert grew["mode_iterations_in_pool"] > 0 and grew["mode_iterations_offload"] > 0, grew
     assert grew["in_pool_draft_rows"] > 0, grew
-    assert (grew.get("in_pool_reselections", 0) > 0) is (view == "reselect"), grew
+    assert (grew.get("in_pool_reselections", 0) > 0) is (view != "window"), grew
+    assert (grew.get("in_pool_view_rows", 0) > 0) is (view != "reselect"), grew  # SGLang's backend read the view
 
 
 def test_in_pool_requests_apply_penalties_grammars_and_logprobs(server, tokenizer, tmp_path_factory,

@@ -73,6 +73,33 @@ def test_drafters_without_a_free_row_draft_over_their_full_rows():
     assert ViewRows(pool).write({}, own, []) is None
 
 
+def test_the_shared_view_is_sinks_its_selection_and_recent_rows_in_one_row():
+    """The shared view after a verify selected positions 9, 5, 7 (of a 40-token request,
+    4 recent rows): its view row holds the sinks, those positions and the last 4
+    positions, 11 entries; a request not verified yet gets the window view of its budget;
+    a short one all of its row."""
+    from sglang_vc.vericache.view_rows import SharedSelections
+
+    pool = _pool(8)
+    own = pool.alloc_rows(3)
+    sel = SharedSelections()
+    sel.score(0, torch.zeros(30).index_fill_(0, torch.tensor([5, 1, 3]), 1.0))  # candidates at positions 4 ..
+    sel.select(0, "a", own[0], 4, 3, pool.req_to_token.shape[0])
+    views = ViewRows(pool)
+    out = views.write({0: 11, 1: 11, 2: 11}, own, [40, 40, 6], (sel, {0: ("a", 4), 1: ("b", 4), 2: ("c", 4)}))
+    r2t = pool.req_to_token
+    mine = r2t[own[0]].tolist()
+    assert out.lengths == {0: 11, 1: 11, 2: 6}
+    row = r2t[out.rows[0], :11].tolist()
+    assert row[:4] == mine[:4] and sorted(row[4:7]) == [mine[5], mine[7], mine[9]] and row[7:] == mine[36:40]
+    other = r2t[own[1]].tolist()
+    assert r2t[out.rows[1], :11].tolist() == other[:4] + other[33:40]  # no selection yet: the window
+    assert r2t[out.rows[2], :6].tolist() == r2t[own[2], :6].tolist()
+    views.give_back()
+    sel.forget({"b"})
+    assert sel.count("a", own[0]) == 0
+
+
 # ----------------------------------------------------------------------------- served
 
 

@@ -29,6 +29,7 @@ from .chain_attention import verify_lens
 
 if TYPE_CHECKING:
     from .staging import PoolStaging
+    from .view_rows import SharedSelections
     from .specache_drafter import SpeCacheBatch, SpeCacheDrafter
 
 
@@ -148,6 +149,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
     in_pool: "Optional[InPoolDrafts]" = None  # set by the worker around a forward
     # the re-selected view's positions per request: rid -> [layers, Hkv, K], from its last verify
     selections: "Optional[dict[str, torch.Tensor]]" = None
+    shared_selections: "Optional[SharedSelections]" = None  # the shared view's (set by the worker)
 
     @property
     def in_pool_set(self) -> frozenset:
@@ -283,14 +285,21 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         if self.selections is None:
             self.selections = {}
+        shared = self.in_pool.view is draft_view.View.SHARED
         for i, (rid, count, recent) in self.in_pool.verifiers.items():
             first, last = draft_view.SINKS, vf.starts[i] - recent
             if last - first < count:
                 continue  # too short to leave anything out: the window view serves it
             lo, hi = vf.q_offsets[i], vf.q_offsets[i + 1]
             k_rows = k_buf[req_to_token[vf.rows[i], first:last].to(torch.int64)]
-            top = draft_view.select_positions(q[lo:hi].reshape(hi - lo, layer.tp_q_head_num, layer.qk_head_dim),
-                                              k_rows, first, count, layer.scaling)
+            q_i = q[lo:hi].reshape(hi - lo, layer.tp_q_head_num, layer.qk_head_dim)
+            if shared:  # one selection for every layer and KV head: scores summed over them
+                self.shared_selections.score(i, draft_view.pillar_scores(q_i, k_rows, layer.scaling))
+                if lid == self.runtime.last_layer:
+                    self.shared_selections.select(i, rid, vf.rows[i], first, count, req_to_token.shape[0])
+                    stats.add("vericache", in_pool_reselections=1)
+                continue
+            top = draft_view.select_positions(q_i, k_rows, first, count, layer.scaling)
             sel = self.selections.get(rid)
             if sel is None or sel.shape[-1] != count:
                 sel = self.selections[rid] = torch.zeros(self.runtime.kv_pool.layer_num, *top.shape,

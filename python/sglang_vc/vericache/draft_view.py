@@ -11,6 +11,9 @@ position when ``T <= budget``, else:
   window of ``budget // 4`` and the ``budget - sinks - budget // 4`` positions the last
   verify's queries attended most (:func:`select_positions`, scored in that verify's
   forward). Until a request's first verify it is the window view.
+* ``shared``: the same split, one selection for every layer and KV head, from the verify's
+  scores summed over them all (:func:`pillar_scores`): one row list per request, which
+  SGLang's backends read from a view row of ``req_to_token`` (:mod:`.view_rows`).
 
 The view is an index list over the request's row of ``req_to_token``: no copy of rows, no
 second KV. Built on the device for the whole batch with fixed shapes (a validity mask pads
@@ -34,6 +37,7 @@ SINKS = 4
 
 class View(str, enum.Enum):
     WINDOW = "window"
+    SHARED = "shared"  # one re-selection for every layer and KV head
     RESELECT = "reselect"
 
 
@@ -141,6 +145,25 @@ def select_positions(q: Tensor, k_rows: Tensor, first: int, count: int, scale: f
     logits = torch.einsum("hqd,mhd->hqm", qg.to(k_rows.dtype), k_rows) * scale
     score = torch.softmax(logits.float(), dim=-1).sum(dim=1)  # [Hkv, m]
     return score.topk(count, dim=-1).indices + first
+
+
+def pillar_scores(q: Tensor, k_rows: Tensor, scale: float) -> Tensor:
+    """The score of each candidate row ``k_rows [m, Hkv, D]`` under a verify's queries
+    ``q [w, Hq, D]``: softmax over the candidates, summed over the queries and every query
+    head (the shared view's; :func:`select_positions` keeps the KV heads apart). ``[m]``."""
+    w, hq, d = q.shape
+    hkv = k_rows.shape[1]
+    qg = q.view(w, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
+    logits = torch.einsum("hqd,mhd->hqm", qg.to(k_rows.dtype), k_rows) * scale
+    return torch.softmax(logits.float(), dim=-1).sum(dim=(0, 1))
+
+
+def compact(pos: Tensor, valid: Tensor) -> Tensor:
+    """``pos [n, width]`` with each row's valid entries moved to its front, in order (a
+    view row holds its view's slots in its first ``view length`` entries)."""
+    j = torch.arange(pos.shape[-1], device=pos.device)
+    order = torch.where(valid, j, j + pos.shape[-1]).argsort(dim=-1)
+    return pos.gather(-1, order)
 
 
 def attend_view(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, valid: Tensor, scale: float) -> Tensor:

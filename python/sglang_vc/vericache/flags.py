@@ -106,9 +106,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=[v.value for v in View],
         default=View.WINDOW.value,
         help="VERICACHE in-pool drafting: 'window' (default) attends the sinks and the most "
-        "recent rows; 'reselect' (SparseSpec's PillarAttn) keeps a quarter of the budget "
-        "recent and fills the rest, per layer and KV head, with the rows the last verify "
-        "attended most.",
+        "recent rows; 'shared' keeps a quarter of the budget recent and fills the rest with "
+        "the rows the last verify attended most, summed over every layer and KV head (one "
+        "row list per request, read by SGLang's attention backend like the window); "
+        "'reselect' (SparseSpec's PillarAttn) selects per layer and KV head (the project's "
+        "attention).",
     )
     g.add_argument(
         "--vc-draft-grammar",

@@ -241,10 +241,15 @@ class StaggeredRound:
                        if s.role is Role.DRAFT and self._in_pool(s.track)}
             # the window view: each drafter forwards over a view row of req_to_token, read by
             # SGLang's backend (:mod:`.view_rows`); the re-selected one is the project's attention
-            views = None
-            if in_pool and self.budget.view is View.WINDOW:
-                views = self.view_rows.write(in_pool, [row_list[s.index] for s in part], [st + 1 for st in starts])
-            in_pool_drafts = self._in_pool_drafts(part, in_pool if self.budget.view is not View.WINDOW else {})
+            views, native = None, self.budget.view is not View.RESELECT
+            if in_pool and native:
+                shared = None
+                if self.budget.view is View.SHARED:
+                    shared = (self.shared_selections,
+                              {k: (part[k].track.rid, self.budget.split(part[k].track.committed)[1]) for k in in_pool})
+                views = self.view_rows.write(in_pool, [row_list[s.index] for s in part], [st + 1 for st in starts],
+                                             shared)
+            in_pool_drafts = self._in_pool_drafts(part, {} if native else in_pool)
             fwd_rows, fwd_starts = [row_list[s.index] for s in part], list(starts)
             for k, view_row in (views.rows.items() if views is not None else ()):
                 fwd_rows[k], fwd_starts[k] = view_row, views.lengths[k] - 1
@@ -289,6 +294,7 @@ class StaggeredRound:
                     stats.add("vericache", verify_forwards=1)
             finally:
                 self.view_rows.give_back()
+                self.shared_selections.end_forward()
                 self.model_runner.attn_backend.in_pool = None
                 self._verify_forward_done()
                 for r in reloads.values():
@@ -350,7 +356,7 @@ class StaggeredRound:
         """What the attention backend needs of this forward's in-pool requests: the
         drafters' budgets and, for the re-selected view, their ids and the verifiers that
         re-select (:mod:`.draft_view`)."""
-        if self.budget.view is not View.RESELECT:
+        if self.budget.view is View.WINDOW:
             return InPoolDrafts(in_pool) if in_pool else None
         verifiers = {}
         for k, s in enumerate(part):
@@ -359,7 +365,7 @@ class StaggeredRound:
                 verifiers[k] = (s.track.rid, count, recent)
         if not in_pool and not verifiers:
             return None
-        return InPoolDrafts(in_pool, View.RESELECT, {k: part[k].track.rid for k in in_pool},
+        return InPoolDrafts(in_pool, self.budget.view, {k: part[k].track.rid for k in in_pool},
                             {k: self.budget.split(part[k].track.committed)[1] for k in in_pool}, verifiers)
 
     def _in_pool(self, track) -> bool:

@@ -63,7 +63,7 @@ from .policy import Decision, Mode, ModePolicy
 from .lockstep import LockstepRound
 from .staggered_round import StaggeredRound
 from .staggered import StaggeredSchedule
-from .view_rows import ViewRows
+from .view_rows import SharedSelections, ViewRows
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,14 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._bandwidth = measure_bandwidth(self.device)
 
     _view_rows: Optional[ViewRows] = None
+    _shared_selections: Optional[SharedSelections] = None
+
+    @property
+    def shared_selections(self) -> SharedSelections:
+        """The shared view's selections, scored by the attention backend in verifies."""
+        if self._shared_selections is None:
+            self._shared_selections = self.model_runner.attn_backend.shared_selections = SharedSelections()
+        return self._shared_selections
 
     @property
     def view_rows(self) -> ViewRows:
@@ -301,6 +309,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         selections = self.model_runner.attn_backend.selections
         for rid in [r for r in (selections or {}) if r not in live]:
             del selections[rid]
+        self.shared_selections.forget(live)
         self.drafter.forget(live)
         self.draft_length.forget(live)
         return result
