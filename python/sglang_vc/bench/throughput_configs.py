@@ -21,8 +21,9 @@ def parse_config(spec: str) -> dict:
     if kind == "inpool":  # forced in-pool self-speculation over a view: inpool:VIEW@B[:X|:auto]
         view, _, budget = rest.partition("@")
         budget, _, x = budget.partition(":")
-        if view not in ("window", "reselect") or not budget.isdigit() or (x and x != "auto" and not x.isdigit()):
-            raise ValueError(f"bad config {spec!r}: want inpool:window|reselect@BUDGET[:X|:auto], "
+        if view not in ("window", "shared", "reselect") or not budget.isdigit() or (
+                x and x != "auto" and not x.isdigit()):
+            raise ValueError(f"bad config {spec!r}: want inpool:window|shared|reselect@BUDGET[:X|:auto], "
                              "e.g. inpool:window@512")
         flags = ["--speculative-algorithm", "VERICACHE", "--vc-in-pool", "always", "--vc-draft-budget", budget,
                  "--vc-draft-view", view]
