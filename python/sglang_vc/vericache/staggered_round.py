@@ -354,10 +354,11 @@ class StaggeredRound:
 
     def _in_pool_drafts(self, part, in_pool: dict) -> Optional[InPoolDrafts]:
         """What the attention backend needs of this forward's in-pool requests: the
-        drafters' budgets and, for the re-selected view, their ids and the verifiers that
-        re-select (:mod:`.draft_view`)."""
+        per-head re-selected view's drafters (``in_pool``: budgets; the other views'
+        drafters forward over view rows) and, for a re-selected view (per head or shared),
+        the verifiers that re-select (:mod:`.draft_view`)."""
         if self.budget.view is View.WINDOW:
-            return InPoolDrafts(in_pool) if in_pool else None
+            return None
         verifiers = {}
         for k, s in enumerate(part):
             if s.role is Role.VERIFY and self._in_pool(s.track):
