@@ -72,10 +72,7 @@ class ViewRows:
             want = want[:free]
         if not want:
             return None
-        taken = self.pool.alloc_rows(len(want))
-        if taken is None:  # (free was just read: cannot happen on one thread)
-            stats.add("vericache", in_pool_view_rows_short=len(want))
-            return None
+        taken = self.pool.alloc_rows(len(want))  # as many as are free: not None
         self.held = list(taken)
         req_to_token = self.pool.req_to_token
         dev = req_to_token.device
