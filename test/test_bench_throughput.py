@@ -139,3 +139,29 @@ def test_in_pool_prediction_refits_the_policy_costs_from_the_trace():
     assert pred["c"]["costs"]["full_kv_iterations"] == 2 and pred["c"]["costs"]["fit_iterations"] == 8
     assert pred["c"]["ratio_to_full"] == pytest.approx(in_pool_speedup(RowCosts(0.05, 0.002, 1e-5, 1e-6), 3.0, 4160, 8, 4, 256),
                                                        rel=1e-4)
+
+
+def test_in_pool_prediction_takes_the_steady_windows_acceptance():
+    """The decode figure is the steady window's, so the model is fed the A and X of the
+    verifies inside it, not the run's mean (the 16k preset: A 5.75 in the window, 3.40 over
+    the run, where the slow requests verify most in the tail)."""
+    from sglang_vc.bench import decode_window
+
+    def rec(wall, *reqs):
+        return {"wall": wall, "requests": [{"role": r, "committed": c, "draft_len": x} for r, c, x in reqs]}
+
+    records = [rec(1.0, ("verify", 2, 9)), rec(2.0, ("verify", 8, 7), ("draft", 0, 7)),
+               rec(3.0, ("verify", 4, 5), ("full", 1, None)), rec(9.0, ("verify", 1, 13))]
+    got = decode_window.iterations_in(records, decode_window.Window(1.5, 3.0, 13, 2))
+    assert got == {"iterations": 2, "mean_batch": 2.0, "verifies": 2, "acceptance": 6.0, "draft_len": 6}
+    timed = [[0.05 + 0.002 * t + 1e-5 * r, t, r, r, 0, t == 8] for t, r in
+             [(8, 30000), (8, 31000), (20, 9000), (24, 9500), (16, 12000), (28, 8000), (8, 33000), (18, 10000)]]
+    row = {"config": "c", "trace": {"fit_rows": timed}, "mode_iterations": {"in-pool": 40},
+           "mean_acceptance_length": 3.0, "requests": 8, "draft_tokens": 4, "steady_window": got}
+    pred = tp.in_pool_predictions([row], {"c": {"budget": 256, "draft_tokens": None}}, ctx_tokens=4224,
+                                  prompt_tokens=4096)["c"]
+    assert (pred["acceptance"], pred["draft_len"], pred["acceptance_from"]) == (6.0, 6, "steady window")
+    del row["steady_window"]
+    pred = tp.in_pool_predictions([row], {"c": {"budget": 256, "draft_tokens": None}}, ctx_tokens=4224,
+                                  prompt_tokens=4096)["c"]
+    assert (pred["acceptance"], pred["draft_len"], pred["acceptance_from"]) == (3.0, 4, "run")

@@ -22,7 +22,7 @@ from sglang_vc.testing.client import concurrently, generate
 from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
 from sglang_vc.vericache import draft_view
-from sglang_vc.vericache.draft_length import AcceptanceCurve
+from sglang_vc.vericache.draft_length import MIN_VERIFIES, AcceptanceCurve, DraftLength
 from sglang_vc.vericache.perf_model import RowCosts, full_kv_token_time, in_pool_cycle_time, in_pool_speedup
 from sglang_vc.vericache.policy import MIN_ITERATIONS, IterationRows, Mode, ModePolicy
 
@@ -183,6 +183,27 @@ def _fed(policy: ModePolicy, fixed: float, row: float) -> ModePolicy:
     full = IterationRows(tokens=8, rows=8 * 8000, query_rows=8 * 8000, offload_drafts=0)  # a full-KV sample at 8
     policy.record(fixed + 0.001 * full.tokens + row * full.rows, full, batch=8, full_only=True)
     return policy
+
+
+def test_policy_prices_each_request_by_its_own_acceptance():
+    """Requests over one document accept very differently (the 16k preset: five at A ~8,
+    three at A ~1.7). The mode policy weighs each by its own A(x) once it has verifies
+    enough (``DraftLength.curve_for``, what ``_decide_modes`` passes): a pooled curve
+    would keep a slow request drafting the fast ones' long X."""
+    policy = _fed(ModePolicy(lambda n: 512, 16, None), fixed=0.1, row=9e-6)
+    lengths = DraftLength(None, 16, 4)
+    for i in range(MIN_VERIFIES + 2):
+        lengths.record_verify("window@512", "fast", 12, 12)
+        lengths.record_verify("window@512", "slow", 7, i % 2)
+    slow, fast = lengths.curve_for("window@512", "slow"), lengths.curve_for("window@512", "fast")
+    assert slow is lengths.own["slow"] and slow.acceptance(16) == pytest.approx(1.5)
+    pooled = policy.decide(16400, 8, lengths.curves["window@512"])
+    own_fast, own_slow = policy.decide(16400, 8, fast), policy.decide(16400, 8, slow)
+    assert pooled.mode is own_fast.mode is Mode.IN_POOL and pooled.draft_len == own_fast.draft_len == 16
+    assert own_slow.draft_len == 1 or own_slow.mode is Mode.FULL, own_slow
+    assert own_slow.predicted_speedup < pooled.predicted_speedup < own_fast.predicted_speedup
+    # before a request has verifies enough, the drafter's pooled curve stands in
+    assert lengths.curve_for("window@512", "new") is lengths.curves["window@512"]
 
 
 def test_policy_fits_the_iterations_costs():

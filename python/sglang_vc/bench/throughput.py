@@ -294,14 +294,17 @@ def in_pool_predictions(rows: list[dict], cfgs: dict, ctx_tokens: int, prompt_to
             continue
         budget = cfgs[row["config"]].get("budget") or DEFAULT_BUDGET
         length = (prompt_tokens + ctx_tokens) // 2
-        steady = (row.get("steady_window") or {}).get("mean_batch")
-        batch = round(steady or row.get("mean_running") or row.get("requests") or 1)
+        window = row.get("steady_window") or {}
+        batch = round(window.get("mean_batch") or row.get("mean_running") or row.get("requests") or 1)
+        # the A and X of the window the decode figure measures, where it had verifies
+        a = window.get("acceptance") or row["mean_acceptance_length"]
+        x = window.get("draft_len") if cfgs[row["config"]].get("draft_tokens") is None else None
+        x = x or row["draft_tokens"]
         rc = RowCosts(costs["fixed"], costs["token"], costs["row"], costs["query_row"])
         out[row["config"]] = {
-            "ratio_to_full": in_pool_speedup(rc, row["mean_acceptance_length"], length, batch,
-                                             row["draft_tokens"], budget),
-            "costs": costs, "length": length, "batch": batch, "budget": budget, "draft_len": row["draft_tokens"],
-            "acceptance": row["mean_acceptance_length"]}
+            "ratio_to_full": in_pool_speedup(rc, a, length, batch, x, budget),
+            "costs": costs, "length": length, "batch": batch, "budget": budget, "draft_len": x,
+            "acceptance": a, "acceptance_from": "steady window" if window.get("acceptance") else "run"}
     return out
 
 
@@ -571,8 +574,9 @@ def main(argv=None) -> int:
                                             if k != "fit_iterations" and v is not None))
     for name, p in in_pool_pred.items():
         measured = next(r["decode_ratio_to_full"] for r in report["results"] if r["config"] == name)
-        log(f"{name}: in-pool model predicts x{p['ratio_to_full']:.2f} full KV (A={p['acceptance']:.2f}, "
-            f"X={p['draft_len']}, budget {p['budget']}, {p['length']} tokens, batch {p['batch']}; fitted over "
+        log(f"{name}: in-pool model predicts x{p['ratio_to_full']:.2f} full KV (A={p['acceptance']:.2f} "
+            f"over the {p['acceptance_from']}, X={p['draft_len']}, budget {p['budget']}, {p['length']} tokens, "
+            f"batch {p['batch']}; fitted over "
             f"{p['costs']['fit_iterations']} iterations, {p['costs']['full_kv_iterations']} of them full-KV), "
             "measured decode " + (f"x{measured:.2f}" if measured else "n/a"))
     for name, p in offload_pred.items():

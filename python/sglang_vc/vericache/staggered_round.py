@@ -394,7 +394,12 @@ class StaggeredRound:
             if opted_out(req):
                 decision = Decision(Mode.FULL, None, "the request opted out of lossy KV (vc_compressor: none)")
             else:
-                decision = self.policy.decide(length, len(batch.reqs), self.draft_length.curves[self.budget.name])
+                # the request's own A(x) once it has verifies enough: requests over one
+                # document accept very differently (16k: A ~8 and ~1.7), and a pooled curve
+                # keeps the slow ones drafting X = 13 after the fast ones finish (0.98x end
+                # to end at 1.71x in the steady window)
+                curve = self.draft_length.curve_for(self.budget.name, req.rid)
+                decision = self.policy.decide(length, len(batch.reqs), curve)
             self.modes[req.rid] = decision
             self._note_mode(req, decision)
 
