@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from conftest import real_text_passages
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -98,6 +99,48 @@ def test_the_shared_view_is_sinks_its_selection_and_recent_rows_in_one_row():
     views.give_back()
     sel.forget({"b"})
     assert sel.count("a", own[0]) == 0
+
+
+class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operators run: on CUDA each is at least one kernel launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("view", ["window", "shared"])
+def test_writing_the_views_launches_alike_for_2_and_8_drafters_and_reads_nothing_back(view):
+    """The stand-in for CUDA launches and syncs (every aten operator is a kernel on a GPU;
+    :class:`~sglang_vc.kvruntime.syncs.SyncCounter` counts host reads): writing a
+    forward's views runs the same operators for 2 drafters as for 8, with no per-request
+    loop over tensors and nothing read back on the host. The draft forward itself is
+    SGLang's decode over those rows, its backend's own launches."""
+    from sglang_vc.kvruntime.syncs import SyncCounter
+    from sglang_vc.vericache.view_rows import SharedSelections
+
+    counts = {}
+    for n in (2, 8):
+        pool = _pool(2 * n + 1, width=512)
+        own = pool.alloc_rows(n)
+        shared = None
+        if view == "shared":
+            sel = SharedSelections()
+            for k in range(n):  # every drafter verified once: a selection of 24 positions
+                sel.score(k, torch.arange(300, dtype=torch.float32).flip(0))
+                sel.select(k, f"r{k}", own[k], 4, 24, pool.req_to_token.shape[0])
+            shared = (sel, {k: (f"r{k}", 36) for k in range(n)})
+        views = ViewRows(pool)
+        with SyncCounter() as syncs, _AtenCalls() as ops:
+            out = views.write({k: 64 for k in range(n)}, own, [400 + 7 * k for k in range(n)], shared)
+        views.give_back()
+        assert len(out.rows) == n and syncs.total == 0, syncs.by_kind
+        counts[n] = ops.calls
+    assert counts[2] == counts[8], counts
 
 
 # ----------------------------------------------------------------------------- served
