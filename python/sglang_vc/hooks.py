@@ -455,6 +455,18 @@ def _view_rows_for_in_pool_drafts(original, configurator, *, max_num_reqs: int):
     return original(configurator, max_num_reqs=max_num_reqs)
 
 
+def _decode_graphs_for_vericache(original, model_runner):
+    """VERICACHE's target forwards plain ``DECODE`` batches (full-KV iterations, in-pool
+    drafts over view rows) that SGLang's decode graphs replay for a plain server, but
+    SGLang 0.5.23 builds a speculative target's graph runner in ``TARGET_VERIFY`` mode
+    only. ``_decode_cuda_graph_runner_cls`` is the model runner's seam for a specialised
+    runner class (meant for ModelRunner subclasses, which a plugin cannot install), so it
+    is wrapped here (:mod:`sglang_vc.vericache.decode_graphs`)."""
+    from sglang_vc.vericache.decode_graphs import runner_cls_for
+
+    return runner_cls_for(original, model_runner)
+
+
 def _payload_store_inside_the_budget(result, *args, **kwargs):
     """SGLang sizes the KV pool from the device memory left after the weights (with
     ``--mem-fraction-static``); compressed-KV serving keeps its quantized payloads in a
@@ -641,6 +653,11 @@ def install() -> None:
         "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend",
         _pace_storage_reads,
         HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._decode_cuda_graph_runner_cls",
+        _decode_graphs_for_vericache,
+        HookType.AROUND,
     )
     from sglang_vc.kvruntime.graphs import GRAPH_GATE_TARGET, no_graph_for_compressed_batches
 

@@ -86,9 +86,11 @@ class ChainSpecWorker(BaseSpecWorker):
             speculative_output_stride=self.stride,
         )
 
-    def result(self, batch, accept_tokens: torch.Tensor, accept_lens: torch.Tensor, logits_output=None):
+    def result(self, batch, accept_tokens: torch.Tensor, accept_lens: torch.Tensor, logits_output=None,
+               can_run_cuda_graph: bool = False):
         """The spec-V2 result of a decode iteration: ``accept_tokens [bs, stride]`` and
-        ``accept_lens [bs]`` (CPU int64) committed after each request's ``seq_lens``."""
+        ``accept_lens [bs]`` (CPU int64) committed after each request's ``seq_lens``;
+        ``can_run_cuda_graph``: its forward replayed a graph (SGLang's decode log says so)."""
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.managers.utils import GenerationBatchResult
 
@@ -100,7 +102,7 @@ class ChainSpecWorker(BaseSpecWorker):
         return GenerationBatchResult(
             logits_output=logits_output or LogitsProcessorOutput(next_token_logits=None),
             next_token_ids=tokens,
-            can_run_cuda_graph=False,
+            can_run_cuda_graph=can_run_cuda_graph,
             accept_lens=lens,
             new_seq_lens=new_seq_lens,
             next_draft_input=self.draft_input(new_seq_lens, tokens, lens),
@@ -140,6 +142,7 @@ class ChainSpecWorker(BaseSpecWorker):
         return sub
 
     forwards: int = 0  # model forwards run by forward_sub (the trace reports them per iteration)
+    replayed: bool = False  # whether forward_sub's last forward replayed a CUDA graph
 
     def forward_sub(self, sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, *,
                     rows: Optional[list[int]] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,6 +167,7 @@ class ChainSpecWorker(BaseSpecWorker):
             forward_batch.positions = to_device(positions.to(forward_batch.positions.dtype),
                                                 forward_batch.positions.device)
             res = self.target_worker.forward_batch_generation(None, forward_batch=forward_batch, is_verify=True)
+        self.replayed = bool(res.can_run_cuda_graph)
         return res.logits_output.next_token_logits
 
     def set_batch(self, batch, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info, seq_dtype, dev):

@@ -47,6 +47,10 @@ class BackendChoice:
     # them to SGLang's own): lossy serving and EvicPress; not the speculative workers,
     # which forward their own batches.
     decode_graphs: bool = False
+    # with decode_graphs: which forwards still run eagerly and why (the warning users see)
+    eager_forwards: tuple[str, str] = (
+        "decode CUDA graphs for batches holding a compressed request",
+        "they attend over compressed rows outside SGLang's backend; batches without one replay SGLang's graphs")
 
 
 def flag_value(argv: list[str], *names: str) -> tuple[int, Optional[str]]:
@@ -135,9 +139,7 @@ def sglang_flags(choice: BackendChoice, argv: list[str]) -> list[str]:
                      f"the {choice.attention_backend} attention backend compresses the prefill's KV "
                      "layer by layer")
     if choice.decode_graphs:
-        switched_off("decode CUDA graphs for batches holding a compressed request", choice.reason,
-                     "they attend over compressed rows outside SGLang's backend; batches without one "
-                     "replay SGLang's graphs")
+        switched_off(choice.eager_forwards[0], choice.reason, choice.eager_forwards[1])
     elif flag_value(argv, DECODE_GRAPH_FLAG)[1] is None:
         switched_off("decode CUDA graphs", choice.reason,
                      "its full-KV attention is SGLang's torch_native backend (--vc-full-kv-attention-backend), "

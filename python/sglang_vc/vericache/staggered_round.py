@@ -350,7 +350,9 @@ class StaggeredRound:
         self._count_modes(plan)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
-        return plan, self.result(batch, accept_tokens, accept_lens, logits_output), outcome, reloaded, phases
+        return (plan, self.result(batch, accept_tokens, accept_lens, logits_output,
+                                   can_run_cuda_graph=self.replayed and phases["forwards"] > 0),
+                outcome, reloaded, phases)
 
     def _in_pool_drafts(self, part, in_pool: dict) -> Optional[InPoolDrafts]:
         """What the attention backend needs of this forward's in-pool requests: the

@@ -1,0 +1,132 @@
+"""SGLang's decode CUDA graphs for VERICACHE's DECODE iterations (#63 item 1), on the CPU.
+
+The CPU platform captures no decode graphs, so what is checked here is every seam the GPU
+path goes through: the launcher leaves decode graphs on (verifies and offload drafts
+eager, a warning that says so), the model runner builds VERICACHE's runner class, that
+runner is SGLang's built as a non-speculative server builds it (``DECODE`` mode, one token
+per request: what its constructor reads off the model runner), and it replays ``DECODE``
+batches only. The capture itself has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+from sglang_vc.vericache import decode_graphs
+from sglang_vc.vericache.decode_graphs import VeriCacheDecodeGraphRunner, runner_cls_for
+
+
+class _Algorithm:
+    """A registered project algorithm as SGLang's ``CustomSpecAlgo``: speculative, named."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def is_speculative(self) -> bool:
+        return True
+
+    def is_none(self) -> bool:
+        return False
+
+    def is_dspark(self) -> bool:
+        return False
+
+    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens, is_draft_worker):
+        return num_draft_tokens
+
+
+def _model_runner(algorithm, draft: bool = False):
+    runner = SimpleNamespace(spec_algorithm=algorithm, is_draft_worker=draft,
+                             server_args=SimpleNamespace(dllm_algorithm=None))
+    # SGLang's own width rule, read the way its graph runner reads it
+    runner.decode_num_tokens_per_req = lambda **kw: ModelRunner.decode_num_tokens_per_req(runner, **kw)
+    return runner
+
+
+def test_only_vericaches_target_gets_the_decode_mode_runner():
+    def sglangs(model_runner):
+        return DecodeCudaGraphRunner
+
+    assert runner_cls_for(sglangs, _model_runner(_Algorithm("VERICACHE"))) is VeriCacheDecodeGraphRunner
+    assert runner_cls_for(sglangs, _model_runner(_Algorithm("SPECACHE"))) is DecodeCudaGraphRunner
+    assert runner_cls_for(sglangs, _model_runner(SpeculativeAlgorithm.NONE)) is DecodeCudaGraphRunner
+    assert runner_cls_for(sglangs, _model_runner(_Algorithm("VERICACHE"), draft=True)) is DecodeCudaGraphRunner
+
+
+def test_the_runner_is_built_as_a_plain_decode_runner(monkeypatch):
+    """What SGLang's constructor reads to choose its capture mode (``is_speculative``:
+    ``TARGET_VERIFY`` if so) and width (``decode_num_tokens_per_req``) reads ``DECODE`` and
+    1 while VERICACHE's runner is built, and the algorithm is VERICACHE again after."""
+    seen = {}
+
+    def sglangs_init(self, model_runner, **kwargs):
+        seen["speculative"] = model_runner.spec_algorithm.is_speculative()
+        seen["width"] = model_runner.decode_num_tokens_per_req(num_draft_tokens=None)
+        self.capture_bs = [1, 2, 4]
+
+    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", sglangs_init)
+    algorithm = _Algorithm("VERICACHE")
+    model_runner = _model_runner(algorithm)
+    assert model_runner.spec_algorithm.is_speculative()
+    VeriCacheDecodeGraphRunner(model_runner)
+    assert seen == {"speculative": False, "width": 1}
+    assert model_runner.spec_algorithm is algorithm
+
+
+def test_a_failed_capture_leaves_the_algorithm_in_place(monkeypatch):
+    def failing_init(self, model_runner, **kwargs):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", failing_init)
+    algorithm = _Algorithm("VERICACHE")
+    model_runner = _model_runner(algorithm)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        VeriCacheDecodeGraphRunner(model_runner)
+    assert model_runner.spec_algorithm is algorithm
+
+
+@pytest.mark.parametrize("mode, replays", [(ForwardMode.DECODE, True), (ForwardMode.TARGET_VERIFY, False),
+                                           (ForwardMode.IDLE, False), (ForwardMode.EXTEND, False)])
+def test_only_decode_batches_replay_the_decode_graphs(monkeypatch, mode, replays):
+    """A ragged verify has one token per request too (SGLang's own width check passes it):
+    the runner refuses it before SGLang's gate is asked, which then decides for DECODE."""
+    asked = []
+    monkeypatch.setattr(DecodeCudaGraphRunner, "can_run_graph", lambda self, fb: asked.append(fb) or True)
+    runner = object.__new__(VeriCacheDecodeGraphRunner)
+    batch = SimpleNamespace(forward_mode=mode)
+    assert runner.can_run_graph(batch) is replays
+    assert asked == ([batch] if replays else [])
+
+
+def test_replays_are_counted(monkeypatch):
+    from sglang_vc import stats
+
+    monkeypatch.setattr(DecodeCudaGraphRunner, "execute", lambda self, fb, pp_proxy_tensors=None: "logits")
+    before = stats.snapshot().get("vericache", {}).get("decode_graph_replays", 0)
+    assert object.__new__(VeriCacheDecodeGraphRunner).execute(SimpleNamespace()) == "logits"
+    assert stats.snapshot()["vericache"]["decode_graph_replays"] == before + 1
+
+
+def test_the_launcher_keeps_decode_graphs_for_vericache_and_says_what_stays_eager():
+    from sglang_vc import notices
+    from sglang_vc.config import VCConfig
+    from sglang_vc.launch_server import backend_flags
+
+    argv = ["--speculative-algorithm", "VERICACHE"]
+    extra = backend_flags(VCConfig(), argv)
+    assert "--cuda-graph-backend-decode" not in extra
+    assert extra[extra.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    eager = [n for n in notices.all_switched_off() if n.capability.startswith("CUDA graphs for VERICACHE")]
+    assert eager and "verif" in eager[-1].capability and "replay SGLang's decode graphs" in eager[-1].reason
+    # a full-KV backend that captures no graphs: decode graphs off, with that reason
+    extra = backend_flags(VCConfig(vc_full_kv_attention_backend="torch_native"), argv)
+    assert extra[extra.index("--cuda-graph-backend-decode") + 1] == "disabled"
+    # the model runner's seam is the one the hook wraps
+    assert callable(getattr(ModelRunner, "_decode_cuda_graph_runner_cls"))
+    assert decode_graphs.ALGORITHM == "VERICACHE"
