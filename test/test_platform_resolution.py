@@ -70,7 +70,9 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     assert lossy["graphs"] == [None, "disabled"] and "lossy_serving" in lossy["mechanisms"]
     vc = out["vericache"]
     assert (vc["attention_backend"], vc["radix_cache_backend"], vc["page_size"]) == ("vc_verify", "vc", 1)
-    assert vc["graphs"] == ["disabled", "disabled"] and "vericache" in vc["mechanisms"]
+    # VERICACHE's DECODE iterations (full KV, in-pool drafts over view rows) replay SGLang's
+    # decode graphs (None: its default); verifies and offload drafts run eager
+    assert vc["graphs"] == [None, "disabled"] and "vericache" in vc["mechanisms"]
     # full-KV attention under the project's backends is SGLang's own choice for CUDA
     # (Triton here: FlashInfer is not installed; FlashInfer or FA3 on a GPU install), or
     # the one the flag names
