@@ -15,63 +15,11 @@ import pytest
 import torch
 
 import sgl_kernel_ext as ext
-from sgl_kernel_ext import aot, dispatch
+from sgl_kernel_ext import aot, dispatch, warmup
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (dtype, head_dim): every dtype at the embedded model's 64, and the GPU models' 128 in bf16
 CASES = [(dtype, 64) for dtype in DTYPES] + [(torch.bfloat16, 128)]
-
-
-def _payload(bits: int, n: int, h: int, d: int, dtype, gen) -> ext.Payload:
-    """A KIVI payload of ``n`` tokens (groups of 32 tokens for keys, 32 channels for values),
-    its scales in the model's dtype, as ``compress.kivi`` stores them."""
-    per = 8 // bits
-    g, gv = 32, 32
-    codes = lambda *shape: torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)  # noqa: E731
-    rand = lambda *shape: torch.rand(*shape, generator=gen).to(dtype)  # noqa: E731
-    return ext.Payload(bits, g, gv, codes(n, h, -(-d // per)), rand(n // g, h, d), rand(n // g, h, d),
-                       codes(n, h, -(-d // per)), rand(n, h, d // gv), rand(n, h, d // gv), d, d)
-
-
-def _exercise(dtype, d: int) -> None:
-    """Each wrapper, with the argument dtypes of its call sites (SGLang's ``req_to_token``
-    is int32, its batch tensors int64; q and the KV pool in the model's dtype)."""
-    gen = torch.Generator().manual_seed(0)
-    hq, hkv, n_slots = 6, 2, 256
-    req_to_token = torch.randint(1, n_slots, (4, 128), dtype=torch.int32, generator=gen)
-    req_to_token[:, ::3] = 0  # dropped rows point at the null slot
-    kv = ext.build_kv_indices(req_to_token, torch.tensor([2, 0]), torch.tensor([0, 5]), torch.tensor([100, 40]), 0)
-    k_buf = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
-    v_buf = torch.randn(n_slots, hkv, d, generator=gen).to(dtype)
-    q = torch.randn(2, hq, d, generator=gen).to(dtype)
-    out, lse = ext.paged_attention(q, k_buf, v_buf, torch.tensor([0, 1]), torch.tensor([99, 39]), kv.indptr,
-                                   kv.indices, kv.positions, d ** -0.5)
-    for bits in (2, 1):
-        p = _payload(bits, 64, hkv, d, dtype, gen)
-        ext.kivi_attention(q, p, d ** -0.5)
-        exclude = torch.zeros(hkv, 64, dtype=torch.bool)
-        exclude[:, ::5] = True
-        p_out, p_lse = ext.kivi_attention(q[:1], p, d ** -0.5, exclude=exclude)
-        ext.payload_scores(q[0], p_lse[0], p, d ** -0.5, exclude=exclude)
-        ext.payload_scores(q[0], p_lse[0], p, d ** -0.5)
-    ext.copy_rows(k_buf.clone(), torch.arange(10), k_buf, torch.arange(20, 30))
-    pos = torch.stack([torch.randperm(40, generator=gen)[:8] for _ in range(hkv)])
-    ext.scatter_head_rows(torch.zeros(40, hkv, d, dtype=dtype), pos, torch.randn(8, hkv, d, generator=gen).to(dtype))
-    ext.position_mask(torch.tensor([3, 11, 20]), torch.tensor([0, 2, 9, 15]), num_prefix=2)
-    ext.gather_head_rows(torch.randn(40, hkv, d, generator=gen).to(dtype), pos)
-    # the batched drafters: payloads by address, SpeCache's scores, fetch and rows, merges
-    members = [_payload(2, n, hkv, d, dtype, gen) for n in (64, 32)]
-    pb = ext.payload_batch(members)
-    p_out, p_lse = ext.kivi_attention_batch(q, pb, d ** -0.5)
-    scores = ext.payload_scores_batch(q, p_lse, pb, d ** -0.5, lse2=lse)
-    host = [torch.randn(64, hkv, d, generator=gen).to(dtype) for _ in range(2)]
-    fetched = ext.fetch_rows(scores.topk(4, dim=-1).indices, torch.tensor([[t.data_ptr()] * 2 for t in host]),
-                             host[0], torch.tensor([8, 0]), torch.tensor([4, 2], dtype=torch.int32), pb.num_tokens,
-                             torch.tensor([2, 0]), req_to_token, k_buf, v_buf)
-    r_out, r_lse = ext.rows_attention(q, fetched, d ** -0.5)
-    ext.kivi_attention_batch(q, pb, d ** -0.5, exclude=fetched.selected, merge=((r_out, r_lse), (out, lse)))
-    ext.kivi_attention_batch(q, pb, d ** -0.5, merge=((out, lse),))
-    ext.merge_state(p_out, p_lse, out, lse)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +31,7 @@ def specs() -> list[aot.Spec]:
     try:
         with dispatch.recording() as recorded:
             for dtype, d in CASES:
-                _exercise(dtype, d)
+                warmup.exercise(dtype, d)
     finally:
         mp.undo()
     return aot.unique(recorded)
@@ -114,7 +62,7 @@ def test_every_kernel_is_launched_or_called_by_one(specs):
             break
         reached |= more
     missing = sorted(set(jit) - reached)
-    assert not missing, f"kernels no wrapper launched here (add them to _exercise): {missing}"
+    assert not missing, f"kernels no wrapper launched here (add them to sgl_kernel_ext.warmup.exercise): {missing}"
 
 
 def test_launches_cover_every_dtype(specs):

@@ -32,6 +32,7 @@ from sglang_vc.compress.kivi import KIVI
 from . import kernels
 from .index import CompressedKVIndex, QuantPayload
 from .names import NULL_SLOT
+from .warmup import warm_up_kernels
 from .plan import CompressionSpec, RequestPlan, make_spec, resolve_spec
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,10 @@ class KVRuntime:
         # called with a request's rid when SGLang releases it (finished, aborted, retracted):
         # what a user holds for it (VERICACHE's host entry, reload, staging) goes at once
         self.release_listeners: list = []
+        # the Triton kernels compile now (SGLang's warm-up forward), not at the first
+        # compressed request; None on the CPU
+        mc = model_runner.model_config
+        self.kernel_warmup_s = warm_up_kernels(k0, mc.num_attention_heads // max(model_runner.server_args.tp_size, 1))
         logger.info(
             "compressed-KV runtime: default %s, payload store %.1f MB",
             self.default_spec.describe() if self.default_spec else "full KV",
