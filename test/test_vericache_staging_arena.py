@@ -278,12 +278,15 @@ def test_the_worker_sizes_the_arena_to_the_staging_share():
 
     worker = object.__new__(VeriCacheWorker)
     worker.device = "cpu"
-    worker.copy_stream = CopyStream("cpu")
+    worker.copy_stream = CopyStream("cpu", module=StandInStreams())  # an accelerator's copy stream
+    worker.host = HostKVStore(copy_stream=worker.copy_stream, pin=False)
     runtime = types.SimpleNamespace(staging_budget=64 * ALIGN, staging_arena=None)
     worker._runtime = runtime
     arena = worker._staging_arena()
     assert arena.capacity == 64 * ALIGN and runtime.staging_arena is arena
     assert worker._staging_arena() is arena
+    # the prefill's copies to the host store go through the same share (host_copy)
+    assert worker.host.copy_out is not None and worker.host.copy_out.arena is arena
 
 
 def test_the_gpu_checks_reload_staging_runs_the_servers_reload_on_the_cpu():

@@ -41,7 +41,8 @@ import torch
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
 
-from .staging_arena import Block, StagingArena, aligned
+from .host_copy import HOST_COPY_SHARE, ArenaCopyOut
+from .staging_arena import ALIGN, Block, StagingArena, aligned
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,15 @@ class HostKVStore:
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream("cpu")
         # pinned host memory where there is a device to copy to (asynchronous copies)
         self.pin = self.copy_stream.stream is not None if pin is None else pin
+        # the prefill's copies through the staging arena, once the worker has one
+        # (:meth:`use_arena`); None: each copy reads the device rows it was given
+        self.copy_out: Optional[ArenaCopyOut] = None
+
+    def use_arena(self, arena: StagingArena) -> None:
+        """Copy the prefill's rows to the host through blocks of ``arena`` (VERICACHE's
+        staging share, inside SGLang's budget: :mod:`.host_copy`), on an accelerator."""
+        if self.copy_stream.stream is not None and arena.capacity * HOST_COPY_SHARE >= ALIGN:
+            self.copy_out = ArenaCopyOut(arena, self.copy_stream, self.pin)
 
     def admit(self, rid: str, req_pool_idx: int, p: int, n: int, nbytes: int) -> bool:
         old = self.entries.pop(rid, None)
@@ -254,6 +264,11 @@ class HostKVStore:
                 self._to_host(entry, layer_id, k, v, None, None)
 
     def _to_host(self, entry: "HostEntry", layer_id: int, *tensors) -> None:
+        if self.copy_out is not None:  # through the staging arena (an accelerator)
+            (k, v, kept, dropped), event = self.copy_out.to_host(tensors)
+            self._landed(entry, layer_id, k, v, kept, dropped, event)
+            return
+
         def copy() -> list:
             out = []
             for t in tensors:
@@ -268,6 +283,10 @@ class HostKVStore:
             return out
 
         (k, v, kept, dropped), event = self.copy_stream.copy(copy, after=self.copy_stream.mark())
+        self._landed(entry, layer_id, k, v, kept, dropped, event)
+
+    @staticmethod
+    def _landed(entry: "HostEntry", layer_id: int, k, v, kept, dropped, event) -> None:
         entry.k[layer_id], entry.v[layer_id] = k, v
         entry.addresses = entry.arena_bytes = None
         if kept is not None:

@@ -363,6 +363,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         runtime = self.runtime
         if runtime.staging_arena is None:
             runtime.staging_arena = StagingArena(self._staging_budget(), self.device, self.copy_stream.fences)
+            self.host.use_arena(runtime.staging_arena)  # the prefill's host copies go through it too
             logger.info("VERICACHE: reloads staged ahead of their verify go into one %.2f GB buffer",
                         runtime.staging_arena.capacity / 1e9)
         return runtime.staging_arena
