@@ -18,11 +18,15 @@ SGLang, no network):
    and, its tables loaded (``SpeCacheBatch.load``, ``DecodeIndex.load``), for another batch of the same launch
    shape: each replay against that batch's eager call, and eager against replayed time
    (``draft_graph.json``), run last (a capture that breaks the CUDA context cannot cost the
-   figures before it).
+   figures before it);
+6. ``bench.view_step``: VERICACHE's in-pool draft step (the server's ``ViewRows.write``,
+   then a paged decode over the view rows of ``req_to_token``) against a full-KV decode
+   step, both replayed from a CUDA graph, 32 layers of 8B shapes, batch 32, 32k tokens
+   (``view_step.json``; #63's check: the draft step at <= 0.3x the full one).
 
 Writes ``DIR/gpu_check.json`` (1), ``kernels.json``, ``reload_staging.json``,
-``draft_graph.json``, ``gpu_step.json``, ``gpu_step_b32.json`` and their plots; exits
-non-zero when a check fails.
+``draft_graph.json``, ``gpu_step.json``, ``gpu_step_b32.json``, ``view_step.json`` and
+their plots; exits non-zero when a check fails.
 """
 
 from __future__ import annotations
@@ -140,6 +144,14 @@ def main(argv=None) -> int:
     (out / "draft_graph.json").write_text(json.dumps(graph, indent=2))
     print(f"[gpu_check] {graph}", file=sys.stderr, flush=True)
     failed |= not graph["ok"]
+    from sglang_vc.bench import view_step
+
+    try:
+        view = view_step.main(["--json", str(out / "view_step.json")])
+    except Exception as exc:  # noqa: BLE001 (as above)
+        view = {"check": "view_step", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        (out / "view_step.json").write_text(json.dumps(view, indent=2))
+    failed |= not view["ok"]
     return 1 if failed else 0
 
 
