@@ -15,9 +15,9 @@ import time
 import pytest
 import requests
 import torch
-import torch.utils._python_dispatch
 
 from conftest import real_text_passages
+from sglang_vc.kvruntime.launches import LaunchCounter
 from sglang_vc.testing.client import concurrently, generate
 from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
@@ -60,18 +60,6 @@ def test_view_attention_equals_attention_over_the_views_rows():
         assert torch.allclose(out[i], torch.einsum("hn,nhd->hd", w, v), atol=1e-5)
 
 
-class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten operators run: on CUDA each is at least one kernel launch."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_draft_view_launches_and_syncs_do_not_grow_with_the_batch():
     """The in-pool draft's per-forward index build and per-layer attention run the same
     operators for 2 drafters as for 8 (fixed shapes, no per-request loop), and read nothing
@@ -86,13 +74,13 @@ def test_draft_view_launches_and_syncs_do_not_grow_with_the_batch():
         req_to_token = torch.randint(1, 4096, (16, 1024), generator=g)
         lengths = torch.randint(100, 1000, (n,), generator=g)
         q = torch.randn(n, 9, 64, generator=g)
-        with SyncCounter() as syncs, _AtenCalls() as build:
+        with SyncCounter() as syncs, LaunchCounter() as build:
             slots, valid = draft_view.view_slots(req_to_token, torch.arange(n), lengths,
                                                  torch.full((n,), 256), 256)
-        with SyncCounter() as layer_syncs, _AtenCalls() as layer:
+        with SyncCounter() as layer_syncs, LaunchCounter() as layer:
             draft_view.attend_view(q, k_buf, v_buf, slots, valid, scale=0.125)
         assert syncs.total == 0 and layer_syncs.total == 0, (syncs.by_kind, layer_syncs.by_kind)
-        counts[n] = (build.calls, layer.calls)
+        counts[n] = (build.total, layer.total)
     assert counts[2] == counts[8], counts
 
 

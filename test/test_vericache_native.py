@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.utils._python_dispatch
 
 from conftest import real_text_passages
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang_vc import stats
+from sglang_vc.kvruntime.launches import LaunchCounter
 from sglang_vc.testing.client import concurrently, generate
 from sglang_vc.testing.reference import compare, finish_type, greedy_reference
 from sglang_vc.testing.server import ServerProcess
@@ -101,18 +101,6 @@ def test_the_shared_view_is_sinks_its_selection_and_recent_rows_in_one_row():
     assert sel.count("a", own[0]) == 0
 
 
-class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten operators run: on CUDA each is at least one kernel launch."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("view", ["window", "shared"])
 def test_writing_the_views_launches_alike_for_2_and_8_drafters_and_reads_nothing_back(view):
     """The stand-in for CUDA launches and syncs (every aten operator is a kernel on a GPU;
@@ -135,11 +123,11 @@ def test_writing_the_views_launches_alike_for_2_and_8_drafters_and_reads_nothing
                 sel.select(k, f"r{k}", own[k], 4, 24, pool.req_to_token.shape[0])
             shared = (sel, {k: (f"r{k}", 36) for k in range(n)})
         views = ViewRows(pool)
-        with SyncCounter() as syncs, _AtenCalls() as ops:
+        with SyncCounter() as syncs, LaunchCounter() as ops:
             out = views.write({k: 64 for k in range(n)}, own, [400 + 7 * k for k in range(n)], shared)
         views.give_back()
         assert len(out.rows) == n and syncs.total == 0, syncs.by_kind
-        counts[n] = ops.calls
+        counts[n] = ops.total
     assert counts[2] == counts[8], counts
 
 
