@@ -19,7 +19,8 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_vc.vericache import decode_graphs
-from sglang_vc.vericache.decode_graphs import VeriCacheDecodeGraphRunner, runner_cls_for
+from sglang_vc.vericache.decode_graphs import (CaptureOrEager, NoDecodeGraphs, VeriCacheDecodeGraphRunner,
+                                               runner_cls_for)
 
 
 class _Algorithm:
@@ -53,7 +54,8 @@ def test_only_vericaches_target_gets_the_decode_mode_runner():
     def sglangs(model_runner):
         return DecodeCudaGraphRunner
 
-    assert runner_cls_for(sglangs, _model_runner(_Algorithm("VERICACHE"))) is VeriCacheDecodeGraphRunner
+    cls = runner_cls_for(sglangs, _model_runner(_Algorithm("VERICACHE")))
+    assert cls is CaptureOrEager and issubclass(cls, VeriCacheDecodeGraphRunner)
     assert runner_cls_for(sglangs, _model_runner(_Algorithm("SPECACHE"))) is DecodeCudaGraphRunner
     assert runner_cls_for(sglangs, _model_runner(SpeculativeAlgorithm.NONE)) is DecodeCudaGraphRunner
     assert runner_cls_for(sglangs, _model_runner(_Algorithm("VERICACHE"), draft=True)) is DecodeCudaGraphRunner
@@ -89,6 +91,37 @@ def test_a_failed_capture_leaves_the_algorithm_in_place(monkeypatch):
     with pytest.raises(RuntimeError, match="capture failed"):
         VeriCacheDecodeGraphRunner(model_runner)
     assert model_runner.spec_algorithm is algorithm
+
+
+def test_a_failed_capture_serves_eagerly_with_a_warning(monkeypatch, caplog):
+    """The first GPU run cannot crash on the capture: what the model runner constructs is
+    then a runner that replays nothing, and the log says CUDA graphs are off."""
+    from sglang_vc import stats
+
+    def failing_init(self, model_runner, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", failing_init)
+    algorithm = _Algorithm("VERICACHE")
+    model_runner = _model_runner(algorithm)
+    before = stats.snapshot().get("vericache", {}).get("decode_graph_capture_failures", 0)
+    with caplog.at_level("WARNING", logger="sglang_vc.vericache.decode_graphs"):
+        runner = runner_cls_for(None, model_runner)(model_runner)
+    assert isinstance(runner, NoDecodeGraphs) and runner.capture_bs == []
+    assert not runner.can_run_graph(SimpleNamespace(forward_mode=ForwardMode.DECODE))
+    assert model_runner.spec_algorithm is algorithm
+    assert "decode CUDA graph capture failed" in caplog.text and "runs eagerly" in caplog.text
+    assert stats.snapshot()["vericache"]["decode_graph_capture_failures"] == before + 1
+
+
+def test_a_capture_that_works_is_vericaches_runner(monkeypatch):
+    def sglangs_init(self, model_runner, **kwargs):
+        self.capture_bs = [1, 2]
+
+    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", sglangs_init)
+    model_runner = _model_runner(_Algorithm("VERICACHE"))
+    runner = CaptureOrEager(model_runner)
+    assert type(runner) is VeriCacheDecodeGraphRunner and runner.capture_bs == [1, 2]
 
 
 @pytest.mark.parametrize("mode, replays", [(ForwardMode.DECODE, True), (ForwardMode.TARGET_VERIFY, False),

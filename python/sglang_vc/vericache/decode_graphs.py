@@ -19,7 +19,8 @@ kernels (``--vc-full-kv-attention-backend``, SGLang's default on the GPU), whose
 protocol ``vc_verify`` hands over (:class:`~sglang_vc.kvruntime.backend.VCTorchAttnBackend`).
 
 Not run on a GPU yet: on the CPU platform SGLang captures no decode graphs (the runner is
-never built), so its seams are tested here and its capture is not.
+never built), so its seams are tested here and its capture is not. A capture that fails
+leaves the server serving every iteration eagerly, with a warning (:class:`CaptureOrEager`).
 """
 
 from __future__ import annotations
@@ -77,9 +78,41 @@ class VeriCacheDecodeGraphRunner(DecodeCudaGraphRunner):
         return super().execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
 
 
+class NoDecodeGraphs:
+    """In place of a decode graph runner whose capture failed: nothing replays, every
+    iteration runs eagerly (what SGLang reads of a runner: its batch sizes, ``can_run_graph``)."""
+
+    capture_bs: list = []
+    bs = None
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def can_run_graph(self, forward_batch) -> bool:
+        return False
+
+
+class CaptureOrEager(VeriCacheDecodeGraphRunner):
+    """What the model runner constructs for VERICACHE's target: its decode graph runner,
+    or, where the capture fails (it has not run on a GPU yet), :class:`NoDecodeGraphs` and
+    a warning: the server then serves every iteration eagerly instead of not starting.
+    A subclass so that SGLang's class-level queries (``decode_graph_gather_requirements``)
+    answer as the runner's."""
+
+    def __new__(cls, model_runner, **kwargs):
+        try:
+            return VeriCacheDecodeGraphRunner(model_runner, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (any failure of the capture: serve eagerly)
+            logger.warning("VERICACHE: decode CUDA graph capture failed (%s: %s); CUDA graphs disabled, every "
+                           "iteration runs eagerly", type(exc).__name__, exc)
+            stats.add("vericache", decode_graph_capture_failures=1)
+            return NoDecodeGraphs(exc)
+
+
 def runner_cls_for(original, model_runner):
     """The decode graph runner class for ``model_runner``: VERICACHE's target gets
-    :class:`VeriCacheDecodeGraphRunner`, anything else SGLang's choice."""
+    :class:`CaptureOrEager` (:class:`VeriCacheDecodeGraphRunner`), anything else SGLang's
+    choice."""
     if is_vericache(model_runner):
-        return VeriCacheDecodeGraphRunner
+        return CaptureOrEager
     return original(model_runner)
