@@ -80,3 +80,16 @@ def test_the_runtime_warms_up_at_its_start_with_the_ranks_heads(stand_in_cuda):
 
 def test_the_cpu_runtime_starts_without_a_warm_up():
     assert KVRuntime(_model_runner(kv_heads=2, q_heads=6)).kernel_warmup_s is None
+
+
+def test_a_warm_up_that_fails_warns_and_the_runtime_still_starts(stand_in_cuda, monkeypatch, caplog):
+    from sgl_kernel_ext import warmup
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly aborted")
+
+    monkeypatch.setattr(warmup, "warm_up", broken)
+    with caplog.at_level(logging.WARNING, logger="sglang_vc.kvruntime.warmup"):
+        runtime = KVRuntime(_model_runner(kv_heads=2, q_heads=6))
+    assert runtime.kernel_warmup_s is None
+    assert "Triton warm-up failed (RuntimeError: PTX assembly aborted)" in caplog.text

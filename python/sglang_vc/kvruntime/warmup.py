@@ -29,7 +29,13 @@ def warm_up_kernels(pool_keys: torch.Tensor, num_q_heads: int, group: int = 32) 
     if ext.backend_for(pool_keys) is not ext.Backend.TRITON or not ext.dispatch.is_cuda_tensor(pool_keys):
         return None
     _, hkv, d = pool_keys.shape
-    seconds = warmup.warm_up(pool_keys.dtype, d, num_q_heads, hkv, pool_keys.device, group=group)
+    try:
+        seconds = warmup.warm_up(pool_keys.dtype, d, num_q_heads, hkv, pool_keys.device, group=group)
+    except Exception as exc:  # noqa: BLE001 (a kernel that does not compile fails its requests, not the start)
+        logger.warning("sgl-kernel-ext's Triton warm-up failed (%s: %s): the server starts, and compressed "
+                       "requests whose kernels do not compile fail with an error", type(exc).__name__, exc)
+        stats.add("kvruntime", kernel_warmup_failures=1)
+        return None
     stats.add("kvruntime", kernel_warmup_ms=seconds * 1e3)
     logger.info("compiled sgl-kernel-ext's Triton kernels for %s, %d query and %d KV heads of dim %d, in %.1f s",
                 str(pool_keys.dtype).removeprefix("torch."), num_q_heads, hkv, d, seconds)
