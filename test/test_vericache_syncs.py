@@ -86,6 +86,15 @@ def test_host_syncs_per_iteration_do_not_grow_with_batch_or_depth(tokenizer, tmp
                 for site, n in r["phases"]["host_sync_sites"].items():
                     sites.setdefault(roles, {}).setdefault(site, set()).add(n)
     assert frozenset({"draft", "verify"}) in by_roles
+    # the committed lengths come from SGLang's host copy (seq_lens_cpu), not a device read
+    import inspect
+
+    from sglang_vc import spec_worker
+
+    src, first = inspect.getsourcelines(spec_worker.committed_lens)
+    fallback = first + next(i for i, line in enumerate(src) if "seq_lens.to(" in line)
+    seen = {site for per in sites.values() for site in per}
+    assert seen and not [site for site in seen if site.endswith(f"spec_worker.py:{fallback}")], seen
     # one count per kind of iteration (drafting only, verifying only, both), the same
     # at every depth and batch size: nothing per request, nothing per layer
     for roles, counts in by_roles.items():

@@ -43,6 +43,15 @@ def chain_mask(starts: list[int], lens: list[int], dev) -> torch.Tensor:
     return local % wd <= start + local // wd
 
 
+def committed_lens(batch) -> torch.Tensor:
+    """Each request's committed length, int64 on the host: SGLang's ScheduleBatch keeps
+    them there (``seq_lens_cpu``, updated with ``seq_lens`` after every round), so no
+    device read; the device tensor is read only where the host copy is missing."""
+    if batch.seq_lens_cpu is not None:
+        return batch.seq_lens_cpu.to(torch.int64)
+    return batch.seq_lens.to("cpu", torch.int64)
+
+
 class ChainSpecWorker(BaseSpecWorker):
     """``stride``: the tokens per request SGLang's output path reserves per iteration."""
 
@@ -95,7 +104,7 @@ class ChainSpecWorker(BaseSpecWorker):
         from sglang.srt.managers.utils import GenerationBatchResult
 
         dev = batch.seq_lens.device
-        committed = batch.seq_lens.to("cpu", torch.int64)
+        committed = committed_lens(batch)
         new_seq_lens = to_device((committed + accept_lens).to(batch.seq_lens.dtype), dev)
         tokens = to_device(accept_tokens.to(torch.int32), dev).flatten()
         lens = to_device(accept_lens.to(torch.int32), dev)

@@ -31,6 +31,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
+from sglang_vc.spec_worker import committed_lens
 
 from .sampling import greedy_verify_ids
 from .staging import PoolStaging
@@ -47,7 +48,7 @@ class LockstepRound:
         bs, x, w = len(batch.reqs), self.num_drafts, self.width
         dev = batch.seq_lens.device
         seq_dtype = batch.seq_lens.dtype
-        committed = batch.seq_lens.to("cpu", torch.int64)  # L per request
+        committed = committed_lens(batch)  # L per request
         rows = batch.req_pool_indices.to("cpu", torch.int64)
         req_to_token = self.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(w)[None, :]  # [bs, W]

@@ -26,6 +26,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_vc import stats
 from sglang_vc.kvruntime import syncs
 from sglang_vc.kvruntime.plan import NO_COMPRESSION
+from sglang_vc.spec_worker import committed_lens
 
 from .attention import InPoolDrafts
 from .decode_slots import draft_cap
@@ -149,7 +150,7 @@ class StaggeredRound:
     def _staggered_iteration(self, batch, started: float):
         sched = self._schedule()
         bs, dev = len(batch.reqs), batch.seq_lens.device
-        committed = batch.seq_lens.to("cpu", torch.int64)
+        committed = committed_lens(batch)
         row_list = [req.kv.req_pool_idx for req in batch.reqs]  # the host's own (req_pool_indices is built from them)
         rows = torch.tensor(row_list, dtype=torch.int64)
         t0 = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
