@@ -49,7 +49,7 @@ class LockstepRound:
         dev = batch.seq_lens.device
         seq_dtype = batch.seq_lens.dtype
         committed = committed_lens(batch)  # L per request
-        rows = batch.req_pool_indices.to("cpu", torch.int64)
+        rows = torch.tensor([req.kv.req_pool_idx for req in batch.reqs], dtype=torch.int64)  # the host's own
         req_to_token = self.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(w)[None, :]  # [bs, W]
         slots = req_to_token[rows[:, None].to(req_to_token.device), positions.to(req_to_token.device)].to(torch.int64)
