@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sglang_vc.bench.gpu_step import D, HIDDEN, HKV, HQ, LAYERS, MLP
+from sglang_vc.bench.gpu_step import D, HIDDEN, HKV, HQ, LAYERS, MLP, _time_us
 
 KV_COPIES = 4
 
@@ -132,8 +132,6 @@ def _graphed(fn):
 
 def measure(n: int = 32768, batch: int = 32, budget: int = 512, layers: int = LAYERS, repeats: int = 10,
             dev: str = "cuda") -> dict:
-    from sglang_vc.bench.kernels import time_us
-
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     gen = torch.Generator(device=dev).manual_seed(0)
     steps, metadata, views, _ = _steps(n, batch, budget, layers, dev, dt, gen)
@@ -146,27 +144,18 @@ def measure(n: int = 32768, batch: int = 32, budget: int = 512, layers: int = LA
             replay()
             torch.cuda.synchronize()
             err = float((result.float() - eager.float()).abs().max())
-            us = time_us(replay, repeats)
+            us = _time_us(replay, repeats)
         else:
-            err, us = 0.0, _wall_us(fn)
+            err, us = 0.0, _time_us(fn, repeats)
         out[name] = {"us": us, "replayed": dev == "cuda", "max_abs_err_vs_eager": err}
         out["ok"] &= err < 1e-2
-    timer = time_us if dev == "cuda" else (lambda f, r: _wall_us(f))
     for name, fn in metadata.items():
-        out[f"{name}_metadata"] = {"us": timer(fn, repeats), "per": "step, eager, before the replay"}
+        out[f"{name}_metadata"] = {"us": _time_us(fn, repeats), "per": "step, eager, before the replay"}
     out["draft_to_full"] = out["draft"]["us"] / out["full"]["us"]
     out["draft_with_metadata_to_full"] = ((out["draft"]["us"] + out["draft_metadata"]["us"])
                                           / (out["full"]["us"] + out["full_metadata"]["us"]))
     out["target"] = {"draft_to_full_at_most": 0.3, "met": out["draft_with_metadata_to_full"] <= 0.3}
     return out
-
-
-def _wall_us(fn) -> float:
-    import time
-
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e6
 
 
 def plot(result: dict, path: Path) -> None:

@@ -27,7 +27,7 @@ import torch
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
 
-from .staging_arena import ALIGN, StagingArena
+from .staging_arena import ALIGN, StagingArena, aligned
 
 HOST_COPY_SHARE = 0.25  # of the staging arena: the prefill's copies in flight at most
 
@@ -85,7 +85,7 @@ class ArenaCopyOut:
     def _block(self, nbytes: int):
         """A block for one piece once the prefill's pieces in flight leave room for it
         under :attr:`cap` (waiting for the oldest copies where they do not), or None."""
-        size = -(-nbytes // ALIGN) * ALIGN
+        size = aligned(nbytes)
         if size > self.cap:
             return None
         while self._in_flight and (self._in_flight[0][1].query() or self.in_flight_bytes + size > self.cap):
