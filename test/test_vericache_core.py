@@ -620,6 +620,55 @@ def test_staggered_schedule_verifies_as_admitted_and_spreads_verifies():
     assert max(per_iteration.values()) <= 2  # ceil(8 / 4)
 
 
+def _run_in_pool(uniform: bool, x: int, arrivals: dict, iterations: int):
+    """In-pool drafters (nothing to reload) arriving at ``arrivals[rid]``, driven like the
+    worker drives them (every draft accepted: x + 1 tokens per verify)."""
+    from sglang_vc.vericache.staggered import Outcome, Role, StaggeredSchedule
+
+    sched = StaggeredSchedule(ReloadScheduler(window=2 * x, iter_time=1.0, bandwidth=1e9, fallback_after=2 * x), x)
+    sched.uniform_in_pool = uniform
+    committed, verifies = {}, []  # (iteration, rid, drafts)
+    for it in range(iterations):
+        rids = [r for r, at in arrivals.items() if at <= it]
+        for r in rids:
+            committed.setdefault(r, 600)
+        plan = sched.plan(rids, list(range(len(rids))), [committed[r] for r in rids], lambda i: 0)
+        outcome = {}
+        for slot in plan.slots:
+            if slot.role is Role.DRAFT:
+                slot.track.drafts.append(7)
+            elif slot.role is Role.VERIFY:
+                n = len(slot.track.drafts)
+                verifies.append((plan.iteration, slot.track.rid, n))
+                outcome[slot.track.rid] = Outcome(n, n + 1)
+                sched.verified(slot.track, n + 1)
+                committed[slot.track.rid] += n + 1
+        sched.finish(plan, 1.0, outcome, {})
+    return verifies
+
+
+def test_uniform_in_pool_drafters_verify_together_at_one_width():
+    """``--vc-in-pool-verify uniform``: in-pool drafters that arrive at different
+    iterations join the cohort's verify (a newcomer drafts fewer tokens once), and from
+    then on every verify iteration holds all of them at X drafts each, the iterations in
+    between none; staggered, at most ceil(6 / 4) verify per iteration."""
+    x, arrivals = 4, {"a": 0, "b": 0, "c": 0, "d": 2, "e": 3, "f": 7}
+    verifies = _run_in_pool(True, x, arrivals, 40)
+    by_iteration: dict = {}
+    for it, rid, n in verifies:
+        by_iteration.setdefault(it, []).append((rid, n))
+    steady = {it: v for it, v in by_iteration.items() if it > 12}
+    assert len(steady) >= 5
+    for it, members in steady.items():
+        assert sorted(r for r, _ in members) == sorted(arrivals) and {n for _, n in members} == {x}, (it, members)
+    gaps = sorted(steady)
+    assert all(b - a == x + 1 for a, b in zip(gaps, gaps[1:]))  # x drafting iterations, then the verify
+    joins = [n for it, rid, n in verifies if rid == "f"][:1]
+    assert joins and joins[0] < x  # its first cycle was cut short to join
+    per_iteration = Counter(it for it, _, _ in _run_in_pool(False, x, arrivals, 40) if it > 12)
+    assert max(per_iteration.values()) <= math.ceil(6 / x)
+
+
 def test_staggered_schedule_full_and_waiting_requests():
     """A request whose KV is not compressed decodes every iteration (FULL). When the
     device budget cannot hold a reload, requests wait, then fall back to full decoding."""

@@ -190,3 +190,58 @@ def test_in_pool_drafts_are_sglang_decode_forwards_and_identical(server, native,
     assert vc["view_decode_forwards"] > 0 and vc["in_pool_view_rows"] > 0, vc
     assert vc["verify_forwards"] > 0 and vc.get("in_pool_view_rows_short", 0) == 0, vc
     assert attention.get("project_attention_forwards", 0) == 0, attention
+
+
+@pytest.fixture(scope="module")
+def uniform(tmp_path_factory):
+    """``native``'s server with ``--vc-in-pool-verify uniform`` (on a GPU the default,
+    where verify graphs were captured): in-pool drafters draft in the same iterations and
+    verify together."""
+    log = tmp_path_factory.mktemp("vericache_uniform") / "server.log"
+    proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", "8000", "--speculative-algorithm", "VERICACHE",
+                          "--speculative-num-draft-tokens", "4", "--vc-in-pool", "always", "--vc-in-pool-verify",
+                          "uniform", "--vc-draft-budget", str(BUDGET), "--skip-server-warmup"], log_path=log)
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("batch", ["in-pool only", "mixed"])
+def test_uniform_in_pool_verifies_are_one_target_verify_and_identical(server, uniform, model_dir, tokenizer, batch):
+    """Three in-pool drafters alone verify together in uniform ``TARGET_VERIFY`` forwards
+    (one width for every request: what SGLang's verify graph replays), and draft in
+    ``DECODE`` forwards over view rows; mixed with a full-KV request and an opted-out one,
+    in reverse order, the verifies are ragged. Either way every output is the plain
+    server's, token for token, with its length and finish reason, and drafts were
+    rejected somewhere."""
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    if batch == "in-pool only":
+        lengths, custom, modes = (600, 600, 600), [None, None, None], ["in-pool"] * 3
+    else:
+        lengths, custom = (600, 40, 600, 600), [None, None, {"vc_compressor": "none"}, None]
+        modes = ["in-pool", "full", "full", "in-pool"]
+    prompts = [stream[i * 700 + 50 : i * 700 + 50 + n] for i, n in enumerate(lengths)]
+    order_ix = list(range(len(prompts)))[::-1]
+    before = _counters(uniform)
+    outs = dict(zip(order_ix, concurrently(lambda k: generate(uniform, prompts[k], NEW, custom[k]),
+                                           [(k,) for k in order_ix])))
+    after = _counters(uniform)
+    refs = concurrently(lambda ids: generate(server, ids, NEW), [(p,) for p in prompts])
+    for k, ref in enumerate(refs):
+        out = outs[k]
+        assert finish_type(out) == finish_type(ref) == "length" and len(out["output_ids"]) == len(ref["output_ids"])
+        if out["output_ids"] != ref["output_ids"]:  # a float32 near-tie between two servers, or a bug
+            result = compare(greedy_reference(model_dir, prompts[k], NEW), out["output_ids"], finish_type(out))
+            assert result.identical, (k, result)
+    infos = [(outs[k]["meta_info"].get(META) or [{}])[-1] for k in range(len(prompts))]
+    assert [i.get("mode") for i in infos] == modes, infos
+    drafters = [i for i, m in zip(infos, modes) if m == "in-pool"]
+    accepted, drafted = sum(i["accepted"] for i in drafters), sum(i["drafted"] for i in drafters)
+    assert 0 < accepted < drafted, drafters  # rejected somewhere
+    vc, attention = _grew(before, after, "vericache"), _grew(before, after, "attention")
+    assert vc["view_decode_forwards"] > 0 and attention.get("project_attention_forwards", 0) == 0, (vc, attention)
+    print(batch, {k: vc.get(k, 0) for k in ("verify_forwards", "uniform_verify_forwards", "view_decode_forwards",
+                                            "decode_forwards", "iterations")})
+    if batch == "in-pool only":
+        assert vc["uniform_verify_forwards"] > 0, vc
+    else:  # a full-KV request decodes beside every verify: ragged
+        assert vc["verify_forwards"] > 0, vc

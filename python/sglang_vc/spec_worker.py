@@ -191,14 +191,16 @@ class ChainSpecWorker(BaseSpecWorker):
         batch.out_cache_loc = to_device(out_cache_loc.to(torch.int64), dev)
         batch.spec_info = spec_info
 
-    def verify_input(self, verify_ids, positions, committed, dev):
+    def verify_input(self, verify_ids, positions, committed, dev, mask: bool = True):
+        """A ``TARGET_VERIFY`` input in which every request verifies ``W`` tokens.
+        ``mask=False``: no dense mask (as :meth:`ragged_verify_input`'s)."""
         from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
         bs, w = verify_ids.shape
         # A causal chain (NGRAM's tree with topk=1): query k sees the committed prefix and
         # verify tokens 0..k. Flattened per request as [W, L + W], as SGLang's verify
         # attention backends read it (the vc_verify backend builds the same mask itself).
-        mask = chain_mask(committed.tolist(), [w] * bs, dev)
+        mask = chain_mask(committed.tolist(), [w] * bs, dev) if mask else torch.zeros(0, dtype=torch.bool, device=dev)
         spec_info = NgramVerifyInput(
             draft_token=verify_ids.flatten().to(dev),
             custom_mask=mask,

@@ -1,4 +1,4 @@
-"""SGLang's decode CUDA graphs for VERICACHE's ``DECODE`` iterations.
+"""SGLang's CUDA graphs for VERICACHE's ``DECODE`` iterations and uniform in-pool verifies.
 
 VERICACHE forwards a plain SGLang ``DECODE`` batch in two cases (:mod:`.staggered_round`):
 every request decodes one token from its full KV, or in-pool drafters read their views
@@ -12,15 +12,25 @@ such a batch would never match a captured graph.
 non-speculative server builds it (``DECODE`` mode, one token per request), installed
 through the model runner's own seam for a specialised runner class
 (``ModelRunner._decode_cuda_graph_runner_cls``, wrapped in :mod:`sglang_vc.hooks`). It
-replays ``DECODE`` batches only; verifies (ragged ``TARGET_VERIFY``) stay eager, and a
-batch holding an offload drafter (compressed rows) is refused by the project's can-run
-gate (:mod:`sglang_vc.kvruntime.graphs`). The graphs attend with the full-KV backend's
-kernels (``--vc-full-kv-attention-backend``, SGLang's default on the GPU), whose graph
-protocol ``vc_verify`` hands over (:class:`~sglang_vc.kvruntime.backend.VCTorchAttnBackend`).
+replays ``DECODE`` batches, and a batch holding an offload drafter (compressed rows) is
+refused by the project's can-run gate (:mod:`sglang_vc.kvruntime.graphs`). The graphs
+attend with the full-KV backend's kernels (``--vc-full-kv-attention-backend``, SGLang's
+default on the GPU), whose graph protocol ``vc_verify`` hands over
+(:class:`~sglang_vc.kvruntime.backend.VCTorchAttnBackend`).
 
-Not run on a GPU yet: on the CPU platform SGLang captures no decode graphs (the runner is
-never built), so its seams are tested here and its capture is not. A capture that fails
-leaves the server serving every iteration eagerly, with a warning (:class:`CaptureOrEager`).
+Beside it, :class:`UniformVerifyGraphRunner` is SGLang's runner built as a speculative
+target's is (``TARGET_VERIFY`` mode, as EAGLE's and NGRAM's) at VERICACHE's verify width
+``W = X + 1`` (``--speculative-num-draft-tokens X``), over an instance of the full-KV
+backend of its own (a runner's graph state lives in its backend). It replays only the
+verifies the worker marked (:func:`mark_replayable`): every request of the forward
+verifies ``W`` tokens over its full KV resident in the pool (in-pool drafters aligned by
+``--vc-in-pool-verify uniform``, :mod:`.staggered`), nothing staged, nothing compressed,
+no re-selection scored in the forward. Ragged verifies (drafters, full-KV requests or
+offload verifiers beside them) stay eager.
+
+Not run on a GPU yet: on the CPU platform SGLang captures no graphs (the runner is never
+built), so its seams are tested here and its capture is not. A capture that fails leaves
+the server serving those iterations eagerly, with a warning (:class:`CaptureOrEager`).
 """
 
 from __future__ import annotations
@@ -36,6 +46,17 @@ from sglang_vc import stats
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "VERICACHE"
+_REPLAYABLE = "vc_replayable"  # set on a verify input whose forward a verify graph may replay
+
+
+def mark_replayable(spec_info) -> None:
+    """The worker's word that this uniform verify needs no project attention: every
+    request verifies its run over full KV resident in the pool (module docstring)."""
+    setattr(spec_info, _REPLAYABLE, True)
+
+
+def is_replayable(spec_info) -> bool:
+    return bool(getattr(spec_info, _REPLAYABLE, False))
 
 
 def is_vericache(model_runner) -> bool:
@@ -58,24 +79,89 @@ def as_plain_decode(model_runner):
         model_runner.spec_algorithm = algorithm
 
 
+class UniformVerifyGraphRunner(DecodeCudaGraphRunner):
+    """SGLang's graph runner in ``TARGET_VERIFY`` mode at width ``width``, as SGLang builds
+    a speculative target's, over ``attn_backend`` (module docstring)."""
+
+    def __init__(self, model_runner, *, width: int, attn_backend):
+        super().__init__(model_runner, attn_backend=attn_backend, speculative_num_draft_tokens=width)
+        logger.info("VERICACHE: verify CUDA graphs captured in TARGET_VERIFY mode at width %d for batch sizes "
+                    "%s (uniform in-pool verifies replay them)", self.captured_req_width, self.capture_bs)
+
+    def get_spec_info(self, num_tokens: int):
+        # the chain verify input SGLang captures NGRAM's verifies with (one chain per
+        # request, its mask in the runner's buffer): what the worker's verifies carry
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        spec_info = NgramVerifyInput(draft_token=None, custom_mask=self.buffers.custom_mask, positions=None,
+                                     retrieve_index=None, retrieve_next_token=None, retrieve_next_sibling=None,
+                                     draft_token_num=self.captured_req_width)
+        spec_info.capture_hidden_mode = CaptureHiddenMode.NULL
+        return spec_info
+
+    def can_run_graph(self, forward_batch) -> bool:
+        # SGLang's own check then matches the width (num_tokens_per_req) and the batch size
+        return (forward_batch.forward_mode.is_target_verify() and is_replayable(forward_batch.spec_info)
+                and super().can_run_graph(forward_batch))
+
+
+def capture_verify_graphs(model_runner) -> "UniformVerifyGraphRunner | None":
+    """The uniform verifies' graph runner, over a new instance of the full-KV backend, or
+    None (and a warning) where that backend captures nothing or the capture fails: those
+    verifies then run eagerly."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_vc.kvruntime.backend import VCTorchAttnBackend
+
+    name = getattr(model_runner.attn_backend, "full_kv_name", None)
+    if getattr(model_runner.attn_backend, "full_kv", None) is None:
+        logger.warning("VERICACHE: no verify CUDA graphs (the full-KV backend %s captures none); in-pool "
+                       "verifies run eagerly", name)
+        return None
+    width = int(get_spec().speculative_num_draft_tokens) + 1  # t0 + X drafts
+    try:
+        backend = VCTorchAttnBackend._make_full_kv_backend(model_runner, name)
+        return UniformVerifyGraphRunner(model_runner, width=width, attn_backend=backend)
+    except Exception as exc:  # noqa: BLE001 (any failure of the capture: those verifies run eagerly)
+        logger.warning("VERICACHE: verify CUDA graph capture failed (%s: %s); in-pool verifies run eagerly",
+                       type(exc).__name__, exc)
+        stats.add("vericache", verify_graph_capture_failures=1)
+        return None
+
+
 class VeriCacheDecodeGraphRunner(DecodeCudaGraphRunner):
-    """SGLang's decode graph runner in ``DECODE`` mode under VERICACHE (module docstring)."""
+    """SGLang's decode graph runner in ``DECODE`` mode under VERICACHE, and beside it the
+    uniform verifies' (:attr:`verify`; module docstring)."""
+
+    verify: "UniformVerifyGraphRunner | None" = None
 
     def __init__(self, model_runner, **kwargs):
         with as_plain_decode(model_runner):
             super().__init__(model_runner, **kwargs)
         logger.info("VERICACHE: decode CUDA graphs captured in DECODE mode for batch sizes %s (full-KV "
-                    "iterations and in-pool drafts over view rows replay them; verifies and offload "
+                    "iterations and in-pool drafts over view rows replay them; ragged verifies and offload "
                     "drafts run eagerly)", self.capture_bs)
+        self.verify = capture_verify_graphs(model_runner)
 
     def can_run_graph(self, forward_batch) -> bool:
         # a TARGET_VERIFY (or IDLE) batch has one token per request in the ragged layout too:
-        # only a DECODE batch may replay a DECODE graph
+        # only a DECODE batch may replay a DECODE graph, only a marked verify a verify graph
+        if forward_batch.forward_mode.is_target_verify():
+            return self.verify is not None and self.verify.can_run_graph(forward_batch)
         return forward_batch.forward_mode.is_decode() and super().can_run_graph(forward_batch)
 
     def execute(self, forward_batch, pp_proxy_tensors=None):
+        if forward_batch.forward_mode.is_target_verify():
+            stats.add("vericache", verify_graph_replays=1)
+            return self.verify.execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
         stats.add("vericache", decode_graph_replays=1)
         return super().execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
+
+
+def verify_graphs_captured(model_runner) -> bool:
+    """Whether the target replays uniform verifies from graphs (``--vc-in-pool-verify auto``)."""
+    return getattr(getattr(model_runner, "decode_cuda_graph_runner", None), "verify", None) is not None
 
 
 class NoDecodeGraphs:
@@ -84,6 +170,7 @@ class NoDecodeGraphs:
 
     capture_bs: list = []
     bs = None
+    verify = None
 
     def __init__(self, error: BaseException):
         self.error = error

@@ -43,6 +43,14 @@ class InPool(str, enum.Enum):
     NEVER = "never"  # full-KV decoding until memory binds (the behaviour before in-pool drafting)
 
 
+class InPoolVerify(str, enum.Enum):
+    """When in-pool drafters verify under the staggered schedule (:mod:`.staggered`)."""
+
+    AUTO = "auto"  # uniform where SGLang captured VERICACHE's verify graphs (a GPU), else staggered
+    UNIFORM = "uniform"  # together, one TARGET_VERIFY at one width: a captured verify graph replays it
+    STAGGERED = "staggered"  # spread over the iterations (about B/x per iteration), as offload drafters
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("VeriCache (--speculative-algorithm VERICACHE)")
     g.add_argument(
@@ -93,6 +101,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "and verify in place. 'auto' (default) drafts where the costs measured by the server "
         "and the acceptance seen so far say it pays (long contexts), else decodes full KV; "
         "'always' drafts for every such request; 'never' decodes them from full KV.",
+    )
+    g.add_argument(
+        "--vc-in-pool-verify",
+        choices=[c.value for c in InPoolVerify],
+        default=InPoolVerify.AUTO.value,
+        help="VERICACHE in-pool drafting under the staggered schedule: 'uniform' aligns the "
+        "in-pool drafters' cycles so that they draft in the same iterations (DECODE forwards "
+        "over view rows) and verify together in one TARGET_VERIFY forward at one width, which "
+        "SGLang's verify CUDA graph replays; 'staggered' spreads their verifies over the "
+        "iterations (ragged forwards, eager). 'auto' (default): uniform where verify graphs "
+        "were captured (a GPU), staggered otherwise.",
     )
     g.add_argument(
         "--vc-draft-budget",
@@ -183,7 +202,7 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
     except ValueError as exc:
         raise ConfigError(str(exc))
     return {"host_kv_gb": host, "schedule": args.vc_schedule, "schedule_trace": args.vc_schedule_trace,
-            "in_pool": args.vc_in_pool, "draft_budget": str(args.vc_draft_budget), "draft_view": args.vc_draft_view,
+            "in_pool": args.vc_in_pool, "in_pool_verify": args.vc_in_pool_verify, "draft_budget": str(args.vc_draft_budget), "draft_view": args.vc_draft_view,
             "draft_grammar": args.vc_draft_grammar == "on",
             "compress_when": args.vc_compress_when, "remote_verifier": url,
             "remote_timeout": float(args.vc_remote_timeout), "remote_path": args.vc_remote_path,
@@ -226,6 +245,10 @@ def compress_when(settings: Optional[dict]) -> CompressWhen:
 
 def in_pool(settings: Optional[dict]) -> InPool:
     return InPool((settings or {}).get("in_pool") or InPool.AUTO.value)
+
+
+def in_pool_verify(settings: Optional[dict]) -> InPoolVerify:
+    return InPoolVerify((settings or {}).get("in_pool_verify") or InPoolVerify.AUTO.value)
 
 
 def draft_grammar(settings: Optional[dict]) -> bool:

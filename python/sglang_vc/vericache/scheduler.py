@@ -122,12 +122,15 @@ class ReloadScheduler:
         preferred_draft_len: int,
         hbm_bytes: int | None = None,
         max_draft_len: int | None = None,
+        stagger: bool = True,
     ) -> Admission | None:
         """Run ADMIT (Algorithm 1) for ``request_id`` at the current iteration.
 
         ``kv_bytes`` is the reload size, ``preferred_draft_len`` the anchor ``x``,
         ``hbm_bytes`` the transient device memory of the reload (default ``kv_bytes``),
-        ``max_draft_len`` the most drafts before the verify (None: the window's).
+        ``max_draft_len`` the most drafts before the verify (None: the window's);
+        ``stagger=False`` exempts this verify from the per-window verify cap (in-pool
+        drafters aligned to verify together, :mod:`.staggered`).
         Returns the Admission, or None when the request is deferred (back to waiting;
         call again in a later iteration) or in FALLBACK mode (see ``mode``).
         """
@@ -146,7 +149,7 @@ class ReloadScheduler:
             return None
 
         cap = None
-        if self.stagger:
+        if self.stagger and stagger:
             cap = self.max_verifies_per_iter or math.ceil(
                 (len(self._pending) + 1) / preferred_draft_len
             )

@@ -12,6 +12,15 @@ One SGLang decode iteration under ``--vc-schedule staggered`` (the default):
 * a **full** request (appendix B.1's ``B_g``: its KV was never compressed, or it fell
   back) decodes one exact token per iteration from its full device KV.
 
+In-pool drafters (their full KV resident: nothing to reload) are staggered the same way
+by default on the CPU. With ``uniform_in_pool`` (``--vc-in-pool-verify uniform``, the
+default where verify graphs were captured) they form one cohort instead: the first one
+admitted in an iteration chooses the draft length, every other in-pool drafter admitted
+while that cohort drafts is placed on the same verify iteration (a newcomer drafts fewer
+tokens in its first cycle), exempt from the verify cap. The cohort then drafts in the same
+iterations and verifies in one forward at one width: what a captured verify graph replays
+(:mod:`.decode_graphs`).
+
 A request's reload is kicked off at the first window of its reserved span (``d_r - S_r
 + 1``) and stages every layer of its full KV before its verify, overlapped with the
 drafting iterations in between. ADMIT runs again after each verify (at the start of the
@@ -99,6 +108,8 @@ class StaggeredSchedule:
         self.anchor: Callable[[str, int], int] = lambda rid, batch: draft_len
         self.tracks: dict[str, Track] = {}
         self.trace_path = trace_path
+        # in-pool drafters (nothing to reload) verify together: ``--vc-in-pool-verify uniform``
+        self.uniform_in_pool = False
         self.iter_time: Optional[float] = None
         self._ema = ema
         if trace_path:
@@ -119,6 +130,7 @@ class StaggeredSchedule:
         for rid in [r for r in self.tracks if r not in live]:
             self.forget(rid)
         slots, due = [], []
+        cohort = self._in_pool_cohort() if self.uniform_in_pool else None
         due_now = set(self.sched.due_reloads())
         verify_now = set(self.sched.due_verifies())
         for i, (rid, row, length) in enumerate(zip(rids, rows, committed)):
@@ -145,7 +157,17 @@ class StaggeredSchedule:
                     slots.append(Slot(i, Role.FULL, track))
                     continue
                 cap = 1  # compressed: one draft, then the verify (its only exact path)
-            if track.admission is None:
+            if track.admission is None and self.uniform_in_pool and nbytes == 0:
+                # in-pool: verify with the in-pool drafters already admitted, or lead a new cohort
+                if cohort is None or cohort <= self.now:
+                    x = self.anchor(rid, len(rids))
+                else:
+                    x = cohort - self.now
+                x = x if cap is None else min(x, cap)
+                track.admission = self.sched.admit(rid, 0, x, max_draft_len=x, stagger=False)
+                if track.admission is not None and (cohort is None or cohort <= self.now):
+                    cohort = track.admission.verify_iteration
+            elif track.admission is None:
                 anchor = self.anchor(rid, len(rids))
                 track.admission = self.sched.admit(rid, nbytes, anchor if cap is None else min(anchor, cap),
                                                    max_draft_len=cap)
@@ -160,6 +182,12 @@ class StaggeredSchedule:
             if rid in due_now and track.reload is None:
                 due.append(slot)
         return IterationPlan(self.now, slots, due)
+
+    def _in_pool_cohort(self) -> Optional[int]:
+        """The iteration the admitted in-pool drafters verify at (the latest, if a short
+        output made one verify early), None if none is admitted."""
+        return max((t.admission.verify_iteration for t in self.tracks.values()
+                    if t.admission is not None and t.admission.kv_bytes == 0), default=None)
 
     def finish(self, plan: IterationPlan, iter_seconds: float, outcome: dict[str, "Outcome"],
                reloaded: dict[str, int], phases: Optional[dict[str, float]] = None) -> None:

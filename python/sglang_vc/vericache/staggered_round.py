@@ -29,7 +29,9 @@ from sglang_vc.kvruntime.plan import NO_COMPRESSION
 from sglang_vc.spec_worker import committed_lens
 
 from .attention import InPoolDrafts
+from .decode_graphs import mark_replayable, verify_graphs_captured
 from .decode_slots import draft_cap
+from .flags import InPoolVerify
 from .draft_view import View
 from .policy import Decision, IterationRows, Mode
 from .reload import LayerwiseReload, measure_bandwidth
@@ -70,12 +72,24 @@ class StaggeredRound:
                                     hbm_bytes=staging, fallback_after=self.window)
             self._staggered = StaggeredSchedule(sched, self.num_drafts, trace_path=self.trace_path)
             self._staggered.anchor = self._anchor
+            self._staggered.uniform_in_pool = self._uniform_in_pool()
             logger.info("VERICACHE staggered schedule: window %d iterations, anchor X=%s, link %.2f GB/s "
                         "(measured), staging budget %.1f MB", self.window,
                         self.num_drafts if not self.draft_length.auto else
                         f"chosen from data in 1..{self.num_drafts} (from {self.draft_length.default})",
                         bandwidth / 1e9, staging / 1e6)
         return self._staggered
+
+    def _uniform_in_pool(self) -> bool:
+        """``--vc-in-pool-verify``: in-pool drafters verify together (one forward at one
+        width), by default where SGLang captured the verify graphs that replay it."""
+        choice = self.in_pool_verify
+        graphs = verify_graphs_captured(self.model_runner)
+        uniform = choice is InPoolVerify.UNIFORM or (choice is InPoolVerify.AUTO and graphs)
+        logger.info("VERICACHE in-pool verifies: %s (--vc-in-pool-verify %s; verify CUDA graphs %s)",
+                    "uniform, in one forward at one width" if uniform else "staggered over the iterations",
+                    choice.value, "captured" if graphs else "not captured")
+        return uniform
 
     def _drafter_of(self, row: int, rid: Optional[str] = None) -> str:
         entry = self.runtime.entry_for_row(row)
@@ -287,6 +301,18 @@ class StaggeredRound:
                                               slots.flatten(), None, rows=fwd_rows if viewed else None,
                                               positions=pos_t if viewed else None)
                     stats.add("vericache", decode_forwards=1, view_decode_forwards=1 if viewed else 0)
+                elif self._uniform_verify(part, lens, staging, in_pool_drafts):
+                    # every request verifies its W tokens over its resident full KV: SGLang's
+                    # uniform verify layout, which its verify graph replays (:mod:`.decode_graphs`)
+                    # with its full-KV backend (which reads the chain mask; vc_verify does not)
+                    n, w = len(part), lens[0]
+                    spec_info = self.verify_input(ids_t.view(n, w), pos_t.view(n, w), torch.tensor(fwd_starts), dev,
+                                                  mask=verify_graphs_captured(self.model_runner))
+                    mark_replayable(spec_info)
+                    logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(fwd_starts),
+                                              slots.flatten(), spec_info)
+                    stats.add("vericache", verify_forwards=1, uniform_verify_forwards=1,
+                              verify_graph_forwards=1 if self.replayed else 0)
                 else:
                     # vc_verify runs the forward as a causal extend: no dense mask to build
                     spec_info = self.ragged_verify_input(ids_t, pos_t, fwd_starts, lens, dev, mask=False)
@@ -354,6 +380,14 @@ class StaggeredRound:
         return (plan, self.result(batch, accept_tokens, accept_lens, logits_output,
                                    can_run_cuda_graph=self.replayed and phases["forwards"] > 0),
                 outcome, reloaded, phases)
+
+    def _uniform_verify(self, part, lens: list[int], staging, in_pool_drafts) -> bool:
+        """Whether this forward is a uniform verify no project attention takes part in:
+        every request verifies the same number of tokens over its full KV resident in the
+        pool (in-pool drafters: nothing staged, nothing compressed, no re-selection)."""
+        return (len(set(lens)) == 1 and lens[0] > 1 and not staging.requests and in_pool_drafts is None
+                and all(s.role is Role.VERIFY and self._in_pool(s.track)
+                        and self.runtime.entry_for_row(s.track.row) is None for s in part))
 
     def _in_pool_drafts(self, part, in_pool: dict) -> Optional[InPoolDrafts]:
         """What the attention backend needs of this forward's in-pool requests: the

@@ -121,6 +121,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             logger.warning("VERICACHE: in-pool drafting runs under the staggered schedule only; under "
                            "--vc-schedule lockstep requests whose full KV fits the pool decode from it")
             in_pool = flags.InPool.NEVER
+        self.in_pool_verify = flags.in_pool_verify(settings)
         forced = {flags.InPool.ALWAYS: Mode.IN_POOL, flags.InPool.NEVER: Mode.FULL}.get(in_pool)
         self.policy = ModePolicy(self.budget.rows, num_drafts, self.draft_length.fixed, forced,
                                  default_x=self.draft_length.default)
