@@ -113,6 +113,8 @@ def test_in_pool_config_flags_and_the_fits_regime():
     assert tp.parse_config("vericache")["flags"] == ["--speculative-algorithm", "VERICACHE"]
     assert tp.parse_config("vericache:always")["flags"] == ["--speculative-algorithm", "VERICACHE",
                                                             "--vc-compress-when", "always"]
+    assert tp.parse_config("vericache:uniform")["flags"] == ["--speculative-algorithm", "VERICACHE",
+                                                             "--vc-in-pool-verify", "uniform"]
     for bad in ("inpool:window", "inpool:sparse@512", "inpool:window@x", "inpool:window@512:y"):
         with pytest.raises(ValueError, match="inpool"):
             tp.parse_config(bad)

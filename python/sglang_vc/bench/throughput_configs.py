@@ -7,17 +7,19 @@ from dataclasses import dataclass
 
 
 def parse_config(spec: str) -> dict:
-    """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache[:always]`` (the default drafter; ``always``:
-    every request compressed) | ``vericache:NAME@AMOUNT[:X|:auto]`` (AMOUNT is the kept
+    """``full`` | ``lossy:NAME@AMOUNT`` | ``vericache[:always|:uniform]`` (the default drafter;
+    ``always``: every request compressed; ``uniform``: in-pool drafters verify together,
+    ``--vc-in-pool-verify uniform``) | ``vericache:NAME@AMOUNT[:X|:auto]`` (AMOUNT is the kept
     ratio of a token-dropping method, or ``Nbit`` for a quantizer) | ``specache[:Nbit[:kK]]``
     (SpeCache, default 2 bits and top-64)."""
     kind, _, rest = spec.partition(":")
     if kind == "full" and not rest:
         return {"name": "full", "kind": "full", "flags": []}
-    if kind == "vericache" and rest in ("", "always"):  # the default flags: the mode policy decides
+    if kind == "vericache" and rest in ("", "always", "uniform"):  # the default flags: the mode policy decides
         # (vericache:always compresses every request at its prefill, --vc-compress-when always)
+        extra = {"always": ["--vc-compress-when", "always"], "uniform": ["--vc-in-pool-verify", "uniform"]}
         return {"name": spec, "kind": "vericache", "compressor": None, "kept": None, "draft_tokens": None,
-                "flags": ["--speculative-algorithm", "VERICACHE", *(["--vc-compress-when", "always"] if rest else [])]}
+                "flags": ["--speculative-algorithm", "VERICACHE", *extra.get(rest, [])]}
     if kind == "inpool":  # forced in-pool self-speculation over a view: inpool:VIEW@B[:X|:auto]
         view, _, budget = rest.partition("@")
         budget, _, x = budget.partition(":")

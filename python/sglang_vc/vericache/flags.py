@@ -344,13 +344,15 @@ def backend_choice(argv: list[str]):
     if algorithm is None or algorithm.upper() != ALGORITHM:
         return None
     # DECODE iterations (every request at full KV, or in-pool drafts over view rows) replay
-    # SGLang's decode graphs (:mod:`.decode_graphs`); verifies and offload drafts stay eager
+    # SGLang's decode graphs, uniform in-pool verifies its verify graphs (:mod:`.decode_graphs`);
+    # ragged verifies and offload drafts stay eager
     return BackendChoice(ATTENTION_BACKEND, RADIX_CACHE_BACKEND, f"--speculative-algorithm {ALGORITHM}",
                          decode_graphs=True, eager_forwards=(
-                             "CUDA graphs for VERICACHE's verify forwards and offload drafts",
-                             "verifies are ragged TARGET_VERIFY forwards and offload drafts attend over "
-                             "compressed rows; DECODE iterations (full KV, in-pool drafts over view rows) "
-                             "replay SGLang's decode graphs"))
+                             "CUDA graphs for VERICACHE's ragged verify forwards and offload drafts",
+                             "ragged verifies (drafters, full-KV or offload requests beside them) have no "
+                             "fixed width and offload drafts attend over compressed rows; DECODE iterations "
+                             "(full KV, in-pool drafts over view rows) replay SGLang's decode graphs and "
+                             "uniform in-pool verifies its verify graphs"))
 
 
 register_flag_group(FlagGroup(GROUP, add_cli_args, from_cli_args))
