@@ -155,6 +155,22 @@ def _grew(before: dict, after: dict, group: str) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
 
 
+def _identical_to_the_plain_server(proc, server, model_dir, prompts, custom, order_ix) -> list[dict]:
+    """``prompts`` sent to ``proc`` together in the order ``order_ix`` give the plain
+    server's tokens (or, at a float32 near-tie between the two, the greedy reference's),
+    lengths and finish reasons; each reply's last VERICACHE record, in prompt order."""
+    outs = dict(zip(order_ix, concurrently(lambda k: generate(proc, prompts[k], NEW, custom[k]),
+                                           [(k,) for k in order_ix])))
+    refs = concurrently(lambda ids: generate(server, ids, NEW), [(p,) for p in prompts])
+    for k, ref in enumerate(refs):
+        out = outs[k]
+        assert finish_type(out) == finish_type(ref) == "length" and len(out["output_ids"]) == len(ref["output_ids"])
+        if out["output_ids"] != ref["output_ids"]:  # a float32 near-tie between two servers, or a bug
+            result = compare(greedy_reference(model_dir, prompts[k], NEW), out["output_ids"], finish_type(out))
+            assert result.identical, (k, result)
+    return [(outs[k]["meta_info"].get(META) or [{}])[-1] for k in range(len(prompts))]
+
+
 @pytest.mark.parametrize("order", ["as-listed", "reversed"])
 def test_in_pool_drafts_are_sglang_decode_forwards_and_identical(server, native, model_dir, tokenizer, order):
     """Two 600-token requests draft over their views, a 40-token one decodes full KV (it
@@ -167,17 +183,8 @@ def test_in_pool_drafts_are_sglang_decode_forwards_and_identical(server, native,
     custom = [None, None, {"vc_compressor": "none"}, None]
     order_ix = list(range(4)) if order == "as-listed" else list(range(3, -1, -1))
     before = _counters(native)
-    outs = dict(zip(order_ix, concurrently(lambda k: generate(native, prompts[k], NEW, custom[k]),
-                                           [(k,) for k in order_ix])))
+    infos = _identical_to_the_plain_server(native, server, model_dir, prompts, custom, order_ix)
     after = _counters(native)
-    refs = concurrently(lambda ids: generate(server, ids, NEW), [(p,) for p in prompts])
-    for k, ref in enumerate(refs):
-        out = outs[k]
-        assert finish_type(out) == finish_type(ref) == "length" and len(out["output_ids"]) == len(ref["output_ids"])
-        if out["output_ids"] != ref["output_ids"]:  # a float32 near-tie between two servers, or a bug
-            result = compare(greedy_reference(model_dir, prompts[k], NEW), out["output_ids"], finish_type(out))
-            assert result.identical, (k, result)
-    infos = [(outs[k]["meta_info"].get(META) or [{}])[-1] for k in range(4)]
     assert [i.get("mode") for i in infos] == ["in-pool", "full", "full", "in-pool"], infos
     assert infos[2]["mode_reason"].startswith("the request opted out") and infos[2].get("drafted", 0) == 0
     drafters = [infos[0], infos[3]]
@@ -222,17 +229,8 @@ def test_uniform_in_pool_verifies_are_one_target_verify_and_identical(server, un
     prompts = [stream[i * 700 + 50 : i * 700 + 50 + n] for i, n in enumerate(lengths)]
     order_ix = list(range(len(prompts)))[::-1]
     before = _counters(uniform)
-    outs = dict(zip(order_ix, concurrently(lambda k: generate(uniform, prompts[k], NEW, custom[k]),
-                                           [(k,) for k in order_ix])))
+    infos = _identical_to_the_plain_server(uniform, server, model_dir, prompts, custom, order_ix)
     after = _counters(uniform)
-    refs = concurrently(lambda ids: generate(server, ids, NEW), [(p,) for p in prompts])
-    for k, ref in enumerate(refs):
-        out = outs[k]
-        assert finish_type(out) == finish_type(ref) == "length" and len(out["output_ids"]) == len(ref["output_ids"])
-        if out["output_ids"] != ref["output_ids"]:  # a float32 near-tie between two servers, or a bug
-            result = compare(greedy_reference(model_dir, prompts[k], NEW), out["output_ids"], finish_type(out))
-            assert result.identical, (k, result)
-    infos = [(outs[k]["meta_info"].get(META) or [{}])[-1] for k in range(len(prompts))]
     assert [i.get("mode") for i in infos] == modes, infos
     drafters = [i for i, m in zip(infos, modes) if m == "in-pool"]
     accepted, drafted = sum(i["accepted"] for i in drafters), sum(i["drafted"] for i in drafters)
