@@ -471,10 +471,11 @@ def test_switched_off_capabilities_are_warnings_users_see(vc4):
     in ``/server_info``: decode and prefill CUDA graphs here (the overlap scheduler is
     already off on this CPU platform; ``test_cli`` checks that warning where it is on)."""
     log = vc4.log_path.read_text(errors="replace")
-    line = "CUDA graphs for VERICACHE's verify forwards and offload drafts disabled by --speculative-algorithm VERICACHE"
+    line = ("CUDA graphs for VERICACHE's ragged verify forwards and offload drafts disabled by "
+            "--speculative-algorithm VERICACHE")
     assert line in log
     off = {n["capability"]: n for n in vc_counters(vc4)["switched_off"]}
-    assert set(off) == {"CUDA graphs for VERICACHE's verify forwards and offload drafts", "prefill CUDA graphs"}, off
+    assert set(off) == {"CUDA graphs for VERICACHE's ragged verify forwards and offload drafts", "prefill CUDA graphs"}, off
     assert all(n["reason"] for n in off.values())
 
 
