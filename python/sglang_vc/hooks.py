@@ -203,14 +203,41 @@ def _abort_in_flight_on_ctrl_c(result, *args, **kwargs):
 
 
 def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
-    """VERICACHE's staggered schedule commits nothing for a request in the iterations
-    in which it only drafts (its tokens are committed at its verify). SGLang's spec-v2
-    output path then calls ``update_finish_state(0)``, which reads the new tokens as
-    ``output_ids[-0:]``: the whole output, re-checked as if new. With no new token there
-    is nothing to check; a pending finish (``to_finish``, e.g. an abort) still applies."""
+    """A run of committed tokens is checked token by token, as plain decoding checks it:
+    the request ends at the first token that meets any finish condition.
+
+    SGLang checks a speculative run in one call, condition by condition: the first stop
+    string *of the request's list* found anywhere in the run wins, not the one met first
+    (stops ``[" ", "\\n"]`` over ``2003\\n\\n Q`` end at the space, past the newline plain
+    decoding stops at), and a stop token is looked for only when no stop string matched.
+    Each prefix of the run goes through SGLang's own check with one new token instead;
+    its grammar, already advanced over the whole (termination-truncated) run, is read
+    at the run's last token only.
+
+    VERICACHE's staggered schedule commits nothing for a request in the iterations in
+    which it only drafts; SGLang's spec-v2 output path then calls
+    ``update_finish_state(0)``, which would read ``output_ids[-0:]`` (the whole output)
+    as new. With no new token there is nothing to check; a pending ``to_finish`` (an
+    abort) still applies."""
     if new_accepted_len == 0 and not req.to_finish:
         return None
-    return original(req, new_accepted_len)
+    if new_accepted_len <= 1 or req.to_finish or req.finished():
+        return original(req, new_accepted_len)
+    run, grammar = req.output_ids, req.grammar
+    first = len(run) - new_accepted_len
+    try:
+        req.grammar = None
+        for end in range(first + 1, len(run)):
+            req.output_ids = run[:end]
+            original(req, 1)
+            if req.finished():
+                run[first:end] = req.output_ids[first:end]  # (a NaN token is rewritten in place)
+                if req.finished_len is None:
+                    req.finished_len = end
+                return None
+    finally:
+        req.output_ids, req.grammar = run, grammar
+    return original(req, 1)
 
 
 def _correct_drafts_histogram(original, req, num_correct_drafts: int):
