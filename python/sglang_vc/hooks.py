@@ -240,6 +240,25 @@ def _finish_check_of_new_tokens(original, req, new_accepted_len: int = 1):
     return original(req, 1)
 
 
+def _no_output_without_new_tokens(original, accumulator, *, req):
+    """A request that committed nothing since its last output is not output again.
+
+    SGLang's output streamer sends a streamed request's state every iteration (at the
+    default ``stream_interval`` of 1): plain decoding and SGLang's speculative
+    algorithms commit at least one token each. VERICACHE commits nothing for a request
+    in the iterations in which it only drafts, so each would repeat the last chunk: an
+    empty delta to the client, and a repeated block of logprobs to SGLang's frontend
+    (``test_stream_logprobs``). A finished request is always output."""
+    n = len(req.output_ids)
+    if not req.finished() and getattr(req, "vc_output_len", None) == n:
+        return None
+    sent = len(accumulator.rids)
+    result = original(accumulator, req=req)
+    if len(accumulator.rids) > sent:
+        req.vc_output_len = n
+    return result
+
+
 def _correct_drafts_histogram(original, req, num_correct_drafts: int):
     """SGLang's spec-v2 output path counts every decode iteration as a verify
     (``spec_verify_ct += 1``, ``accept_len - 1`` correct drafts into a histogram). An
@@ -614,6 +633,11 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.Req.update_finish_state",
         _finish_check_of_new_tokens,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
+        _no_output_without_new_tokens,
         HookType.AROUND,
     )
     HookRegistry.register(
