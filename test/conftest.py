@@ -30,7 +30,7 @@ from sglang_vc.testing.text import real_text_passages  # noqa: F401  (tests impo
 # The modules whose servers decode the longest, slowest first: collected first, so that
 # under ``--dist loadfile`` the two workers start them early and the short modules fill
 # the end, rather than one worker finishing a long module alone.
-LONG_MODULES = ("test_vericache_serving", "test_vericache_in_pool", "test_vericache_fallbacks", "test_vericache_remote",
+LONG_MODULES = ("test_vericache_serving", "test_vericache_in_pool", "test_vericache_finish", "test_vericache_fallbacks", "test_vericache_remote",
                 "test_vericache_under_load", "test_vericache_tiering", "test_lossy_serving",
                 "test_evicpress_dropping", "test_evicpress_serving", "test_lifecycle", "test_vericache_syncs",
                 "test_evicpress_tree", "test_speccache_serving", "test_specache_serving", "test_server_basic")

@@ -365,6 +365,21 @@ def test_lockstep_applies_penalties_grammars_and_logprobs(server, tokenizer, vc_
     assert sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos  # drafts rejected
 
 
+def test_lockstep_stops_at_the_first_stop_string_of_a_run(server, vc_lockstep):
+    """A lock-step round commits up to X + 1 tokens at once: SGLang's ``test_dtype_gen``
+    request (stops ``[" ", "\\n"]`` after a number; ``test_vericache_finish`` has the
+    other modes) ends at the newline as full KV's does, with and without its regex."""
+    prompt = 'Q: What is the full name of DNS?\nA: The full names is ""\nQ: Which year was DNS invented?\nA: '
+    for extra in ({"regex": r"[-+]?[0-9]+[ \n]*"}, {}):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 64, "temperature": 0, "stop": [" ", "\n"],
+                                                    **extra}}
+        ref, out = (requests.post(s.url + "/generate", json=body, timeout=300).json() for s in (server, vc_lockstep))
+        assert ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": "\n"}, ref
+        assert (out["text"], out["output_ids"], out["meta_info"]["finish_reason"]) == (
+            ref["text"], ref["output_ids"], ref["meta_info"]["finish_reason"])
+        assert out["meta_info"][META][-1]["verify_rounds"] >= 1
+
+
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_identical_to_full_kv(server, model_dir, tokenizer, vc_x, drafter):
     """A concurrent batch of mixed-length prompts: VERICACHE's tokens == the plain

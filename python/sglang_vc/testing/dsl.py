@@ -77,7 +77,7 @@ class _RecordedStream:
             yield line
 
 
-def run_programs(url: str, names: list[str], max_new_tokens: int = 48) -> dict[str, ProgramRun]:
+def run_programs(url: str, names: list[str], max_new_tokens: int = 32) -> dict[str, ProgramRun]:
     """Run each named program against ``url`` greedy (``temperature`` 0 in every request,
     ``max_new_tokens`` capped), recording its ``/generate`` exchanges."""
     import sglang as sgl
