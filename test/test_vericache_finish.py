@@ -198,4 +198,4 @@ def test_sglang_test_programs_identical(plain_programs, vc):
 
 def _accepted(server) -> int:
     info = requests.get(server.url + "/server_info", timeout=60).json()["sglang_vc"]
-    return info["counters"]["vericache"]["accepted"]
+    return info["counters"].get("vericache", {}).get("accepted", 0)  # (none before its first verify)
