@@ -12,6 +12,7 @@ served checks are ``test_vericache_finish``.
 
 from __future__ import annotations
 
+import inspect
 import random
 from array import array
 
@@ -60,12 +61,18 @@ def _decode(req: Req, tokens: list[int], runs: list[int], check) -> tuple:
     return reason, list(req.output_ids_through_stop)
 
 
+# SGLang's own check, unpatched: the hook may be applied in this process already (a
+# server's start-up code imported here applies the project's hooks), and HookRegistry
+# keeps the original under ``__wrapped__``
+_SGLANG_CHECK = inspect.unwrap(Req.update_finish_state)
+
+
 def _fixed(req, n):
-    return _finish_check_of_new_tokens(Req.update_finish_state, req, n)
+    return _finish_check_of_new_tokens(_SGLANG_CHECK, req, n)
 
 
 def _sglang_alone(req, n):
-    return Req.update_finish_state(req, n)
+    return _SGLANG_CHECK(req, n)
 
 
 def _random_case(rng: random.Random, tokenizer, stream: list[int]) -> tuple[dict, list[int], list[int]]:

@@ -174,14 +174,16 @@ def plain_programs(server):
     return run_programs(server.url, program_names())
 
 
-@pytest.mark.parametrize("vc", ["in_pool", pytest.param("offload", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("vc", ["in_pool", "offload"], indirect=True)
 def test_sglang_test_programs_identical(plain_programs, vc):
     """SGLang's ``sglang/test/test_programs.py`` (the programs ``sglang_vc.testing.dsl``
     does not skip, each skip with its reason), greedy: every ``/generate`` exchange (the
     request, the text, ids and finish reason; a stream's last chunk) and every program's
     outcome (passed, or the exception its own check raised on the small model) are the
-    plain server's, and the server accepted drafts. The offload server's run is slow
-    (4 minutes here): the default run has its stop-string checks above."""
+    plain server's, and the server accepted drafts. Slow (2 and 4 minutes here, with
+    the plain server's run): the default run has the stop-string checks above, the
+    ``test_dtype_gen`` request among them."""
     from sglang_vc.testing.dsl import run_programs
 
     before = _accepted(vc)
