@@ -18,15 +18,14 @@ from dataclasses import dataclass, field
 # Programs not run, with the reason. Everything else in test_programs.py is.
 SKIPPED = {
     "test_image_qa": "needs a vision model",
-    "test_completion_speculative": "API speculative execution (num_api_spec_tokens) is for OpenAI backends; "
-                                   "RuntimeEndpoint refuses it",
-    "test_chat_completion_speculative": "API speculative execution, as above",
+    "test_completion_speculative": "reads the OpenAI backend's token_usage, which RuntimeEndpoint does not have "
+                                   "(AttributeError before any request)",
+    "test_chat_completion_speculative": "API speculative execution (num_api_spec_tokens): against a "
+                                        "RuntimeEndpoint it sends no /generate request, nothing to compare",
     "test_parallel_encoding": "needs /concate_and_append_request, which SGLang 0.5.23's server does not "
                               "serve (404), and the program then waits forever",
     "test_gen_min_new_tokens": "reads sgl.Runtime's endpoint (default_backend.endpoint), which a "
                                "RuntimeEndpoint backend does not have",
-    "test_mt_bench": "asks 2 x 2048 sampled tokens per question: minutes on 2 CPU cores, and "
-                     "covered by test_expert_answer's chat turns",
 }
 
 
