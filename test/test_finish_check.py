@@ -61,18 +61,21 @@ def _decode(req: Req, tokens: list[int], runs: list[int], check) -> tuple:
     return reason, list(req.output_ids_through_stop)
 
 
-# SGLang's own check, unpatched: the hook may be applied in this process already (a
-# server's start-up code imported here applies the project's hooks), and HookRegistry
-# keeps the original under ``__wrapped__``
-_SGLANG_CHECK = inspect.unwrap(Req.update_finish_state)
+def _sglang_check():
+    """SGLang's own check, unpatched. The hook may be applied in this process (a server's
+    start-up code imported by another test module applies the project's hooks);
+    HookRegistry keeps the original under ``__wrapped__``. Looked up at each call, never
+    held in a module global: applying the hooks rebinds every module global that holds
+    the original (``hook_registry._propagate_patch``)."""
+    return inspect.unwrap(Req.update_finish_state)
 
 
 def _fixed(req, n):
-    return _finish_check_of_new_tokens(_SGLANG_CHECK, req, n)
+    return _finish_check_of_new_tokens(_sglang_check(), req, n)
 
 
 def _sglang_alone(req, n):
-    return _SGLANG_CHECK(req, n)
+    return _sglang_check()(req, n)
 
 
 def _random_case(rng: random.Random, tokenizer, stream: list[int]) -> tuple[dict, list[int], list[int]]:
