@@ -73,6 +73,8 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     # VERICACHE's DECODE iterations (full KV, in-pool drafts over view rows) replay SGLang's
     # decode graphs (None: its default); verifies and offload drafts run eager
     assert vc["graphs"] == [None, "disabled"] and "vericache" in vc["mechanisms"]
+    # --speculative-num-draft-tokens 4 (drafts): SGLang's count is the verify width
+    assert vc["draft_tokens"] == 5, vc
     # full-KV attention under the project's backends is SGLang's own choice for CUDA
     # (Triton here: FlashInfer is not installed; FlashInfer or FA3 on a GPU install), or
     # the one the flag names

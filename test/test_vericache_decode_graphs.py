@@ -10,6 +10,7 @@ batches only. The capture itself has not run on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +20,10 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from sglang_vc.vericache import decode_graphs
-from sglang_vc.vericache.decode_graphs import (CaptureOrEager, NoDecodeGraphs, UniformVerifyGraphRunner,
-                                               VeriCacheDecodeGraphRunner, capture_verify_graphs, mark_replayable,
-                                               runner_cls_for, verify_graphs_captured)
+from sglang_vc.vericache.decode_graphs import (MAX_VERIFY_GRAPH_WIDTH, CaptureOrEager, NoDecodeGraphs,
+                                               UniformVerifyGraphRunner, VeriCacheDecodeGraphRunner, VerifyGraphs,
+                                               capture_verify_graphs, mark_replayable, runner_cls_for,
+                                               verify_graph_widths, verify_graphs_captured)
 
 
 class _Algorithm:
@@ -170,39 +172,54 @@ def test_the_launcher_keeps_decode_graphs_for_vericache_and_says_what_stays_eage
 # ----------------------------------------------------------------------------- uniform verifies (#63 item 3)
 
 
-def _spec(num_draft_tokens: int):
-    return lambda: SimpleNamespace(speculative_num_draft_tokens=num_draft_tokens)
+class _Spec(SimpleNamespace):
+    """SGLang's spec bag as the capture reads it: the draft-token count (the verify width
+    X + 1), overridden while each width's backend and runner are built."""
+
+    @contextlib.contextmanager
+    def override(self, **kwargs):
+        saved = dict(vars(self))
+        vars(self).update(kwargs)
+        try:
+            yield self
+        finally:
+            vars(self).update(saved)
 
 
-def test_the_verify_runner_is_sglangs_target_verify_runner_at_the_verify_width_over_its_own_backend(monkeypatch):
+def test_verify_runners_are_sglangs_target_verify_runners_at_each_width_over_their_own_backends(monkeypatch):
     """What SGLang's constructor reads: a speculative algorithm (``TARGET_VERIFY`` mode) and
-    the width ``X + 1``; the attention backend it captures over is a new instance of the
-    full-KV backend (a runner's graph state is its backend's: the decode graphs keep theirs)."""
+    the width ``W``, one runner per width 2 .. X + 1; each captures over a new instance of
+    the full-KV backend, built while SGLang's draft-token count reads ``W`` (FA3 sizes its
+    verify metadata from it then); the count is X + 1 again afterwards."""
     import sglang.srt.runtime_context as runtime_context
+    import sglang.srt.speculative.spec_utils as spec_utils
 
     from sglang_vc.kvruntime.backend import VCTorchAttnBackend
 
-    seen, made = {}, []
+    spec = _Spec(speculative_num_draft_tokens=5)  # X = 4
+    seen, made = [], []
 
     def sglangs_init(self, model_runner, **kwargs):
-        seen["speculative"] = model_runner.spec_algorithm.is_speculative()
-        seen["width"] = model_runner.decode_num_tokens_per_req(num_draft_tokens=kwargs["speculative_num_draft_tokens"])
-        seen["backend"] = kwargs["attn_backend"]
-        self.captured_req_width, self.capture_bs = seen["width"], [1, 2]
+        width = model_runner.decode_num_tokens_per_req(num_draft_tokens=kwargs["speculative_num_draft_tokens"])
+        seen.append((model_runner.spec_algorithm.is_speculative(), width, kwargs["attn_backend"]))
+        self.captured_req_width, self.capture_bs = width, [1, 2]
 
     monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", sglangs_init)
-    import sglang.srt.speculative.spec_utils as spec_utils
-
-    monkeypatch.setattr(runtime_context, "get_spec", _spec(4))
-    monkeypatch.setattr(spec_utils, "get_spec", _spec(4))  # where SGLang's width rule reads it
-    monkeypatch.setattr(VCTorchAttnBackend, "_make_full_kv_backend",
-                        staticmethod(lambda mr, name: made.append(name) or SimpleNamespace(name=name)))
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: spec)
+    monkeypatch.setattr(spec_utils, "get_spec", lambda: spec)  # where SGLang's width rule reads it
+    monkeypatch.setattr(VCTorchAttnBackend, "_make_full_kv_backend", staticmethod(
+        lambda mr, name: made.append((name, spec.speculative_num_draft_tokens)) or SimpleNamespace(name=name)))
     model_runner = _model_runner(_Algorithm("VERICACHE"))
     model_runner.attn_backend = SimpleNamespace(full_kv=SimpleNamespace(name="fa3"), full_kv_name="fa3")
-    runner = capture_verify_graphs(model_runner)
-    assert isinstance(runner, UniformVerifyGraphRunner)
-    assert seen["speculative"] and seen["width"] == 5 and made == ["fa3"]
-    assert seen["backend"] is not model_runner.attn_backend.full_kv and seen["backend"].name == "fa3"
+    graphs = capture_verify_graphs(model_runner)
+    assert isinstance(graphs, VerifyGraphs) and sorted(graphs.runners) == [2, 3, 4, 5] and graphs.max_drafts == 4
+    assert all(isinstance(r, UniformVerifyGraphRunner) for r in graphs.runners.values())
+    assert [(speculative, width) for speculative, width, _ in seen] == [(True, w) for w in (2, 3, 4, 5)]
+    assert made == [("fa3", w) for w in (2, 3, 4, 5)] and spec.speculative_num_draft_tokens == 5
+    backends = [backend for _, _, backend in seen]
+    assert len({id(b) for b in backends}) == 4 and all(b is not model_runner.attn_backend.full_kv for b in backends)
+    # auto X (32 drafts): graphs at the widths a cohort verifies at from a graph only
+    assert verify_graph_widths(33) == list(range(2, MAX_VERIFY_GRAPH_WIDTH + 1))
 
 
 def test_no_verify_graphs_over_torch_native_and_a_failed_capture_is_a_warning(monkeypatch, caplog):
@@ -215,23 +232,32 @@ def test_no_verify_graphs_over_torch_native_and_a_failed_capture_is_a_warning(mo
         assert capture_verify_graphs(_model_runner(_Algorithm("VERICACHE"))) is None
     assert "no verify CUDA graphs" in caplog.text
 
-    def failing_init(self, model_runner, **kwargs):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def init_failing_at_3(self, model_runner, **kwargs):
+        if kwargs["speculative_num_draft_tokens"] == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured_req_width = kwargs["speculative_num_draft_tokens"]
 
-    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", failing_init)
-    monkeypatch.setattr(runtime_context, "get_spec", _spec(4))
+    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", init_failing_at_3)
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: _Spec(speculative_num_draft_tokens=4))
     monkeypatch.setattr(VCTorchAttnBackend, "_make_full_kv_backend", staticmethod(lambda mr, name: object()))
+    monkeypatch.setattr(UniformVerifyGraphRunner, "capture_bs", [1], raising=False)
     model_runner = _model_runner(_Algorithm("VERICACHE"))
     model_runner.attn_backend = SimpleNamespace(full_kv=object(), full_kv_name="fa3")
     before = stats.snapshot().get("vericache", {}).get("verify_graph_capture_failures", 0)
     with caplog.at_level("WARNING", logger="sglang_vc.vericache.decode_graphs"):
-        assert capture_verify_graphs(model_runner) is None
-    assert "verify CUDA graph capture failed" in caplog.text and "run eagerly" in caplog.text
+        graphs = capture_verify_graphs(model_runner)
+    # the width that failed runs eagerly, counted; the others replay
+    assert sorted(graphs.runners) == [2, 4]
+    assert "capture at width 3 failed" in caplog.text and "run eagerly" in caplog.text
     assert stats.snapshot()["vericache"]["verify_graph_capture_failures"] == before + 1
+    monkeypatch.setattr(DecodeCudaGraphRunner, "__init__", lambda self, mr, **kw: (_ for _ in ()).throw(
+        RuntimeError("out of memory")))
+    assert capture_verify_graphs(model_runner) is None  # none captured: every verify eager
+    assert stats.snapshot()["vericache"]["verify_graph_capture_failures"] == before + 4
 
 
-def _verify_batch(replayable: bool):
-    spec_info = SimpleNamespace()
+def _verify_batch(replayable: bool, width: int = 3):
+    spec_info = SimpleNamespace(num_tokens_per_req=width)
     if replayable:
         mark_replayable(spec_info)
     return SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, spec_info=spec_info)
@@ -239,14 +265,17 @@ def _verify_batch(replayable: bool):
 
 @pytest.mark.parametrize("marked", [True, False])
 def test_only_marked_verifies_replay_the_verify_graphs(monkeypatch, marked):
-    """A verify the worker marked (uniform, over resident full KV) goes to the verify runner,
-    whose SGLang check (width, batch size) then decides; a ragged one is refused before it."""
+    """A verify the worker marked (uniform, over resident full KV) goes to the verify runner
+    captured at its width, whose SGLang check (width, batch size) then decides; a ragged
+    one is refused before it, one of a width not captured too."""
     asked = []
-    monkeypatch.setattr(DecodeCudaGraphRunner, "can_run_graph", lambda self, fb: asked.append(type(self)) or True)
+    monkeypatch.setattr(DecodeCudaGraphRunner, "can_run_graph", lambda self, fb: asked.append(self) or True)
     runner = object.__new__(VeriCacheDecodeGraphRunner)
-    runner.verify = object.__new__(UniformVerifyGraphRunner)
+    by_width = {w: object.__new__(UniformVerifyGraphRunner) for w in (2, 3)}
+    runner.verify = VerifyGraphs(by_width)
     assert runner.can_run_graph(_verify_batch(marked)) is marked
-    assert asked == ([UniformVerifyGraphRunner] if marked else [])
+    assert asked == ([by_width[3]] if marked else [])
+    assert not runner.can_run_graph(_verify_batch(marked, width=4))
     assert not object.__new__(VeriCacheDecodeGraphRunner).can_run_graph(_verify_batch(True))  # none captured
     assert not runner.verify.can_run_graph(SimpleNamespace(forward_mode=ForwardMode.DECODE, spec_info=None))
 
@@ -254,13 +283,13 @@ def test_only_marked_verifies_replay_the_verify_graphs(monkeypatch, marked):
 def test_verify_replays_go_to_the_verify_runner_and_are_counted(monkeypatch):
     from sglang_vc import stats
 
-    monkeypatch.setattr(DecodeCudaGraphRunner, "execute",
-                        lambda self, fb, pp_proxy_tensors=None: type(self).__name__)
+    monkeypatch.setattr(DecodeCudaGraphRunner, "execute", lambda self, fb, pp_proxy_tensors=None: self)
     runner = object.__new__(VeriCacheDecodeGraphRunner)
-    runner.verify = object.__new__(UniformVerifyGraphRunner)
+    by_width = {w: object.__new__(UniformVerifyGraphRunner) for w in (2, 3)}
+    runner.verify = VerifyGraphs(by_width)
     before = stats.snapshot().get("vericache", {}).get("verify_graph_replays", 0)
-    assert runner.execute(_verify_batch(True)) == "UniformVerifyGraphRunner"
-    assert runner.execute(SimpleNamespace(forward_mode=ForwardMode.DECODE)) == "VeriCacheDecodeGraphRunner"
+    assert runner.execute(_verify_batch(True, width=2)) is by_width[2]
+    assert runner.execute(SimpleNamespace(forward_mode=ForwardMode.DECODE)) is runner
     assert stats.snapshot()["vericache"]["verify_graph_replays"] == before + 1
     assert verify_graphs_captured(SimpleNamespace(decode_cuda_graph_runner=runner))
     assert not verify_graphs_captured(SimpleNamespace(decode_cuda_graph_runner=NoDecodeGraphs(RuntimeError())))

@@ -419,6 +419,8 @@ def test_counters_in_server_info(server, tokenizer, vc_x):
     section = vc_counters(vc)
     mech = section["mechanisms"]["vericache"]
     assert mech["draft_tokens"] == x and mech["compressor"] == "snapkv"
+    # SGLang's draft-token count is the verify width (NGRAM's convention)
+    assert mech["verify_width"] == x + 1 == requests.get(vc.url + "/server_info").json()["speculative_num_draft_tokens"]
     after = section["counters"]["vericache"]
     gained = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert gained["verify_rounds"] > 0 and gained["bytes_reloaded"] > 0

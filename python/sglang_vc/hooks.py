@@ -523,7 +523,7 @@ def _payload_store_inside_the_budget(result, *args, **kwargs):
     reserves out of this budget only for its own multimodal caches
     (``mm_runtime_reservation_gb``); no seam for a plugin."""
     from sglang_vc.config import get_vc_config
-    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, record_kv_budget_split
+    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, kv_pool_share, record_kv_budget_split
     from sglang_vc.vericache.flags import staging_fraction_of
 
     configurator = args[0] if args else None
@@ -535,7 +535,7 @@ def _payload_store_inside_the_budget(result, *args, **kwargs):
     if not f_payload and not f_staging:
         record_kv_budget_split()  # not split
         return None
-    pool = int(result / (1 + f_payload + f_staging))
+    pool = int(result * kv_pool_share(f_payload, f_staging))
     record_kv_budget_split(pool=pool, payload_store=int(f_payload * pool), reload_staging=int(f_staging * pool))
     logger.info("KV budget %.2f GB (--mem-fraction-static): pool up to %.2f GB, its quantized payload store "
                 "(%.0f%% of the pool's bytes) %.2f GB, reloads staged for verifies (%.1f%%) %.2f GB",

@@ -159,23 +159,24 @@ class ChainSpecWorker(BaseSpecWorker):
         (its own by default; VERICACHE's in-pool drafters read a view row); ``positions``:
         the tokens' true positions where SGLang would derive other ones from ``seq_lens``
         (a ``DECODE`` forward over a view row, whose ``seq_len`` is the view's length)."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
         self.forwards += 1
         self.set_batch(sub, mode, input_ids, seq_lens_cpu, out_cache_loc, spec_info,
                         sub.seq_lens.dtype, sub.seq_lens.device)
+        rows_cpu = torch.tensor(rows if rows is not None else [r.kv.req_pool_idx for r in sub.reqs], dtype=torch.int64)
         if rows is not None:
-            sub.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
-            sub.req_pool_indices = to_device(sub.req_pool_indices_cpu.to(sub.req_pool_indices.dtype),
-                                             sub.req_pool_indices.device)
-        if positions is None:
-            res = self.target_worker.forward_batch_generation(sub, is_verify=True)
-        else:
-            from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-            self.target_worker.set_hicache_consumer(getattr(sub, "hicache_consumer_index", -1))
-            forward_batch = ForwardBatch.init_new(sub, self.model_runner, return_hidden_states_before_norm=False)
+            sub.req_pool_indices = to_device(rows_cpu.to(sub.req_pool_indices.dtype), sub.req_pool_indices.device)
+        # the forward batch built here as SGLang's worker builds it from a schedule batch,
+        # with the host copy of its rows that SGLang keeps for extends only: the project's
+        # attention reads the rows from it (``kvruntime.runtime.host_rows``), no device read
+        self.target_worker.set_hicache_consumer(getattr(sub, "hicache_consumer_index", -1))
+        forward_batch = ForwardBatch.init_new(sub, self.model_runner, return_hidden_states_before_norm=False)
+        forward_batch.req_pool_indices_cpu = rows_cpu
+        if positions is not None:
             forward_batch.positions = to_device(positions.to(forward_batch.positions.dtype),
                                                 forward_batch.positions.device)
-            res = self.target_worker.forward_batch_generation(None, forward_batch=forward_batch, is_verify=True)
+        res = self.target_worker.forward_batch_generation(None, forward_batch=forward_batch, is_verify=True)
         self.replayed = bool(res.can_run_cuda_graph)
         return res.logits_output.next_token_logits
 

@@ -30,7 +30,7 @@ from sglang_vc import stats
 
 from . import decode_index, graphs, kernels
 from .decode_index import DecodeIndex
-from .runtime import get_runtime
+from .runtime import get_runtime, host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         batch = self.runtime.batch
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         seq_lens = seq_lens.tolist()
-        pool_idx = forward_batch.req_pool_indices.tolist()
+        pool_idx = host_rows(forward_batch)
         q_lens = forward_batch.extend_seq_lens_cpu if extend else [1] * len(seq_lens)
         start = 0
         for i, seq_len in enumerate(seq_lens):

@@ -49,6 +49,12 @@ _runtime: Optional["KVRuntime"] = None
 _kv_budget_split: dict[str, int] = {}
 
 
+def kv_pool_share(f_payload: float, f_staging: float) -> float:
+    """The share of SGLang's KV budget the pool keeps where a payload store of ``f_payload``
+    and reload staging of ``f_staging`` of the pool's bytes are split off beside it."""
+    return 1.0 / (1.0 + f_payload + f_staging)
+
+
 def record_kv_budget_split(**bytes_of: int) -> None:
     """Keep the split of SGLang's KV budget (``pool``, ``payload_store``, ``reload_staging``
     bytes) for the runtime and ``/server_info``."""
@@ -58,6 +64,15 @@ def record_kv_budget_split(**bytes_of: int) -> None:
 
 def kv_budget_split() -> dict[str, int]:
     return dict(_kv_budget_split)
+
+
+def host_rows(forward_batch) -> list[int]:
+    """The forward's ``req_to_token`` rows, read from a host copy: SGLang makes one for an
+    extend (``req_pool_indices_cpu``), the project's workers for each forward they run
+    (``spec_worker.forward_sub``). Without one (a forward SGLang builds for a decode), a
+    read of the device tensor: a synchronisation on a GPU."""
+    rows = forward_batch.req_pool_indices_cpu
+    return (rows if rows is not None else forward_batch.req_pool_indices).tolist()
 
 
 def get_runtime(model_runner=None) -> "KVRuntime":
@@ -261,7 +276,7 @@ class KVRuntime:
     def begin_forward(self, forward_batch) -> BatchView:
         mode = forward_batch.forward_mode
         rids = forward_batch.rids or []
-        pool_idx = forward_batch.req_pool_indices.tolist()
+        pool_idx = host_rows(forward_batch)
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens).tolist()
         entries = [self.index.get(i) for i in pool_idx]

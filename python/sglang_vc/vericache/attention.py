@@ -23,6 +23,7 @@ from sglang_vc import stats
 from sglang_vc.kvruntime import NULL_SLOT, kernels, payload_table
 from sglang_vc.kvruntime.backend import ExtendLists, VCTorchAttnBackend
 from sglang_vc.kvruntime.decode_index import DecodeIndex, payload_groups
+from sglang_vc.kvruntime.runtime import host_rows
 
 from . import draft_view
 from .chain_attention import verify_lens
@@ -86,7 +87,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         extend view, whose metadata SGLang's backend builds now."""
         seq_lens = forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         starts = seq_lens.tolist()
-        rows = forward_batch.req_pool_indices.tolist()
+        rows = host_rows(forward_batch)
         lens = verify_lens(forward_batch.spec_info, len(starts))
         staged = self.staging.requests if self.staging is not None else {}
         entries = [None if i in staged else self.runtime.entry_for_row(r) for i, r in enumerate(rows)]

@@ -18,14 +18,18 @@ attend with the full-KV backend's kernels (``--vc-full-kv-attention-backend``, S
 default on the GPU), whose graph protocol ``vc_verify`` hands over
 (:class:`~sglang_vc.kvruntime.backend.VCTorchAttnBackend`).
 
-Beside it, :class:`UniformVerifyGraphRunner` is SGLang's runner built as a speculative
-target's is (``TARGET_VERIFY`` mode, as EAGLE's and NGRAM's) at VERICACHE's verify width
-``W = X + 1`` (``--speculative-num-draft-tokens X``), over an instance of the full-KV
-backend of its own (a runner's graph state lives in its backend). It replays only the
-verifies the worker marked (:func:`mark_replayable`): every request of the forward
-verifies ``W`` tokens over its full KV resident in the pool (in-pool drafters aligned by
-``--vc-in-pool-verify uniform``, :mod:`.staggered`), nothing staged, nothing compressed,
-no re-selection scored in the forward. Ragged verifies (drafters, full-KV requests or
+Beside it, :class:`VerifyGraphs` holds SGLang's runner built as a speculative target's
+is (``TARGET_VERIFY`` mode, as EAGLE's and NGRAM's) at each verify width ``W`` from 2 to
+``min(X + 1, MAX_VERIFY_GRAPH_WIDTH)`` (:class:`UniformVerifyGraphRunner`), each over an
+instance of the full-KV backend of its own (a runner's graph state lives in its backend),
+built while SGLang's draft-token count reads ``W``. SGLang's count is the verify width
+under VERICACHE (NGRAM's convention, :mod:`.worker_spec`), so its shared logits buffer
+holds the widest verify, and FA3 sizes each width's metadata for ``W`` query tokens. A
+runner replays only the verifies the worker marked (:func:`mark_replayable`): every
+request of the forward verifies ``W`` tokens over its full KV resident in the pool
+(in-pool drafters aligned by ``--vc-in-pool-verify uniform``, :mod:`.staggered`, their
+cohort's X capped at the widest captured), nothing staged, nothing compressed, no
+re-selection scored in the forward. Ragged verifies (drafters, full-KV requests or
 offload verifiers beside them) stay eager.
 
 Not run on a GPU yet: on the CPU platform SGLang captures no graphs (the runner is never
@@ -46,6 +50,9 @@ from sglang_vc import stats
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "VERICACHE"
+# uniform verifies are captured at widths 2 .. 9 (X <= 8 drafts): what a cohort verifies at
+# where graphs replay it (its leader's X capped there); each width is a set of graphs
+MAX_VERIFY_GRAPH_WIDTH = 9
 _REPLAYABLE = "vc_replayable"  # set on a verify input whose forward a verify graph may replay
 
 
@@ -106,10 +113,45 @@ class UniformVerifyGraphRunner(DecodeCudaGraphRunner):
                 and super().can_run_graph(forward_batch))
 
 
-def capture_verify_graphs(model_runner) -> "UniformVerifyGraphRunner | None":
-    """The uniform verifies' graph runner, over a new instance of the full-KV backend, or
-    None (and a warning) where that backend captures nothing or the capture fails: those
-    verifies then run eagerly."""
+def verify_graph_widths(max_width: int) -> list[int]:
+    """The verify widths graphs are captured at: ``2 .. min(max_width, MAX_VERIFY_GRAPH_WIDTH)``,
+    every width a uniform cohort verifies at (its leader's X is capped to the widest,
+    :meth:`VerifyGraphs.max_drafts`; a request joining it drafts fewer)."""
+    return list(range(2, min(int(max_width), MAX_VERIFY_GRAPH_WIDTH) + 1))
+
+
+class VerifyGraphs:
+    """The uniform verifies' graph runners, one per width: a marked verify replays the
+    runner captured at its width (``spec_info.num_tokens_per_req``), SGLang's own check
+    (batch size) deciding."""
+
+    def __init__(self, runners: dict[int, UniformVerifyGraphRunner]):
+        self.runners = runners
+
+    @property
+    def max_drafts(self) -> int:
+        """The most drafts a uniform cohort may verify from a graph."""
+        return max(self.runners) - 1
+
+    def runner_for(self, forward_batch) -> "UniformVerifyGraphRunner | None":
+        spec_info = forward_batch.spec_info
+        return self.runners.get(getattr(spec_info, "num_tokens_per_req", -1))
+
+    def can_run_graph(self, forward_batch) -> bool:
+        runner = self.runner_for(forward_batch)
+        return runner is not None and runner.can_run_graph(forward_batch)
+
+    def execute(self, forward_batch, pp_proxy_tensors=None):
+        return self.runner_for(forward_batch).execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
+
+
+def capture_verify_graphs(model_runner) -> "VerifyGraphs | None":
+    """The uniform verifies' graph runners at each width of :func:`verify_graph_widths`,
+    each over a new instance of the full-KV backend built while SGLang's draft-token count
+    reads that width (FA3 sizes its ``TARGET_VERIFY`` metadata and graph buffers from it at
+    construction), or None (and a warning) where that backend captures nothing or every
+    capture fails. A width whose capture fails is counted (``/server_info``:
+    ``verify_graph_capture_failures``) and its verifies run eagerly."""
     from sglang.srt.runtime_context import get_spec
 
     from sglang_vc.kvruntime.backend import VCTorchAttnBackend
@@ -119,22 +161,25 @@ def capture_verify_graphs(model_runner) -> "UniformVerifyGraphRunner | None":
         logger.warning("VERICACHE: no verify CUDA graphs (the full-KV backend %s captures none); in-pool "
                        "verifies run eagerly", name)
         return None
-    width = int(get_spec().speculative_num_draft_tokens) + 1  # t0 + X drafts
-    try:
-        backend = VCTorchAttnBackend._make_full_kv_backend(model_runner, name)
-        return UniformVerifyGraphRunner(model_runner, width=width, attn_backend=backend)
-    except Exception as exc:  # noqa: BLE001 (any failure of the capture: those verifies run eagerly)
-        logger.warning("VERICACHE: verify CUDA graph capture failed (%s: %s); in-pool verifies run eagerly",
-                       type(exc).__name__, exc)
-        stats.add("vericache", verify_graph_capture_failures=1)
-        return None
+    spec = get_spec()
+    runners = {}
+    for width in verify_graph_widths(spec.speculative_num_draft_tokens):  # NGRAM's convention: X + 1
+        try:
+            with spec.override(speculative_num_draft_tokens=width):
+                backend = VCTorchAttnBackend._make_full_kv_backend(model_runner, name)
+                runners[width] = UniformVerifyGraphRunner(model_runner, width=width, attn_backend=backend)
+        except Exception as exc:  # noqa: BLE001 (any failure of a capture: those verifies run eagerly)
+            logger.warning("VERICACHE: verify CUDA graph capture at width %d failed (%s: %s); uniform verifies "
+                           "of that width run eagerly", width, type(exc).__name__, exc)
+            stats.add("vericache", verify_graph_capture_failures=1)
+    return VerifyGraphs(runners) if runners else None
 
 
 class VeriCacheDecodeGraphRunner(DecodeCudaGraphRunner):
     """SGLang's decode graph runner in ``DECODE`` mode under VERICACHE, and beside it the
     uniform verifies' (:attr:`verify`; module docstring)."""
 
-    verify: "UniformVerifyGraphRunner | None" = None
+    verify: "VerifyGraphs | None" = None
 
     def __init__(self, model_runner, **kwargs):
         with as_plain_decode(model_runner):
@@ -159,9 +204,14 @@ class VeriCacheDecodeGraphRunner(DecodeCudaGraphRunner):
         return super().execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
 
 
+def verify_graphs_of(model_runner) -> "VerifyGraphs | None":
+    """The target's uniform verify graphs, None where none were captured."""
+    return getattr(getattr(model_runner, "decode_cuda_graph_runner", None), "verify", None)
+
+
 def verify_graphs_captured(model_runner) -> bool:
     """Whether the target replays uniform verifies from graphs (``--vc-in-pool-verify auto``)."""
-    return getattr(getattr(model_runner, "decode_cuda_graph_runner", None), "verify", None) is not None
+    return verify_graphs_of(model_runner) is not None
 
 
 class NoDecodeGraphs:

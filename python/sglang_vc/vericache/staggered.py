@@ -110,6 +110,8 @@ class StaggeredSchedule:
         self.trace_path = trace_path
         # in-pool drafters (nothing to reload) verify together: ``--vc-in-pool-verify uniform``
         self.uniform_in_pool = False
+        # the widest uniform verify a captured graph replays (X + 1), None: no cap
+        self.uniform_max_drafts: Optional[int] = None
         self.iter_time: Optional[float] = None
         self._ema = ema
         if trace_path:
@@ -161,6 +163,7 @@ class StaggeredSchedule:
                 # in-pool: verify with the in-pool drafters already admitted, or lead a new cohort
                 if cohort is None or cohort <= self.now:
                     x = self.anchor(rid, len(rids))
+                    x = x if self.uniform_max_drafts is None else min(x, self.uniform_max_drafts)
                 else:
                     x = cohort - self.now
                 x = x if cap is None else min(x, cap)

@@ -29,7 +29,7 @@ from sglang_vc.kvruntime.plan import NO_COMPRESSION
 from sglang_vc.spec_worker import committed_lens
 
 from .attention import InPoolDrafts
-from .decode_graphs import mark_replayable, verify_graphs_captured
+from .decode_graphs import mark_replayable, verify_graphs_captured, verify_graphs_of
 from .decode_slots import draft_cap
 from .flags import InPoolVerify
 from .draft_view import View
@@ -73,6 +73,8 @@ class StaggeredRound:
             self._staggered = StaggeredSchedule(sched, self.num_drafts, trace_path=self.trace_path)
             self._staggered.anchor = self._anchor
             self._staggered.uniform_in_pool = self._uniform_in_pool()
+            graphs = verify_graphs_of(self.model_runner)
+            self._staggered.uniform_max_drafts = graphs.max_drafts if graphs is not None else None
             logger.info("VERICACHE staggered schedule: window %d iterations, anchor X=%s, link %.2f GB/s "
                         "(measured), staging budget %.1f MB", self.window,
                         self.num_drafts if not self.draft_length.auto else

@@ -64,6 +64,7 @@ from .lockstep import LockstepRound
 from .staggered_round import StaggeredRound
 from .staggered import StaggeredSchedule
 from .view_rows import SharedSelections, ViewRows
+from .worker_spec import draft_tokens_of
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         from sglang.srt.runtime_context import get_device, get_spec
 
-        num_drafts = int(get_spec().speculative_num_draft_tokens)
+        num_drafts = draft_tokens_of(get_spec())  # SGLang's count is the verify width X + 1
         settings = flags.settings_of(server_args)
         schedule = flags.schedule(settings)
         # staggered: a request drafts up to 2X - 1 tokens between verifies (ADMIT searches

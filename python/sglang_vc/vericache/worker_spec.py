@@ -91,16 +91,26 @@ def _carried_resolution(server_args) -> dict:
 
 
 def handle_server_args(server_args) -> None:
-    """Resolve the flags VERICACHE needs (runs on SGLang's resolution stand-in)."""
-    x = server_args.speculative_num_draft_tokens
-    if x is None:  # X chosen from data in 1 .. AUTO_MAX_DRAFT_TOKENS (draft_length.py)
-        x = AUTO_MAX_DRAFT_TOKENS
-        server_args.speculative_num_draft_tokens = x
-        _carried_resolution(server_args)["draft_len_auto"] = True
-    # SGLang may resolve the flags again (x is set by then): what was decided first stands
-    auto = bool(_carried_resolution(server_args).get("draft_len_auto"))
-    # Draft steps = X, one chain. SGLang reserves 2 * max(steps, X) slots past each
-    # request's committed length per decode round, which holds the X + 1 verify slots.
+    """Resolve the flags VERICACHE needs (runs on SGLang's resolution stand-in).
+
+    ``--speculative-num-draft-tokens X`` counts VERICACHE's drafts per verify; SGLang's
+    field is set to the verify width ``X + 1`` (NGRAM's convention: the draft-token count
+    is the tokens each request verifies, the committed token first), because SGLang reads
+    it as that width everywhere: the shared logits buffer the verify graphs write
+    (``ModelRunner.max_decode_logits_rows``), FA3's ``TARGET_VERIFY`` metadata and graph
+    buffers, the verify graph runner's width check. The project reads X with
+    :func:`draft_tokens_of`."""
+    carried = _carried_resolution(server_args)
+    if "drafts" not in carried:  # the first resolution reads the user's X
+        x = server_args.speculative_num_draft_tokens
+        carried["draft_len_auto"] = x is None
+        # without the flag X is chosen from data in 1 .. AUTO_MAX_DRAFT_TOKENS (draft_length.py)
+        carried["drafts"] = int(AUTO_MAX_DRAFT_TOKENS if x is None else x)
+    # SGLang may resolve the flags again (the width set by then): what was decided first stands
+    x, auto = carried["drafts"], bool(carried["draft_len_auto"])
+    server_args.speculative_num_draft_tokens = x + 1
+    # Draft steps = X, one chain. SGLang reserves 2 * (X + 1) slots past each request's
+    # committed length per decode round (the staggered schedule asks fewer: decode_slots.py)
     server_args.speculative_num_steps = x
     from sglang_vc.speculative import resolve_flags
 
@@ -111,6 +121,7 @@ def handle_server_args(server_args) -> None:
     if config is not None:
         config.resolved["vericache"] = {
             "draft_tokens": int(x),
+            "verify_width": int(x) + 1,  # SGLang's speculative_num_draft_tokens
             "draft_len_auto": auto,
             "draft_len": (f"chosen from data in 1..{x} (starts at {DEFAULT_DRAFT_TOKENS})" if auto
                           else f"fixed at {x} (--speculative-num-draft-tokens)"),
@@ -126,3 +137,9 @@ def handle_server_args(server_args) -> None:
             "host_kv_gb": (config.group("vericache") or {}).get("host_kv_gb"),
         }
         config.enabled_mechanisms()
+
+
+def draft_tokens_of(spec) -> int:
+    """VERICACHE's X, the most drafts per verify, from SGLang's resolved speculative
+    settings (``get_spec()``), whose draft-token count is the verify width X + 1."""
+    return int(spec.speculative_num_draft_tokens) - 1

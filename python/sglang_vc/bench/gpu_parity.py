@@ -1,0 +1,155 @@
+"""``python -m sglang_vc.bench.gpu_parity --json OUT``: what turning VERICACHE on costs a
+plain SGLang user on a GPU before anything drafts, priced from the code as it stands.
+
+A PREDICTION, not a measurement: nothing here runs on a GPU. The terms that decide it are
+read from the project's own code, so the figures move when the code does:
+
+* **the pool**: the share of SGLang's KV budget the pool keeps under VERICACHE's default
+  flags (``kvruntime.runtime.kv_pool_share``, the split ``hooks`` applies at start-up), and
+  so how many requests of the context are resident beside plain SGLang's;
+* **overlap**: whether VERICACHE's flag resolution leaves SGLang's overlap scheduler on
+  (``speculative.resolve_flags``); where it is off, the iteration's host work
+  (``--host-ms``, an assumption: the issue priced it at 4-6 ms for 32 requests) is added
+  to every iteration instead of hidden behind the device;
+* **verify graphs**: the widths a uniform in-pool verify replays from a graph
+  (``vericache.decode_graphs.verify_graph_widths``); a verify outside them runs eagerly,
+  ``--eager-launches`` kernel launches at ``--launch-us`` each;
+* **bytes per verify** under offload: the request's whole full KV today (the reload is
+  not staged layer by layer yet), over a ``--link-gb-s`` link.
+
+The device iteration is the memory-bound decode step: the weights and every resident
+request's KV read once from HBM. Printed beside the figures a code read gave at d332b8c
+(``OLD``), which the issue that asked for this tool (#74) quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+GB = 1e9
+# one H100 SXM, an 8B model (Llama-3-8B shapes) in bfloat16
+H100 = {"gpu_mem_bytes": 80 * GB, "hbm_bw": 3.35e12}
+MODEL_8B = {"weights_bytes": 16 * GB, "layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}
+# the code read at d332b8c (the issue's table): VERICACHE on, nothing drafts; in-pool
+# drafting at default flags; offload engaged (32 requests of 32k on an H100, 8B)
+OLD = {"nothing_drafts": 0.76, "in_pool": 0.84, "offload": 0.7}
+
+
+def kv_bytes_per_token(model: dict) -> int:
+    return 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * model["dtype_bytes"]
+
+
+def code_terms(draft_tokens: int = 32) -> dict:
+    """What the code does under VERICACHE's default flags (X chosen from data up to
+    ``draft_tokens``): the pool's share of the KV budget, whether SGLang's overlap
+    scheduler stays on, the verify widths graphs capture."""
+    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, kv_pool_share
+    from sglang_vc.speculative import resolve_flags
+    from sglang_vc.vericache.decode_graphs import verify_graph_widths
+    from sglang_vc.vericache.flags import DEFAULT_STAGING_FRACTION
+    from sglang_vc.vericache.names import ATTENTION_BACKEND
+
+    # the default drafter (SpeCache 2-bit) is a compressor: its payload store is split off
+    share = kv_pool_share(PAYLOAD_STORE_FRACTION, DEFAULT_STAGING_FRACTION)
+    args = SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
+                           enable_mixed_chunk=False)
+    resolve_flags(args, ATTENTION_BACKEND)  # (records its notice in this process only)
+    return {"pool_share": share, "overlap": not args.disable_overlap_schedule,
+            "verify_graph_widths": verify_graph_widths(draft_tokens + 1)}
+
+
+@dataclass
+class Row:
+    context_tokens: int
+    plain_batch: int
+    vc_batch: int
+    plain_iter_ms: float
+    vc_iter_ms: float
+    nothing_drafts: float  # tokens/s, VERICACHE on / plain SGLang
+    verify_launch_ms: float  # added to a verify iteration outside the captured widths
+    offload_verify_bytes: float
+    offload_verify_link_ms: float
+
+
+def predict(terms: dict, *, contexts: list[int], batch: int, mem_fraction: float, host_ms: float,
+            eager_launches: int, launch_us: float, link_gb_s: float, hw: dict = H100,
+            model: dict = MODEL_8B) -> list[Row]:
+    budget = mem_fraction * hw["gpu_mem_bytes"] - model["weights_bytes"]
+    weights_ms = 1e3 * model["weights_bytes"] / hw["hbm_bw"]
+    rows = []
+    for n in contexts:
+        kv = n * kv_bytes_per_token(model)
+        plain_b = min(batch, int(budget // kv))
+        vc_b = min(batch, int(budget * terms["pool_share"] // kv))
+        step = lambda b: weights_ms + 1e3 * b * kv / hw["hbm_bw"]  # noqa: E731
+        plain_ms = step(plain_b)
+        vc_ms = step(vc_b) + (0.0 if terms["overlap"] else host_ms)
+        rows.append(Row(n, plain_b, vc_b, plain_ms, vc_ms, (vc_b / vc_ms) / (plain_b / plain_ms),
+                        eager_launches * launch_us / 1e3, kv, 1e3 * kv / (link_gb_s * GB)))
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sglang_vc.bench.gpu_parity",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--batch", type=int, default=32, help="requests waiting to decode")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.88)
+    parser.add_argument("--host-ms", type=float, default=5.0,
+                        help="host work per iteration that overlap scheduling would hide (an assumption)")
+    parser.add_argument("--eager-launches", type=int, default=450, help="kernel launches of an eager verify")
+    parser.add_argument("--launch-us", type=float, default=5.0)
+    parser.add_argument("--link-gb-s", type=float, default=50.0, help="pinned host-to-device copies")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    if not 0 < args.mem_fraction_static < 1 or args.batch < 1 or min(args.contexts) < 1:
+        parser.error("--mem-fraction-static in (0, 1), --batch and --contexts >= 1")
+    terms = code_terms()
+    rows = predict(terms, contexts=args.contexts, batch=args.batch, mem_fraction=args.mem_fraction_static,
+                   host_ms=args.host_ms, eager_launches=args.eager_launches, launch_us=args.launch_us,
+                   link_gb_s=args.link_gb_s)
+    out = {"label": "PREDICTION from the code's terms and nominal H100 figures, not a measurement",
+           "device": "H100 (nominal)", "model": "8B (Llama-3-8B shapes)", "terms": terms, "old_code_read": OLD,
+           "rows": [asdict(r) for r in rows],
+           "command": " ".join(["python -m sglang_vc.bench.gpu_parity", *(argv if argv is not None else sys.argv[1:])])}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"[gpu_parity] {out['label']}; pool share {terms['pool_share']:.3f} of the KV budget, overlap "
+          f"{'on' if terms['overlap'] else 'off'}, verify graphs at widths {terms['verify_graph_widths']}",
+          file=sys.stderr)
+    for r in rows:
+        print(f"[gpu_parity] {r.context_tokens} tokens: resident {r.vc_batch} vs plain {r.plain_batch}, iteration "
+              f"{r.vc_iter_ms:.1f} vs {r.plain_iter_ms:.1f} ms: nothing drafts x{r.nothing_drafts:.2f} (code read "
+              f"at d332b8c: x{OLD['nothing_drafts']:.2f} at 32k); offload verify reloads "
+              f"{r.offload_verify_bytes / GB:.2f} GB ({r.offload_verify_link_ms:.0f} ms of link)", file=sys.stderr)
+    _plot(out, path.with_suffix(".png"))
+
+
+def _plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["nothing_drafts"] for r in rows], 0.4, label="as the code stands")
+    ax.bar([x + 0.2 for x in xs], [OLD["nothing_drafts"] if r["context_tokens"] == 32768 else 0 for r in rows], 0.4,
+           label="code read at d332b8c (32k only)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), [f"{r['context_tokens'] // 1024}k" for r in rows])
+    ax.set(ylabel="x plain SGLang tokens/s", title="PREDICTION: VERICACHE on, nothing drafts (H100, 8B)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
