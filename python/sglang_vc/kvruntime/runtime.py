@@ -71,7 +71,7 @@ def host_rows(forward_batch) -> list[int]:
     extend (``req_pool_indices_cpu``), the project's workers for each forward they run
     (``spec_worker.forward_sub``). Without one (a forward SGLang builds for a decode), a
     read of the device tensor: a synchronisation on a GPU."""
-    rows = forward_batch.req_pool_indices_cpu
+    rows = getattr(forward_batch, "req_pool_indices_cpu", None)  # a stand-in batch may lack the field
     return (rows if rows is not None else forward_batch.req_pool_indices).tolist()
 
 
