@@ -7,8 +7,7 @@ import json
 
 from sglang_vc.bench import gpu_parity as gp
 
-KW = dict(contexts=[8192, 32768], batch=32, mem_fraction=0.88, host_ms=5.0, eager_launches=450, launch_us=5.0,
-          link_gb_s=50.0)
+KW = dict(contexts=[8192, 32768], batch=32, mem_fraction=0.88, host_ms=5.0, link_gb_s=50.0)
 
 
 def test_terms_are_the_codes():

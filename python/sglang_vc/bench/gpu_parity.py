@@ -12,8 +12,8 @@ read from the project's own code, so the figures move when the code does:
   (``--host-ms``, an assumption: the issue priced it at 4-6 ms for 32 requests) is added
   to every iteration instead of hidden behind the device;
 * **verify graphs**: the widths a uniform in-pool verify replays from a graph
-  (``vericache.decode_graphs.verify_graph_widths``); a verify outside them runs eagerly,
-  ``--eager-launches`` kernel launches at ``--launch-us`` each;
+  (``vericache.decode_graphs.verify_graph_widths``), reported (nothing drafts here, so
+  they do not enter the ratio);
 * **bytes per verify** under offload: the request's whole full KV today (the reload is
   not staged layer by layer yet), over a ``--link-gb-s`` link.
 
@@ -71,14 +71,12 @@ class Row:
     plain_iter_ms: float
     vc_iter_ms: float
     nothing_drafts: float  # tokens/s, VERICACHE on / plain SGLang
-    verify_launch_ms: float  # added to a verify iteration outside the captured widths
     offload_verify_bytes: float
     offload_verify_link_ms: float
 
 
 def predict(terms: dict, *, contexts: list[int], batch: int, mem_fraction: float, host_ms: float,
-            eager_launches: int, launch_us: float, link_gb_s: float, hw: dict = H100,
-            model: dict = MODEL_8B) -> list[Row]:
+            link_gb_s: float, hw: dict = H100, model: dict = MODEL_8B) -> list[Row]:
     budget = mem_fraction * hw["gpu_mem_bytes"] - model["weights_bytes"]
     weights_ms = 1e3 * model["weights_bytes"] / hw["hbm_bw"]
     rows = []
@@ -90,7 +88,7 @@ def predict(terms: dict, *, contexts: list[int], batch: int, mem_fraction: float
         plain_ms = step(plain_b)
         vc_ms = step(vc_b) + (0.0 if terms["overlap"] else host_ms)
         rows.append(Row(n, plain_b, vc_b, plain_ms, vc_ms, (vc_b / vc_ms) / (plain_b / plain_ms),
-                        eager_launches * launch_us / 1e3, kv, 1e3 * kv / (link_gb_s * GB)))
+                        kv, 1e3 * kv / (link_gb_s * GB)))
     return rows
 
 
@@ -102,8 +100,6 @@ def main(argv=None) -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=0.88)
     parser.add_argument("--host-ms", type=float, default=5.0,
                         help="host work per iteration that overlap scheduling would hide (an assumption)")
-    parser.add_argument("--eager-launches", type=int, default=450, help="kernel launches of an eager verify")
-    parser.add_argument("--launch-us", type=float, default=5.0)
     parser.add_argument("--link-gb-s", type=float, default=50.0, help="pinned host-to-device copies")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
@@ -111,8 +107,7 @@ def main(argv=None) -> None:
         parser.error("--mem-fraction-static in (0, 1), --batch and --contexts >= 1")
     terms = code_terms()
     rows = predict(terms, contexts=args.contexts, batch=args.batch, mem_fraction=args.mem_fraction_static,
-                   host_ms=args.host_ms, eager_launches=args.eager_launches, launch_us=args.launch_us,
-                   link_gb_s=args.link_gb_s)
+                   host_ms=args.host_ms, link_gb_s=args.link_gb_s)
     out = {"label": "PREDICTION from the code's terms and nominal H100 figures, not a measurement",
            "device": "H100 (nominal)", "model": "8B (Llama-3-8B shapes)", "terms": terms, "old_code_read": OLD,
            "rows": [asdict(r) for r in rows],
