@@ -304,7 +304,8 @@ def _used_tokens_while_decoding(server, ids, custom, max_new=24):
 
 
 def test_memory_is_freed_in_the_device_pool(lossy_server, tokenizer):
-    """After prefill, a compressed request holds ~ratio of the pool slots of a full one."""
+    """After prefill, a compressed request holds ~ratio of the pool slots of a full one; a
+    quantized one its full-precision residual and the slots leased for its payload."""
     ids = prompt_ids(tokenizer, 4, 600)  # three prefill chunks
     n = len(ids)
     full, _ = _used_tokens_while_decoding(lossy_server, ids, {"vc_compressor": "none"})
@@ -314,10 +315,12 @@ def test_memory_is_freed_in_the_device_pool(lossy_server, tokenizer):
     residual = n - kivi_split(n, 32, 128)[0]
     print(f"pool tokens in use after prefill of {n} tokens: full {full}, knorm@{RATIO} {lossy} "
           f"(kept {keep}), kivi2 {quant} (full-precision residual {residual}, payload "
-          f"{meta_of(qout)['payload_bytes']} B)")
+          f"{meta_of(qout)['payload_bytes']} B in {meta_of(qout)['payload_slots']} leased slots)")
     assert full >= n
     assert keep <= lossy <= keep + 24 + 2  # kept rows + tokens generated while polling
-    assert residual <= quant <= residual + 24 + 2
+    leased = meta_of(qout)["payload_slots"]
+    assert 0 < leased < n // 4  # 2-bit codes of the fp32 pool's rows, with their scales
+    assert residual + leased <= quant <= residual + leased + 24 + 2
     assert meta_of(out)["slots_freed"] == n - keep
 
 

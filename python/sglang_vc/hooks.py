@@ -513,34 +513,30 @@ def _decode_graphs_for_vericache(original, model_runner):
     return runner_cls_for(original, model_runner)
 
 
-def _payload_store_inside_the_budget(result, *args, **kwargs):
+def _reload_staging_inside_the_budget(result, *args, **kwargs):
     """SGLang sizes the KV pool from the device memory left after the weights (with
-    ``--mem-fraction-static``); compressed-KV serving keeps its quantized payloads in a
-    store of ``PAYLOAD_STORE_FRACTION`` of the pool's bytes beside the pool, and VERICACHE
-    its reloads staged ahead of a verify in ``--vc-staging-fraction`` of them, so the pool
-    takes ``1 / (1 + f_payload + f_staging)`` of that budget and the others the rest: all
-    inside SGLang's memory fraction (``/server_info``'s ``kv_pool`` shows the split). SGLang
-    reserves out of this budget only for its own multimodal caches
-    (``mm_runtime_reservation_gb``); no seam for a plugin."""
-    from sglang_vc.config import get_vc_config
-    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, kv_pool_share, record_kv_budget_split
+    ``--mem-fraction-static``). VERICACHE stages its reloads ahead of a verify in
+    ``--vc-staging-fraction`` of the pool's bytes beside it, so the pool takes
+    ``1 / (1 + f_staging)`` of that budget and the staging the rest: all inside SGLang's
+    memory fraction (``/server_info``'s ``kv_pool`` shows the split; quantized payloads take
+    leased pool slots instead, :mod:`sglang_vc.kvruntime.payload_store`). SGLang reserves
+    out of this budget only for its own multimodal caches (``mm_runtime_reservation_gb``);
+    no seam for a plugin."""
+    from sglang_vc.kvruntime.runtime import kv_pool_share, record_kv_budget_split
     from sglang_vc.vericache.flags import staging_fraction_of
 
     configurator = args[0] if args else None
     if configurator is None or getattr(configurator, "is_draft_worker", False):
         return None
-    server_args = getattr(configurator, "server_args", None)
-    f_payload = PAYLOAD_STORE_FRACTION if get_vc_config(server_args).vc_compressor else 0.0
-    f_staging = staging_fraction_of(server_args)
-    if not f_payload and not f_staging:
+    f_staging = staging_fraction_of(getattr(configurator, "server_args", None))
+    if not f_staging:
         record_kv_budget_split()  # not split
         return None
-    pool = int(result * kv_pool_share(f_payload, f_staging))
-    record_kv_budget_split(pool=pool, payload_store=int(f_payload * pool), reload_staging=int(f_staging * pool))
-    logger.info("KV budget %.2f GB (--mem-fraction-static): pool up to %.2f GB, its quantized payload store "
-                "(%.0f%% of the pool's bytes) %.2f GB, reloads staged for verifies (%.1f%%) %.2f GB",
-                result / 2**30, pool / 2**30, 100 * f_payload, f_payload * pool / 2**30,
-                100 * f_staging, f_staging * pool / 2**30)
+    pool = int(result * kv_pool_share(f_staging))
+    record_kv_budget_split(pool=pool, reload_staging=int(f_staging * pool))
+    logger.info("KV budget %.2f GB (--mem-fraction-static): pool up to %.2f GB, reloads staged for verifies "
+                "(%.1f%% of the pool's bytes) %.2f GB", result / 2**30, pool / 2**30, 100 * f_staging,
+                f_staging * pool / 2**30)
     return pool
 
 
@@ -697,7 +693,7 @@ def install() -> None:
     )
     HookRegistry.register(
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
-        _payload_store_inside_the_budget,
+        _reload_staging_inside_the_budget,
         HookType.AFTER,
     )
     HookRegistry.register(

@@ -48,14 +48,15 @@ def code_terms(draft_tokens: int = 32) -> dict:
     """What the code does under VERICACHE's default flags (X chosen from data up to
     ``draft_tokens``): the pool's share of the KV budget, whether SGLang's overlap
     scheduler stays on, the verify widths graphs capture."""
-    from sglang_vc.kvruntime.runtime import PAYLOAD_STORE_FRACTION, kv_pool_share
+    from sglang_vc.kvruntime.runtime import kv_pool_share
     from sglang_vc.speculative import resolve_flags
     from sglang_vc.vericache.decode_graphs import verify_graph_widths
     from sglang_vc.vericache.flags import DEFAULT_STAGING_FRACTION
     from sglang_vc.vericache.names import ATTENTION_BACKEND
 
-    # the default drafter (SpeCache 2-bit) is a compressor: its payload store is split off
-    share = kv_pool_share(PAYLOAD_STORE_FRACTION, DEFAULT_STAGING_FRACTION)
+    # quantized payloads lease pool slots when a request is compressed; the reload staging
+    # share is still split off at start-up
+    share = kv_pool_share(DEFAULT_STAGING_FRACTION)
     args = SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
                            enable_mixed_chunk=False)
     resolve_flags(args, ATTENTION_BACKEND)  # (records its notice in this process only)

@@ -41,6 +41,7 @@ class QuantPayload:
     # [L, 6] int64 addresses of each layer's tensors (built on first use by
     # .payload_table; a payload is replaced, never changed in place)
     addresses: Any = None
+    home: Any = None  # the pool slots leased for it (.payload_store.PayloadHome)
 
 
 @dataclasses.dataclass
@@ -80,6 +81,8 @@ class CompressedKVIndex:
         else:
             out["tokens_quantized"] = self.quantized_tokens
             out["payload_bytes"] = self.payload.nbytes if self.payload else 0
+            # pool slots leased to hold it (taken from SGLang's free list while it lives)
+            out["payload_slots"] = self.payload.home.lease.size if self.payload and self.payload.home else 0
             out["in_place"] = self.in_place
         if self.spec.mode == "online":
             out["online_evicted"] = self.online_evicted

@@ -31,6 +31,7 @@ from sglang_vc.compress.kivi import KIVI
 
 from . import kernels
 from .index import CompressedKVIndex, QuantPayload
+from .payload_store import PayloadHome, PayloadStore
 from .names import NULL_SLOT
 from .warmup import warm_up_kernels
 from .plan import CompressionSpec, RequestPlan, make_spec, resolve_spec
@@ -39,25 +40,24 @@ logger = logging.getLogger(__name__)
 
 SNAPKV_WINDOW = 32  # observation window (SnapKV's reference code)
 MAX_SCORING_QUERIES = 512  # last prompt queries H2O/KVzip score with (memory bound)
-# Bytes the quantized payloads may take, as a fraction of the device KV pool's bytes.
-# At 2 bits a payload is ~1/8 of the fp32 KV it replaces, so 0.25 holds ~2 pools' worth.
-PAYLOAD_STORE_FRACTION = 0.25
+# Extra tokens a payload's home holds past its prompt's, as a fraction of them, for the
+# decode tail that KIVI quantizes group by group (VERICACHE keeps its rows full: none)
+PAYLOAD_TAIL_HEADROOM = 0.25
 
 _runtime: Optional["KVRuntime"] = None
 # How SGLang's KV budget (--mem-fraction-static) was split in this process: recorded by
-# ``hooks._payload_store_inside_the_budget`` when SGLang sizes the pool, before any runtime
+# ``hooks._reload_staging_inside_the_budget`` when SGLang sizes the pool, before any runtime
 _kv_budget_split: dict[str, int] = {}
 
 
-def kv_pool_share(f_payload: float, f_staging: float) -> float:
-    """The share of SGLang's KV budget the pool keeps where a payload store of ``f_payload``
-    and reload staging of ``f_staging`` of the pool's bytes are split off beside it."""
-    return 1.0 / (1.0 + f_payload + f_staging)
+def kv_pool_share(f_staging: float) -> float:
+    """The share of SGLang's KV budget the pool keeps where reload staging of ``f_staging``
+    of the pool's bytes is split off beside it."""
+    return 1.0 / (1.0 + f_staging)
 
 
 def record_kv_budget_split(**bytes_of: int) -> None:
-    """Keep the split of SGLang's KV budget (``pool``, ``payload_store``, ``reload_staging``
-    bytes) for the runtime and ``/server_info``."""
+    """Keep the split of SGLang's KV budget (``pool``, ``reload_staging`` bytes) for the runtime and ``/server_info``."""
     _kv_budget_split.clear()
     _kv_budget_split.update({k: int(v) for k, v in bytes_of.items()})
 
@@ -103,6 +103,8 @@ class _Pending:
     n_keep: int = 0  # token dropping: rows kept
     n_quant: int = 0  # quantization: tokens quantized
     layers: dict = dataclasses.field(default_factory=dict)  # layer -> QuantizedKV
+    home: Optional[PayloadHome] = None  # the payload's leased slots (taken at its first layer)
+    no_home: bool = False  # no run of free slots for it: the runtime's fallback at the end
 
 
 @dataclasses.dataclass
@@ -152,13 +154,14 @@ class KVRuntime:
         self.bytes_per_slot = self.kv_pool.layer_num * (
             k0[0].numel() * k0.element_size() + v0[0].numel() * v0.element_size()
         )
-        self.payload_budget = int(PAYLOAD_STORE_FRACTION * self.bytes_per_slot * k0.shape[0])
+        # quantized payloads live in slots leased from the pool while their request does
+        self.payloads = PayloadStore(self.allocator, self.kv_pool, self._evict)
+        self.payload_tail_headroom = PAYLOAD_TAIL_HEADROOM
         # device memory for reloads staged ahead of their verify (VERICACHE): what SGLang's
         # budget set aside for them when it sized the pool (the worker fills it in otherwise)
         self.staging_budget = kv_budget_split().get("reload_staging", 0)
         self.staging_arena = None  # VERICACHE's buffer of that share, once allocated (its stats())
         self.host_store = None  # VERICACHE's host store of the full KV compression replaced
-        self.payload_bytes = 0
         self.plans: dict[str, RequestPlan] = {}
         self.index: dict[int, CompressedKVIndex] = {}
         self.meta: dict[str, dict] = {}  # rid -> summary dict shown in meta_info
@@ -190,8 +193,8 @@ class KVRuntime:
         # its slots are freed: ``streamed(rid, req_pool_idx, layer_id, start, k, v)``
         # (SpeCache's host copy grows with the quantized part).
         self.full_kv_streamed = None
-        # When the payload store is full, a quantized request's dequantized values are
-        # written over its own rows (lossy, nothing saved). A user that must know which
+        # When the pool has no run of free slots for a payload, a quantized request's
+        # dequantized values are written over its own rows (lossy, nothing saved). A user that must know which
         # rows are quantized (SpeCache) sets False: such a request then keeps its full KV.
         self.in_place_fallback = True
         # slots given back to the allocator by compression, not yet reported to the
@@ -212,11 +215,21 @@ class KVRuntime:
         # compressed request; None on the CPU
         mc = model_runner.model_config
         self.kernel_warmup_s = warm_up_kernels(k0, mc.num_attention_heads // max(model_runner.server_args.tp_size, 1))
-        logger.info(
-            "compressed-KV runtime: default %s, payload store %.1f MB",
-            self.default_spec.describe() if self.default_spec else "full KV",
-            self.payload_budget / 2**20,
-        )
+        logger.info("compressed-KV runtime: default %s; quantized payloads in pool slots leased per request",
+                    self.default_spec.describe() if self.default_spec else "full KV")
+
+    def _evict(self, n: int) -> None:
+        """Make room for a lease: evict ``n`` slots' worth of the radix tree's unreferenced
+        prefixes (SGLang's own eviction)."""
+        if self.tree_cache is not None:
+            from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+            evict_from_tree_cache(self.tree_cache, n)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Device bytes the quantized payloads hold: their leased slots."""
+        return self.payloads.leased_slots * self.bytes_per_slot
 
     # ------------------------------------------------------------------ planning
 
@@ -274,6 +287,9 @@ class KVRuntime:
     # ------------------------------------------------------------------ forward
 
     def begin_forward(self, forward_batch) -> BatchView:
+        if self.batch is not None:  # the last forward raised before its end: its payloads' slots go back
+            for pend in self.batch.pending:
+                self.payloads.release(pend.home)
         mode = forward_batch.forward_mode
         rids = forward_batch.rids or []
         pool_idx = host_rows(forward_batch)
@@ -374,12 +390,20 @@ class KVRuntime:
                     self.full_kv_kept(pend.plan.rid, pend.req_pool_idx, layer_id, None)
                 pend.n_quant = ckv.num_quantized
                 if ckv.num_quantized:
-                    empty = ckv.k_residual[:0]
-                    pend.layers[layer_id] = dataclasses.replace(
-                        ckv, k_residual=empty.clone(), v_residual=ckv.v_residual[:0].clone()
-                    )
+                    pend.layers[layer_id] = self._into_home(pend, _without_residual(ckv))
             else:  # pragma: no cover - the library has only these two kinds
                 raise TypeError(type(ckv).__name__)
+
+    def _into_home(self, pend: _Pending, q: QuantizedKV) -> QuantizedKV:
+        """``q`` copied into the payload's leased slots, taken at its first layer; ``q``
+        itself where the pool had no run of free slots for it (the fallback at the end)."""
+        if pend.home is None and not pend.no_home:
+            cap = _capacity(q.num_quantized, q.group_size, self.payload_tail_headroom)
+            pend.home = self.payloads.home(q, cap)
+            pend.no_home = pend.home is None
+            if pend.home is not None:  # room compression gives back is net of the lease
+                self._returned_slots -= pend.home.lease.size
+        return pend.home.put(q) if pend.home is not None else q
 
     def end_forward(self) -> None:
         """After the last layer: register compressed requests, free their spare slots,
@@ -446,7 +470,9 @@ class KVRuntime:
 
     def memory_split(self) -> dict[str, int]:
         """Device memory of compressed-KV serving beside SGLang's pool (``/server_info``)."""
-        return {"payload_store_budget_bytes": self.payload_budget, "payload_store_bytes": self.payload_bytes,
+        return {  # pool slots leased for quantized payloads now, and the most they held at once
+                "payload_store_bytes": self.payload_bytes,
+                "payload_store_peak_bytes": self.payloads.peak_slots * self.bytes_per_slot,
                 "reload_staging_budget_bytes": self.staging_budget,
                 # the most of that buffer reloads held at once (0: none allocated yet)
                 "reload_staging_peak_bytes": self.staging_arena.peak if self.staging_arena is not None else 0,
@@ -462,7 +488,7 @@ class KVRuntime:
         """Slots compression gave back to the allocator since the last call: room that
         appeared without any request leaving the batch."""
         n, self._returned_slots = self._returned_slots, 0
-        return n
+        return max(0, n)
 
     def _finish_quantized(self, pend: _Pending) -> CompressedKVIndex:
         spec = pend.plan.spec
@@ -471,13 +497,12 @@ class KVRuntime:
         if not pend.n_quant:  # 16 bits, or too short to quantize: nothing changes
             return entry
         nbytes = sum(c.nbytes() for c in pend.layers.values())
-        if self.payload_bytes + nbytes <= self.payload_budget:
-            self.payload_bytes += nbytes
+        if pend.home is not None:
             entry.quantized_tokens = pend.n_quant
-            entry.payload = QuantPayload(pend.layers, pend.n_quant, nbytes)
+            entry.payload = QuantPayload(pend.layers, pend.n_quant, nbytes, home=pend.home)
             entry.row_start = entry.attend_from = pend.n_quant
             return entry
-        stats.add("compression", payload_store_full=1)
+        stats.add("compression", payload_no_room=1)
         if not self.in_place_fallback:
             return entry  # the request keeps its full KV on the device
         # The store is full: write the dequantized values over the request's own rows
@@ -608,33 +633,25 @@ class KVRuntime:
         start = entry.attend_from
         rows = self.req_to_token[entry.req_pool_idx, start : start + g].to(torch.int64)
         whole = self.compressor_with(spec.compressor, residual_length=0)
-        layers, nbytes = {}, 0
-        old_layers = entry.payload.layers if entry.payload is not None else {}
-        for layer_id in range(self.start_layer, self.last_layer + 1):
-            k = self.kv_pool.get_key_buffer(layer_id)[rows]
-            v = self.kv_pool.get_value_buffer(layer_id)[rows]
-            new = whole.compress(layer_id, k, v, spec.bits)
-            old = old_layers.get(layer_id)
-            if old is not None:
-                cat = {f: torch.cat([getattr(old, f), getattr(new, f)])
-                       for f in ("k_payload", "k_scales", "k_zeros", "v_payload", "v_scales", "v_zeros")}
-                new = dataclasses.replace(old, num_tokens=old.num_tokens + g,
-                                          num_quantized=old.num_quantized + g, **cat)
-            else:
-                new = dataclasses.replace(new, k_residual=new.k_residual[:0].clone(),
-                                          v_residual=new.v_residual[:0].clone())
-            layers[layer_id] = new
-            nbytes += new.nbytes()
+        tails = {lid: _without_residual(whole.compress(lid, self.kv_pool.get_key_buffer(lid)[rows],
+                                                       self.kv_pool.get_value_buffer(lid)[rows], spec.bits))
+                 for lid in range(self.start_layer, self.last_layer + 1)}
+        placed = self._tail_home(entry, tails)
+        if placed is None:
+            stats.add("compression", payload_no_room=1)
+            return  # no room for a larger payload: the tail stays in full precision
+        home, base = placed
+        layers = {lid: home.append(base[lid], t) if lid in base else home.put(t) for lid, t in tails.items()}
+        nbytes = sum(q.nbytes() for q in layers.values())
         added = nbytes - (entry.payload.nbytes if entry.payload is not None else 0)
-        if self.payload_bytes + added > self.payload_budget:
-            return  # the store is full: the tail stays in full precision
         if self.full_kv_streamed is not None:
             for layer_id in range(self.start_layer, self.last_layer + 1):
                 self.full_kv_streamed(entry.rid, entry.req_pool_idx, layer_id, start,
                                       self.kv_pool.get_key_buffer(layer_id)[rows],
                                       self.kv_pool.get_value_buffer(layer_id)[rows])
-        self.payload_bytes += added
-        entry.payload = QuantPayload(layers, start + g, nbytes)
+        if entry.payload is not None and entry.payload.home is not home:
+            self.payloads.release(entry.payload.home)
+        entry.payload = QuantPayload(layers, start + g, nbytes, home=home)
         entry.row_start = entry.attend_from = start + g
         entry.quantized_tokens += g
         # rows below prefix_len are the tree's: they stay, unread (reading starts past them)
@@ -645,6 +662,22 @@ class KVRuntime:
         meta = self.meta.get(entry.rid)
         if meta is not None:
             meta.update(entry.summary())
+
+    def _tail_home(self, entry: CompressedKVIndex, tails: dict) -> Optional[tuple[PayloadHome, dict]]:
+        """Where the payload grown by ``tails`` goes, and its current layers there: its home
+        while it holds them, else a larger one with the current layers copied in (the old
+        is given back by the caller), or None where the pool has no run for that."""
+        old = entry.payload
+        base = old.layers if old is not None else {}
+        g = next(iter(tails.values())).num_quantized
+        n = (next(iter(base.values())).num_quantized if base else 0) + g
+        if old is not None and old.home is not None and old.home.holds(n):
+            return old.home, base
+        like = next(iter(tails.values()))
+        home = self.payloads.home(like, _capacity(n, g, self.payload_tail_headroom))
+        if home is None:
+            return None
+        return home, {lid: home.put(q) for lid, q in base.items()}
 
     def compressor_with(self, name: str, **config) -> Compressor:
         """The instance serving ``name`` with some of its settings changed."""
@@ -700,7 +733,7 @@ class KVRuntime:
         if entry is None:
             return
         if entry.payload is not None:
-            self.payload_bytes -= entry.payload.nbytes
+            self._returned_slots += self.payloads.release(entry.payload.home)
         stats.add("compression", restored=1)
 
     def release(self, rid: str, req_pool_idx: Optional[int]) -> None:
@@ -709,7 +742,7 @@ class KVRuntime:
         if entry is not None and entry.rid == rid:
             del self.index[req_pool_idx]
             if entry.payload is not None:
-                self.payload_bytes -= entry.payload.nbytes
+                self.payloads.release(entry.payload.home)
             if not self.index and self.held_back is not None:
                 self.held_back.fit(0)
         plan = self.plans.pop(rid, None)
@@ -718,3 +751,14 @@ class KVRuntime:
         self.meta.pop(rid, None)
         for listener in self.release_listeners:
             listener(rid)
+
+
+def _without_residual(q: QuantizedKV) -> QuantizedKV:
+    """The quantized part of ``q`` (a payload keeps no full-precision rows: the pool does)."""
+    return dataclasses.replace(q, k_residual=q.k_residual[:0].clone(), v_residual=q.v_residual[:0].clone())
+
+
+def _capacity(n: int, group: int, headroom: float) -> int:
+    """Tokens a payload's home holds: ``n`` and ``headroom`` of it more, in whole groups."""
+    want = n + int(n * headroom)
+    return -(-want // group) * group

@@ -159,6 +159,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         if self._runtime is None:
             self._runtime = get_runtime(self.model_runner)
             self._runtime.full_kv_sink = self.host.sink
+            self._runtime.payload_tail_headroom = 0.0  # its rows stay full: no decode tail is quantized
             self._runtime.full_kv_admit = self._admit_host
             if self.compress_when is flags.CompressWhen.MEMORY_BINDS:
                 self._runtime.compress_gate = self._full_kv_while_memory_free
@@ -351,7 +352,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
     def _staging_budget(self) -> int:
         """The HBM ring's capacity: reloads staged ahead of their verify live beside SGLang's
         KV pool (one buffer, :meth:`_staging_arena`), in the share of SGLang's KV budget set aside for them
-        (``--vc-staging-fraction``, ``hooks._payload_store_inside_the_budget``: the pool
+        (``--vc-staging-fraction``, ``hooks._reload_staging_inside_the_budget``: the pool
         shrank by it). (The verify forward itself takes ``n - p`` pool slots per verifier:
         the pool's, with the verify headroom held back for them, :mod:`.staging`.)"""
         if not self.runtime.staging_budget:  # the budget was not split (a pool sized by hand)
