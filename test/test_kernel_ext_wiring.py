@@ -211,6 +211,7 @@ def _mixed_batch(g, backend_cls, hq: int, layers: int, ends: tuple[int, int, int
     runtime.req_to_token = req_to_token
     runtime.index = {5: kivi, 2: dropped}
     runtime.last_layer = layers  # no end_forward in these tests
+    runtime.batch = None  # no forward before
     backend = object.__new__(backend_cls)
     backend.runtime = runtime
     backend.full_kv = None  # the CPU's full-KV backend: torch_native, the class's own base

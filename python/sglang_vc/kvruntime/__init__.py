@@ -35,9 +35,9 @@ Memory: a token-dropped prefix keeps ``n_keep`` rows in the request's own slots;
 row positions of its dropped tokens point at :data:`NULL_SLOT` (SGLang's reserved padding
 slot 0, never allocated), which attention skips, and their slots go back to the pool
 right after the prefill (H2O keeps freeing as it evicts). KIVI frees the slots of the
-quantized tokens and keeps their packed payload in a side store (bounded,
-``runtime.PAYLOAD_STORE_FRACTION`` of the pool's bytes; when full, the dequantized values
-are written back in place and nothing is saved). Rows borrowed from a cached full prefix
+quantized tokens and keeps their packed payload in a contiguous run of pool slots leased
+for it while the request lives (:mod:`.payload_store`; where the pool has no such run, the
+dequantized values are written back in place and nothing is saved). Rows borrowed from a cached full prefix
 stay with the tree.
 
 What the methods score with (queries are the post-RoPE queries the backend receives

@@ -36,8 +36,8 @@ class SpeCacheAttnBackend(VCTorchAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.config = flags.config_of(get_vc_config(model_runner.server_args).group(flags.GROUP))
-        # the payload is KIVI at SpeCache's residual; a request the payload store cannot
-        # take keeps its full KV (never lossy rows SpeCache does not know are lossy)
+        # the payload is KIVI at SpeCache's residual; a request whose payload finds no pool
+        # slots to lease keeps its full KV (never lossy rows SpeCache does not know are lossy)
         for bits in SUPPORTED_BITS:  # a request may choose the other width (requests.py)
             self.runtime.use_compressor(dataclasses.replace(self.config, bits=bits).quantizer())
         self.runtime.in_place_fallback = False

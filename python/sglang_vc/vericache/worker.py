@@ -134,7 +134,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         self._bandwidth: Optional[float] = None
         if schedule is flags.Schedule.STAGGERED:
             # the link is measured once, here rather than in the first decode iteration (the
-            # schedule itself is built then: its HBM budget needs the runtime's payload store)
+            # schedule itself is built then: its HBM budget needs the runtime's staging share)
             self._bandwidth = measure_bandwidth(self.device)
 
     _view_rows: Optional[ViewRows] = None
