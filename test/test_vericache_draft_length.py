@@ -103,3 +103,35 @@ def test_anchor_is_fixed_or_the_default_until_there_is_data():
     assert auto.anchor("snapkv", "bad", 4) < x
     auto.forget({"r"})
     assert "bad" not in auto.own
+
+
+def test_a_decision_reads_the_curve_in_one_pass_and_the_fit_every_refit_iterations(monkeypatch):
+    """The host work at a cycle boundary, on the scheduler's thread: A(1..X) is computed
+    once per recorded verify (not once per x, each O(x)); the least-squares cost fit runs
+    once per ``REFIT_EVERY`` recorded iterations, however many requests ask for it; and
+    the curve's values are the same either way."""
+    from sglang_vc.vericache import draft_length as dl
+
+    c = AcceptanceCurve()
+    for a in (3, 1, 4, 0, 2):
+        c.record(4, a)
+    passes = []
+    real_rates = c.rates
+    monkeypatch.setattr(c, "rates", lambda n: passes.append(n) or real_rates(n))
+    whole = c.acceptances(16)
+    assert [c.acceptance(x) for x in range(1, 17)] == whole and passes == [16]
+    by_hand = [1 + sum(__import__("math").prod(real_rates(16)[:k]) for k in range(1, x + 1)) for x in range(1, 17)]
+    assert whole == pytest.approx(by_hand)
+    c.record(4, 4)  # a new verify: one more pass
+    assert c.acceptances(16)[2] == pytest.approx(c.acceptance(3)) and len(passes) == 2
+
+    fits = []
+    real_fit = dl.nonnegative_fit
+    monkeypatch.setattr(dl, "nonnegative_fit", lambda *a: fits.append(1) or real_fit(*a))
+    fit = CostFit()
+    for it in range(dl.MIN_ITERATIONS + 3 * dl.REFIT_EVERY):
+        fit.record(0.05 + 0.004 * (it % 5), it % 5, 1, 0, 0)
+        for _ in range(8):  # eight requests at a cycle boundary in this iteration
+            fit.costs()
+    assert len(fits) == 4  # at MIN_ITERATIONS, then every REFIT_EVERY iterations
+    assert fit.costs().draft == pytest.approx(0.004, rel=1e-6)

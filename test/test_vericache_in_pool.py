@@ -508,3 +508,30 @@ def test_drafting_never_makes_sglang_retract_where_the_plain_server_does_not(mod
     infos = [(o["meta_info"].get(META) or [{}])[-1] for o in runs["vericache"]]
     assert all(i.get("mode") == "in-pool" for i in infos), infos
     assert 0 < sum(i["accepted"] for i in infos) < sum(i["drafted"] for i in infos), infos
+
+
+def test_the_mode_policy_refits_every_refit_iterations_and_at_a_new_batch_sizes_sample(monkeypatch):
+    """``ModePolicy.costs`` solves its least squares once per ``REFIT_EVERY`` iterations
+    (not at every request's cycle boundary), and at once when a batch size's first
+    full-KV sample arrives (the fit needs it to tell the fixed cost from the rows')."""
+    from sglang_vc.vericache import policy as pol
+    from sglang_vc.vericache.draft_length import REFIT_EVERY
+
+    fits = []
+    real = pol.nonnegative_fit
+    monkeypatch.setattr(pol, "nonnegative_fit", lambda *a: fits.append(1) or real(*a))
+    policy = _fed(ModePolicy(lambda n: 512, 8, None), fixed=0.005, row=2e-6)
+    assert policy.costs() is not None and len(fits) == 1
+    for i in range(REFIT_EVERY - 1):
+        policy.record(0.005 + 0.001 * 8 + 2e-6 * 4000, IterationRows(8, 4000, 4000, 0))
+        policy.costs()
+    assert len(fits) == 1
+    policy.record(0.01, IterationRows(8, 4000, 4000, 0))
+    policy.costs()
+    assert len(fits) == 2
+    policy.record(0.05, IterationRows(6, 48000, 48000, 0), batch=6, full_only=True)  # a new batch size
+    policy.costs()
+    assert len(fits) == 3
+    policy.record(0.05, IterationRows(6, 48000, 48000, 0), batch=6, full_only=True)  # not new
+    policy.costs()
+    assert len(fits) == 3

@@ -28,6 +28,9 @@ from typing import Optional
 MIN_VERIFIES = 8  # verifies before a curve is trusted (a drafter's, or one request's own)
 MIN_ITERATIONS = 8  # iterations before the cost fit is trusted
 COST_WINDOW = 128  # iterations the cost fit looks back over
+# iterations recorded between two fits: a fit is a least-squares solve over the window, on
+# the scheduler's thread; the costs move over many iterations, not within one
+REFIT_EVERY = 16
 
 
 @dataclass
@@ -37,6 +40,8 @@ class AcceptanceCurve:
     trials: list[int] = field(default_factory=list)
     passes: list[int] = field(default_factory=list)
     verifies: int = 0
+    # (verifies, [A(1), .., A(n)]): the curve as of that many verifies
+    _cached: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def record(self, drafts: int, accepted: int) -> None:
         if drafts <= 0:
@@ -64,13 +69,23 @@ class AcceptanceCurve:
 
     def acceptance(self, x: int) -> Optional[float]:
         """A(x): expected tokens committed per verify of ``x`` drafts."""
-        p = self.rates(x)
+        a = self.acceptances(x)
+        return None if a is None else a[x - 1]
+
+    def acceptances(self, max_x: int) -> Optional[list[float]]:
+        """``[A(1), .., A(max_x)]`` in one pass over the rates, kept until the next verify
+        is recorded (a decision weighs every x of it: one pass, not one per x)."""
+        if self._cached is not None and self._cached[0] == self.verifies and len(self._cached[1]) >= max_x:
+            return self._cached[1]
+        p = self.rates(max_x)
         if p is None:
             return None
-        out, run = 1.0, 1.0
+        out, run, total = [], 1.0, 1.0
         for rate in p:
             run *= rate
-            out += run
+            total += run
+            out.append(total)
+        self._cached = (self.verifies, out)
         return out
 
 
@@ -89,18 +104,24 @@ class CostFit:
 
     def __init__(self, window: int = COST_WINDOW):
         self.rows: collections.deque = collections.deque(maxlen=window)
+        self._costs: Optional[Costs] = None
+        self._since = 0  # iterations recorded since the last fit
 
     def record(self, seconds: float, drafting: int, full: int, verify_tokens: int, verifies: int) -> None:
         self.rows.append((seconds, drafting, full, verify_tokens, verifies))
+        self._since += 1
 
     def costs(self) -> Optional[Costs]:
-        """The fitted costs; None with too few iterations. Terms the iterations cannot
-        tell apart (one request drafts or verifies, never both) share the time by the
-        minimum-norm solution: B.1's objective only needs their sums."""
+        """The fitted costs, refitted every :data:`REFIT_EVERY` iterations; None with too
+        few iterations. Terms the iterations cannot tell apart (one request drafts or
+        verifies, never both) share the time by the minimum-norm solution: B.1's objective
+        only needs their sums."""
         if len(self.rows) < MIN_ITERATIONS:
             return None
-        terms = nonnegative_fit([r[0] for r in self.rows], [r[1:] for r in self.rows])
-        return None if terms is None else Costs(*terms)
+        if self._costs is None or self._since >= REFIT_EVERY:
+            terms = nonnegative_fit([r[0] for r in self.rows], [r[1:] for r in self.rows])
+            self._costs, self._since = (None if terms is None else Costs(*terms)), 0
+        return self._costs
 
 
 def nonnegative_fit(seconds: list[float], columns: list[tuple]) -> Optional[list[float]]:
@@ -132,8 +153,8 @@ def throughput(acceptance: float, x: int, costs: Costs, batch: int) -> float:
 def best_x(curve: AcceptanceCurve, costs: Costs, batch: int, max_x: int) -> int:
     """The x in ``1 .. max_x`` of highest :func:`throughput` (the shorter one on a tie)."""
     best, arg = -1.0, 1
-    for x in range(1, max_x + 1):
-        tps = throughput(curve.acceptance(x), x, costs, batch)
+    for x, a in enumerate(curve.acceptances(max_x), start=1):
+        tps = throughput(a, x, costs, batch)
         if tps > best * (1 + 1e-9):
             best, arg = tps, x
     return arg

@@ -28,7 +28,7 @@ import enum
 import math
 from typing import Optional
 
-from .draft_length import MIN_ITERATIONS, MIN_VERIFIES, AcceptanceCurve, nonnegative_fit
+from .draft_length import MIN_ITERATIONS, MIN_VERIFIES, REFIT_EVERY, AcceptanceCurve, nonnegative_fit
 from .perf_model import RowCosts, full_kv_request_time, in_pool_speedup, offload_gain
 
 COST_WINDOW = 256  # iterations the fit looks back over
@@ -75,21 +75,26 @@ class ModePolicy:
         # kept in the fit beyond the window (they separate the fixed cost from the rows')
         self.full_samples: dict[int, collections.deque] = {}
         self._sampling: collections.Counter = collections.Counter()  # batch -> decisions spent sampling
-        self._costs: Optional[RowCosts] = None  # the fit of the history as it is (None: refit)
+        self._costs: Optional[RowCosts] = None  # the last fit (None: none yet)
+        self._since = 0  # iterations recorded since it
 
     def record(self, seconds: float, it: IterationRows, batch: int = 0, full_only: bool = False) -> None:
         """One iteration's forward time and what it forwarded; ``full_only``: each of its
         ``batch`` requests decoded one token from full KV."""
         row = (seconds, it.tokens, it.rows, it.query_rows, it.offload_drafts)
         self.history.append(row)
+        if full_only and batch not in self.full_samples:
+            self._since = REFIT_EVERY  # a batch size's first full-KV sample: the next decision refits
         if full_only:
             self.full_samples.setdefault(batch, collections.deque(maxlen=FULL_SAMPLES)).append(row)
-        self._costs = None
+        self._since += 1
 
     def costs(self) -> Optional[RowCosts]:
-        """The costs fitted on the last ``COST_WINDOW`` iterations and the full-KV samples
-        (once per iteration)."""
-        if self._costs is None and len(self.history) >= MIN_ITERATIONS:
+        """The costs fitted on the last ``COST_WINDOW`` iterations and the full-KV samples,
+        refitted every :data:`~.draft_length.REFIT_EVERY` iterations (a least-squares solve
+        on the scheduler's thread; the costs move over many iterations)."""
+        if (self._costs is None or self._since >= REFIT_EVERY) and len(self.history) >= MIN_ITERATIONS:
+            self._since = 0
             kept = {id(h) for h in self.history}
             rows = [*self.history, *(h for q in self.full_samples.values() for h in q if id(h) not in kept)]
             terms = nonnegative_fit([h[0] for h in rows], [h[1:] for h in rows])
@@ -144,11 +149,11 @@ class ModePolicy:
                                 f"({offloaded} request(s) offloaded to measure them)")
             full_s, draft_s = probe
             costs = dataclasses.replace(costs, row=full_s / max(1, length), query_row=0.0, offload_draft=draft_s)
-            curve = curve if curve.verifies >= MIN_VERIFIES else _prior_curve(x)
+            curve = curve if curve.verifies >= MIN_VERIFIES else _ALL_ACCEPTED
             how = f"priced by this machine's draft step, x{draft_s / full_s:.2f} a full-KV step"
         xs = self._draft_lengths()
-        gain, x = max((offload_gain(costs, curve.acceptance(x), x, length, full, offloaded, admitted), x)
-                      for x in xs)
+        a = curve.acceptances(max(xs))
+        gain, x = max((offload_gain(costs, a[x - 1], x, length, full, offloaded, admitted), x) for x in xs)
         iteration = costs.fixed + full * full_kv_request_time(costs, length)
         ell = max(1, math.ceil(reload_s / iteration)) if iteration > 0 else 1
         if (offloaded + 1) * ell > x + 1:
@@ -181,15 +186,16 @@ class ModePolicy:
         if curve.verifies < MIN_VERIFIES:
             # no acceptance measured yet: explore in-pool only where the costs allow a gain
             # with every draft accepted
-            best = max(in_pool_speedup(costs, _prior_curve(x).acceptance(x), length, batch, x, budget)
+            best = max(in_pool_speedup(costs, x + 1.0, length, batch, x, budget)  # A(x) = x + 1
                        for x in self._draft_lengths())
             if best < MARGIN:
                 return Decision(Mode.FULL, None, f"no acceptance measured yet; even every draft accepted predicts "
                                 f"{best:.2f}x full KV (below {MARGIN:.2f}x)", best)
             return Decision(Mode.IN_POOL, self.default_x, f"exploring at X={self.default_x}: no acceptance measured "
                             f"yet, every draft accepted would give {best:.2f}x full KV", best)
-        speedup, x = max((in_pool_speedup(costs, curve.acceptance(x), length, batch, x, budget), x)
-                         for x in self._draft_lengths())
+        xs = self._draft_lengths()
+        a = curve.acceptances(max(xs))
+        speedup, x = max((in_pool_speedup(costs, a[x - 1], length, batch, x, budget), x) for x in xs)
         if speedup >= MARGIN:
             return Decision(Mode.IN_POOL, x, f"predicted {speedup:.2f}x full KV at X={x}, "
                             f"A={curve.acceptance(x):.2f}", speedup)
@@ -199,9 +205,12 @@ class ModePolicy:
 
 def _prior_curve(x: int) -> AcceptanceCurve:
     """Before a drafter's verifies are seen: every draft accepted (the most offloading could
-    gain), so that only the costs can rule it out."""
+    gain), so that only the costs can rule it out: A(x) = x + 1 at every x."""
     curve = AcceptanceCurve()
     for _ in range(MIN_VERIFIES):
         curve.record(x, x)
     return curve
+
+
+_ALL_ACCEPTED = _prior_curve(1)  # every rate 1 (untried positions take the pooled rate)
 
