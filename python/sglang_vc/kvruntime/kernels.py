@@ -174,10 +174,5 @@ def keep_rows(rows: Tensor, keep_idx: Tensor) -> Tensor:
 
 
 def write_rows(buf: Tensor, slots: Tensor, rows: Tensor) -> None:
-    """``buf[slots] = rows`` (pool layout ``[num_slots, H, D]``). ``rows`` may be other
-    rows of ``buf`` itself (a reload staged in leased pool slots): torch refuses an
-    indexed copy whose source lies inside its destination, so those are copied first."""
-    rows = rows.to(buf.dtype)
-    if rows.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
-        rows = rows.clone()
-    buf.index_copy_(0, slots, rows)
+    """``buf[slots] = rows`` (pool layout ``[num_slots, H, D]``)."""
+    buf.index_copy_(0, slots, rows.to(buf.dtype))
