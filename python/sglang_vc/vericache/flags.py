@@ -18,9 +18,7 @@ from .remote.stream import RemotePath
 
 GROUP = "vericache"
 # the device memory of reloads staged ahead of their verify, per byte of the KV pool
-# the most of the pool staged reloads lease at once: a cap, not a reservation (a lease takes
-# free slots only); half, so that a reload of a request as long as half the pool stages
-DEFAULT_STAGING_FRACTION = 0.5
+DEFAULT_STAGING_FRACTION = 0.125
 
 
 class Schedule(str, enum.Enum):
