@@ -311,22 +311,3 @@ def test_the_gpu_checks_reload_staging_runs_the_servers_reload_on_the_cpu():
     out = reload_staging(device="cpu", n=64, layers=3, hkv=2, d=8, dtype=torch.float32, repeats=1)
     assert out["ok"] and out["pool_gb_per_s"] > 0 and out["tensors_gb_per_s"] > 0, out
     assert out["staged_peak_bytes"] == out["bytes"]  # one leased row per staged token, every layer
-
-
-def test_when_the_last_offloaded_request_leaves_every_lease_goes_back():
-    """``drain``: closed leases whose events have not passed and leases of reloads
-    dropped unclosed go back at once (waiting for their events), so an idle pool holds
-    nothing (SGLang's idle memory check counts every slot)."""
-    entry, _ = _store()
-    staging, kv, alloc = _staging()
-    closed = staging.take(4)
-    event = _Event()
-    staging.release(closed, [event])
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS), staging=staging)
-        rl.layer(LAYERS[0])
-    del rl
-    gc.collect()
-    assert staging.in_use == 4 + 8 and alloc.available_size() == 64 - 12
-    staging.drain()
-    assert staging.in_use == 0 and alloc.available_size() == 64 and event.waited == 1

@@ -93,14 +93,6 @@ class StagingLeases:
         self._reclaim()
         return self.in_use
 
-    def drain(self) -> None:
-        """Every closed or dropped lease back now, waiting for its events: no request is
-        offloaded any more, and an idle pool must hold nothing (SGLang's idle check counts
-        every slot)."""
-        self._adopt_orphans()
-        while self._pending:
-            self._wait_oldest()
-
     def stats(self) -> dict:
         return {"cap_rows": self.cap_rows, "in_use_rows": self.in_use, "peak_rows": self.peak,
                 "leases": self.leases, "no_room": self.no_room}

@@ -199,9 +199,6 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._staggered.forget(rid)
         self.modes.pop(rid, None)
         self._faults.pop(rid, None)
-        leases = self._runtime.staging_leases if self._runtime is not None else None
-        if leases is not None and not self.host.entries:  # the last offloaded request left
-            leases.drain()
 
     def _full_kv_while_memory_free(self, rid: str, own_rows: int, spec) -> Optional[str]:
         """``--vc-compress-when memory-binds``: whether a request whose prefill just ended
