@@ -86,24 +86,3 @@ def test_a_payload_lives_in_leased_pool_slots_and_reads_the_same():
     assert torch.equal(KIVI.dequantize(grown)[0][64:], KIVI.dequantize(tail)[0])
     assert not home.holds(96)
     assert store.release(home) == home.lease.size and alloc.available_size() == free and store.leased_slots == 0
-
-
-def test_no_hook_resizes_sglangs_pool():
-    """Nothing is split off SGLang's KV budget at start-up (payloads and staged reloads
-    lease pool slots while they need them): the project registers no hook on the
-    function SGLang sizes the pool with, so a server's ``kv_pool`` is the plain server's."""
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_vc import hooks
-
-    assert callable(KVCacheConfigurator._profile_available_bytes)  # (the target exists in 0.5.23)
-    saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
-    HookRegistry._hooks.clear()
-    try:
-        hooks.install()
-        targets = set(HookRegistry._hooks)
-    finally:
-        HookRegistry._hooks.clear()
-        HookRegistry._hooks.update(saved)
-    assert targets and not any("_profile_available_bytes" in t or "profile_max_num_token" in t for t in targets)

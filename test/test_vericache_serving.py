@@ -192,9 +192,9 @@ def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4,
     # staggered: ADMIT anchors each run of drafts at X = 4 and may shorten or lengthen it
     assert 0 < rounds <= drafted <= (2 * 4 - 1) * rounds
     assert accepted < drafted, infos  # drafts were rejected somewhere
-    # every reload was staged in pool slots leased for it
-    staged = after.get("staged_in_pool", 0) - before.get("staged_in_pool", 0)
-    assert staged > 0 and after.get("staged_outside_pool", 0) == 0, after
+    # every reload was staged in the arena preallocated from the staging share
+    staged = after.get("staged_in_arena", 0) - before.get("staged_in_arena", 0)
+    assert staged > 0 and after.get("staged_outside_arena", 0) == 0, after
     pool = vc_counters(vc4)["counters"]["kv_pool"]
     assert pool["reload_staging_peak_bytes"] > 0, pool
 

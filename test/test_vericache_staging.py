@@ -204,11 +204,53 @@ def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
     assert rt.allocator.available_size() == free - 8 + 3  # its 3 kept slots back
 
 
-def test_a_bad_staging_fraction_is_a_cli_error():
-    """``--vc-staging-fraction`` (the most of the pool's bytes staged reloads may lease at
-    once) must be in (0, 1]."""
-    from sglang_vc.launch_server import parse_args
+def test_a_compressing_server_keeps_sglangs_whole_pool():
+    """Quantized payloads lease pool slots while their request lives
+    (:mod:`sglang_vc.kvruntime.payload_store`): a lossy server's pool is SGLang's, every
+    byte of the budget SGLang profiles (device memory after the weights, times
+    --mem-fraction-static); the hook is registered on the function SGLang calls."""
+    from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: F401  (the target must import)
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 
+    from sglang_vc.config import SERVER_ARGS_ATTR
+    from sglang_vc.hooks import _reload_staging_inside_the_budget
+    from sglang_vc.kvruntime.runtime import kv_budget_split
+
+    assert callable(KVCacheConfigurator._profile_available_bytes)
+    for vc in ({"vc_compressor": "specache"}, {"vc_compressor": "kivi"}, {}):
+        on = types.SimpleNamespace(server_args=types.SimpleNamespace(**{SERVER_ARGS_ATTR: vc}), is_draft_worker=False)
+        assert _reload_staging_inside_the_budget(10 << 30, on) is None and kv_budget_split() == {}
+
+
+def test_vericache_sets_its_staged_reloads_aside_in_sglangs_kv_budget():
+    """Under VERICACHE the budget is split two ways: the pool and the reloads staged ahead
+    of their verify (``--vc-staging-fraction`` of the pool's bytes), which the staggered
+    schedule's HBM ring then admits against (``runtime.staging_budget``, shown in
+    ``/server_info``'s ``kv_pool``); its drafter's payloads take nothing at start-up. Other
+    servers set nothing aside."""
+    from sglang_vc.hooks import _reload_staging_inside_the_budget
+    from sglang_vc.kvruntime.runtime import kv_budget_split
+    from sglang_vc.launch_server import parse_args
+    from sglang_vc.vericache import flags
+
+    def configurator(algorithm, *argv):
+        _, sa = parse_args(["--speculative-algorithm", algorithm, *argv])
+        return types.SimpleNamespace(server_args=sa, is_draft_worker=False)
+
+    budget = 10 << 30
+    pool = _reload_staging_inside_the_budget(budget, configurator("VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2"))
+    f = flags.DEFAULT_STAGING_FRACTION
+    assert pool == int(budget / (1 + f))
+    split = kv_budget_split()
+    assert split == {"pool": pool, "reload_staging": int(f * pool)}
+    assert budget - 2 <= sum(split.values()) <= budget  # the two shares fill the budget
+
+    pool = _reload_staging_inside_the_budget(budget, configurator("VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2",
+                                                                  "--vc-staging-fraction", "0.5"))
+    assert pool == int(budget / 1.5) and kv_budget_split()["reload_staging"] == int(0.5 * pool)
+    # SPECACHE: its payloads are not the compressed-KV runtime's, and it verifies nothing
+    assert _reload_staging_inside_the_budget(budget, configurator("SPECACHE")) is None
+    assert kv_budget_split() == {}
     for bad in ("0", "1.5", "nan"):
         with pytest.raises(SystemExit):
             parse_args(["--speculative-algorithm", "VERICACHE", "--vc-staging-fraction", bad])

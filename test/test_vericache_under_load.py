@@ -2,7 +2,7 @@
 when the pool binds mid-decode, clients dropping their streams and ``/abort_request``
 during drafts and reloads. Every request that finishes is the plain server's, token for
 token; once the server is idle its pool is whole and nothing is held for a request that
-left (host store bytes, staged reloads' leased slots, verify headroom)."""
+left (host store bytes, staged-reload arena blocks, verify headroom)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _identical(server, model_dir, ids_list, outs, n, **sampling):
 
 def assert_idle_and_whole(proc, timeout: float = 60) -> dict:
     """Once the server is idle: every pool slot is free or held by the radix cache, and
-    nothing is held for requests that left: no host store bytes, no staged reloads' leased
+    nothing is held for requests that left: no host store bytes, no staged-reload arena
     block, no verify headroom."""
     deadline = time.time() + timeout
     while True:

@@ -7,7 +7,7 @@ SGLang, no network):
    the same attention output (float32, both devices);
 2. ``bench.kernels``: every Triton kernel against its torch path, time and error;
 3. the server's staged reload (``LayerwiseReload``) of one 8k-token 8B request from pinned
-   host memory into leased pool rows and into tensors of its own: rows equal, GB/s each
+   host memory into the staging arena and into tensors of its own: rows equal, GB/s each
    (``reload_staging.json``);
 4. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
    layer at 32k tokens, each drafter through the server's own functions where it has one,
@@ -66,16 +66,14 @@ def reload_staging(device: str = "cuda", n: int = 8192, layers: int = 32, hkv: i
                    dtype=torch.bfloat16, repeats: int = 3) -> dict:
     """The server's staged reload (``LayerwiseReload`` on the copy stream, every layer held
     until the verify: the staggered schedule's) of one request's full KV (8B shapes, ``n``
-    tokens) from pinned host memory, into a lease of pool rows (a stand-in pool of its own
-    shape: no SGLang here) and into tensors of its own: the staged rows equal the host copy,
-    and the link rate of each."""
+    tokens) from pinned host memory, into the preallocated staging arena and into tensors
+    of its own: the staged rows equal the host copy, and the link rate of each."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     from sglang_vc.kvruntime import CopyStream
     from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
-    from sglang_vc.kvruntime.pool_lease import PoolLease
-    from sglang_vc.vericache.staging_leases import StagingLeases
+    from sglang_vc.vericache.staging_arena import StagingArena
 
     stream = CopyStream(device)
     store = HostKVStore(copy_stream=stream)
@@ -87,29 +85,27 @@ def reload_staging(device: str = "cuda", n: int = 8192, layers: int = 32, hkv: i
     store.flush()
     entry = store.get("r", 0)
     entry.wait()
-    rows = {lid: torch.empty(n, hkv, d, dtype=dtype, device=device) for lid in range(layers)}
-    pool = PoolLease(0, n, rows, {lid: torch.empty_like(t) for lid, t in rows.items()})
-    staging = StagingLeases(lambda want: pool if want <= n else None, lambda lease: None, n, stream.fences)
+    arena = StagingArena(entry.staged_bytes(), device, stream.fences)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {"check": "reload_staging", "tokens": n, "layers": layers, "bytes": entry.nbytes(), "ok": True}
-    with ThreadPoolExecutor(1) as thread:
-        for name, use in (("pool", staging), ("tensors", None)):
+    with ThreadPoolExecutor(1) as pool:
+        for name, use in (("arena", arena), ("tensors", None)):
             best = float("inf")
             for _ in range(repeats):
                 sync()
                 t0 = time.perf_counter()
-                rl = LayerwiseReload(thread, {0: entry}, list(range(layers)), device, depth=layers,
-                                     copy_stream=stream, staging=use)
+                rl = LayerwiseReload(pool, {0: entry}, list(range(layers)), device, depth=layers, copy_stream=stream,
+                                     arena=use)
                 spans = [rl.layer(lid)[0] for lid in range(layers)]
                 sync()
                 best = min(best, time.perf_counter() - t0)
                 out["ok"] &= all(torch.equal(s.k.cpu(), entry.k[lid]) and torch.equal(s.v.cpu(), entry.v[lid])
                                  for lid, s in enumerate(spans))
-                out["ok"] &= (rl.lease is not None) == (use is not None)
+                out["ok"] &= (rl.block is not None) == (use is not None)
                 del spans
                 rl.close()
             out[f"{name}_gb_per_s"] = entry.nbytes() / best / 1e9
-    out["staged_peak_bytes"] = staging.peak * layers * 2 * hkv * d * dtype.itemsize
+    out["arena_peak_bytes"] = arena.peak
     return out
 
 

@@ -5,7 +5,7 @@ A PREDICTION, not a measurement: nothing here runs on a GPU. The terms that deci
 read from the project's own code, so the figures move when the code does:
 
 * **the pool**: the share of SGLang's KV budget the pool keeps under VERICACHE's default
-  flags (the pool's share of SGLang's KV budget: whole, nothing is split off at start-up), and
+  flags (``kvruntime.runtime.kv_pool_share``, the split ``hooks`` applies at start-up), and
   so how many requests of the context are resident beside plain SGLang's;
 * **overlap**: whether VERICACHE's flag resolution leaves SGLang's overlap scheduler on
   (``speculative.resolve_flags``); where it is off, the iteration's host work
@@ -48,14 +48,15 @@ def code_terms(draft_tokens: int = 32) -> dict:
     """What the code does under VERICACHE's default flags (X chosen from data up to
     ``draft_tokens``): the pool's share of the KV budget, whether SGLang's overlap
     scheduler stays on, the verify widths graphs capture."""
+    from sglang_vc.kvruntime.runtime import kv_pool_share
     from sglang_vc.speculative import resolve_flags
     from sglang_vc.vericache.decode_graphs import verify_graph_widths
+    from sglang_vc.vericache.flags import DEFAULT_STAGING_FRACTION
     from sglang_vc.vericache.names import ATTENTION_BACKEND
 
-    # nothing is split off SGLang's KV budget at start-up: quantized payloads and staged
-    # reloads lease pool slots while they need them (no hook resizes the pool:
-    # test_pool_lease.test_no_hook_resizes_sglangs_pool)
-    share = 1.0
+    # quantized payloads lease pool slots when a request is compressed; the reload staging
+    # share is still split off at start-up
+    share = kv_pool_share(DEFAULT_STAGING_FRACTION)
     args = SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
                            enable_mixed_chunk=False)
     resolve_flags(args, ATTENTION_BACKEND)  # (records its notice in this process only)

@@ -1,4 +1,4 @@
-"""The prefill's copies of the full KV to the host store, through leased pool slots.
+"""The prefill's copies of the full KV to the host store, through the staging share.
 
 Right before a prompt's layer is compressed, its full rows (those compression replaces)
 go to pinned host memory on the copy stream (:class:`~.reload.HostKVStore`). A copy
@@ -7,114 +7,89 @@ that read the gathered rows themselves would keep them alive until it lands
 layer's copy long before the first lands, so a 32k-token prompt on 8B shapes (128 MiB
 per layer) would hold gigabytes of device memory outside SGLang's budget.
 
-Here each request leases pool slots for its copies at its first layer
-(:class:`~.staging_leases.StagingLeases`: a contiguous run, as many slots as its span has
-rows), each layer's rows are written into the lease's rows of that layer's K and V
-buffers on the compute stream and copied from there to the host on the copy stream; the
-gathered rows are free as soon as the layer is done with them. The lease goes back once
-the request's last copy has landed (:meth:`LeasedCopyOut.close`, after the prefill
-forward). Where the pool has no run for it (or a layer does not fit it) the rows are
-copied from a tensor of their own, as before, and counted (``host_copies_outside_pool``).
+Here each layer's rows are written, piece by piece, into blocks of VERICACHE's staging
+arena (the reload share of ``--mem-fraction-static``) on the compute stream and copied
+from there to the host on the copy stream; the gathered rows are free as soon as the
+layer is done with them. The prefill's pieces in flight hold at most
+:data:`HOST_COPY_SHARE` of the arena, so reloads keep the rest: past it the scheduler
+waits for the oldest piece's copy to land (the link is behind the prefill; the GPU keeps
+the layers queued after it). Where the arena has no room a piece is copied from a tensor
+of its own, as before, and counted (``host_copies_outside_arena``).
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Optional, Sequence
 
 import torch
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
-from sglang_vc.kvruntime.pool_lease import PoolLease, aligned
 
-from .staging_leases import StagingLeases
+from .staging_arena import ALIGN, StagingArena, aligned
 
-K_SIDE = (0, 2, 3)  # (k, v, kept, dropped): what goes in the lease's K rows; v in its V rows
-
-
-def side_bytes(tensors: Sequence[Optional[torch.Tensor]]) -> tuple[int, int]:
-    """Bytes ``(k, v, kept, dropped)`` take in a lease's K and V rows (each aligned)."""
-    sizes = [0 if t is None else aligned(t.numel() * t.element_size()) for t in tensors]
-    return sum(sizes[i] for i in K_SIDE), sizes[1]
+HOST_COPY_SHARE = 0.25  # of the staging arena: the prefill's copies in flight at most
 
 
-def _row_bytes(t: torch.Tensor) -> int:
-    return max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
+class ArenaCopyOut:
+    """Device rows to pinned host tensors through ``arena`` blocks on ``copy_stream``."""
 
-
-def rows_for(groups: Sequence[Sequence[Optional[torch.Tensor]]]) -> int:
-    """Slots a lease needs for each group's ``(k, v, kept, dropped)`` of one layer, one
-    group after another (``k``/``v`` are pool rows ``[n, H, D]``: a slot's share of a
-    layer's K buffer is one of their rows)."""
-    sides = [side_bytes(g) for g in groups]
-    k_bytes, v_bytes = sum(k for k, _ in sides), sum(v for _, v in sides)
-    return max(-(-k_bytes // _row_bytes(groups[0][0])), -(-v_bytes // _row_bytes(groups[0][1])), 1)
-
-
-def stage(tensors: Sequence[Optional[torch.Tensor]], lease: PoolLease, region: int, copy,
-          offsets: Optional[list] = None) -> Optional[list]:
-    """Views of ``tensors`` in ``lease``'s rows of layer ``region`` (``k``, ``kept``,
-    ``dropped`` in its K buffer's, ``v`` in its V buffer's) from ``offsets`` (bytes, K side
-    and V side: advanced past them), each filled by ``copy(view, tensor)``; None where they
-    do not fit."""
-    offsets = [0, 0] if offsets is None else offsets
-    k_bytes, v_bytes = side_bytes(tensors)
-    if offsets[0] + k_bytes > lease.region_bytes("k") or offsets[1] + v_bytes > lease.region_bytes("v"):
-        return None
-    out = []
-    for i, t in enumerate(tensors):
-        if t is None:
-            out.append(None)
-            continue
-        side = 1 if i == 1 else 0
-        nbytes = t.numel() * t.element_size()
-        start = offsets[side]
-        view = lease.region(region, "kv"[side])[start : start + nbytes].view(t.dtype).view(t.shape)
-        copy(view, t)
-        offsets[side] += aligned(nbytes)
-        out.append(view)
-    return out
-
-
-class LeasedCopyOut:
-    """Device rows to pinned host tensors through pool slots leased per request."""
-
-    def __init__(self, staging: StagingLeases, copy_stream: CopyStream, pin: bool = True):
-        self.staging = staging
+    def __init__(self, arena: StagingArena, copy_stream: CopyStream, pin: bool = True):
+        self.arena = arena
         self.copy_stream = copy_stream
         self.pin = pin
-        self._open: dict[str, list] = {}  # key -> [lease or None, last copy event]
-        self.outside = 0  # copies from tensors of their own (no lease, or it did not fit)
+        self.cap = int(arena.capacity * HOST_COPY_SHARE) // ALIGN * ALIGN
+        self.piece = max(ALIGN, self.cap // 2)  # two pieces in flight: one copies while one fills
+        self._in_flight: collections.deque = collections.deque()  # (bytes, copy event), oldest first
+        self.in_flight_bytes = 0
+        self.peak_in_flight = 0
+        self.outside = 0  # pieces copied from tensors of their own (no room in the arena)
 
-    def to_host(self, key: str, layer_id: int, tensors: Sequence[Optional[torch.Tensor]]) -> tuple[list, object]:
-        """Host copies of ``tensors`` (None stays None) of request ``key``'s layer
-        ``layer_id``, and the event of the last copy."""
-        hosts = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
-                 for t in tensors]
-        slot = self._open.get(key)
-        if slot is None:
-            slot = self._open[key] = [self.staging.take(rows_for([tensors])), None]
-        staged = None if slot[0] is None else stage(tensors, slot[0], layer_id, lambda dst, src: dst.copy_(src))
-        if staged is None:  # on the compute stream the rows were written to, then read by the copy stream
+    def to_host(self, tensors: Sequence[Optional[torch.Tensor]]) -> tuple[list, object]:
+        """Host copies of ``tensors`` (None stays None) and the event of the last copy."""
+        out, last = [], None
+        for t in tensors:
+            if t is None:
+                out.append(None)
+                continue
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+            row = max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
+            rows = max(1, self.piece // row)
+            for a in range(0, t.shape[0], rows):
+                last = self._piece(t[a : a + rows], host[a : a + rows])
+            out.append(host)
+        return out, last
+
+    def _piece(self, src: torch.Tensor, dst: torch.Tensor):
+        nbytes = src.numel() * src.element_size()
+        block = self._block(nbytes)
+        if block is None:
             self.outside += 1
-            stats.add("vericache", host_copies_outside_pool=1)
-            staged = list(tensors)
-            for t in staged:
-                if t is not None:
-                    self.copy_stream.keep_alive(t, self.copy_stream.stream)
+            stats.add("vericache", host_copies_outside_arena=1)
 
-        def copy() -> None:
-            for h, s in zip(hosts, staged):
-                if h is not None:
-                    h.copy_(s, non_blocking=self.pin)
-        _, event = self.copy_stream.copy(copy, after=self.copy_stream.mark())
-        slot[1] = event
-        return hosts, event
+            def direct():
+                dst.copy_(src, non_blocking=self.pin)
+                self.copy_stream.keep_alive(src, self.copy_stream.stream)  # read by the copy stream
+            return self.copy_stream.copy(direct, after=self.copy_stream.mark())[1]
+        staged = self.arena.view(block, 0, src.shape, src.dtype)
+        staged.copy_(src)  # on the compute stream: ``src`` is free once this has run
+        _, event = self.copy_stream.copy(lambda: dst.copy_(staged, non_blocking=self.pin),
+                                         after=self.copy_stream.mark())
+        self.arena.release(block, (event,))
+        self._in_flight.append((block.size, event))
+        self.in_flight_bytes += block.size
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight_bytes)
+        return event
 
-    def close(self) -> None:
-        """Every request's copies are issued (the prefill forward ended): each lease goes
-        back once its last copy has landed."""
-        for lease, event in self._open.values():
-            if lease is not None:
-                self.staging.release(lease, (event,))
-        self._open.clear()
+    def _block(self, nbytes: int):
+        """A block for one piece once the prefill's pieces in flight leave room for it
+        under :attr:`cap` (waiting for the oldest copies where they do not), or None."""
+        size = aligned(nbytes)
+        if size > self.cap:
+            return None
+        while self._in_flight and (self._in_flight[0][1].query() or self.in_flight_bytes + size > self.cap):
+            done, event = self._in_flight.popleft()
+            event.synchronize()  # a no-op once it passed; else the link is behind the prefill
+            self.in_flight_bytes -= done
+        return self.arena.alloc(size)

@@ -12,13 +12,12 @@ copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, an
 while the batch drafts. The transient region is thus ``depth`` layers of the verifying
 requests (plus the one the GPU is using), not their whole full KV: a staging slot comes
 back when the GPU, not only the host, is past the layers handed over (an event the copy
-thread waits on). It lives in pool slots leased for the reload
-(:class:`~.staging_leases.StagingLeases`): layer ``l`` in the lease's rows of layer ``l``'s
-K and V buffers where the reload holds every layer until its verify (the staggered
-schedule's), or, ``depth + 1`` layers at a time, in the rows of layer ``i % (depth + 1)``,
-each layer staged into the same views as the layer ``depth + 1`` before (already consumed
-on the GPU by then). The verify forward writes each staged layer into pool slots of its
-own (:mod:`.staging`). A failed copy is retried synchronously on
+thread waits on). It lives outside SGLang's KV pool, in the share of SGLang's KV budget
+set aside for it: a block of :class:`~.staging_arena.StagingArena` holding ``depth + 1``
+layers, each layer staged into the same views of it as the layer ``depth + 1`` before
+(already consumed on the GPU by then), or every layer at its own offset where the reload
+holds them all until its verify (the staggered schedule's). The verify forward writes each staged layer into
+pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
 the scheduler thread (counted as a reload failure). A copy that fails every retry hands
 its requests to ``on_failure`` (the worker writes their full KV into device slots, and
 they verify and decode from it: the slower correct path); without one it raises
@@ -29,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -41,10 +41,8 @@ import torch
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
 
-from sglang_vc.kvruntime.pool_lease import PoolLease, aligned
-
-from .host_copy import LeasedCopyOut, rows_for, stage
-from .staging_leases import StagingLeases
+from .host_copy import HOST_COPY_SHARE, ArenaCopyOut
+from .staging_arena import ALIGN, Block, StagingArena, aligned
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +83,22 @@ class Span:
         return self.k, self.v, self.kept, self.dropped
 
     def staged_bytes(self) -> int:
-        """Bytes it takes staged on the device (each tensor aligned)."""
+        """Bytes it takes in a staging arena (each tensor :data:`~.staging_arena.ALIGN`-ed)."""
         return sum(aligned(t.numel() * t.element_size()) for t in self.tensors() if t is not None)
+
+    def into(self, arena: StagingArena, block: Block, offset: int) -> tuple["Span", int]:
+        """A copy in ``block`` of ``arena`` from ``offset`` (non-blocking copies from the
+        pinned host copy), and the offset past it."""
+        out = []
+        for t in self.tensors():
+            if t is None:
+                out.append(None)
+                continue
+            staged = arena.view(block, offset, t.shape, t.dtype)
+            staged.copy_(t, non_blocking=True)
+            out.append(staged)
+            offset += aligned(t.numel() * t.element_size())
+        return Span(self.p, self.n, *out), offset
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
@@ -135,7 +147,7 @@ class HostEntry:
     # [L, 2] int64 addresses of each layer's K and V copies, for the batched SpeCache fetch
     # (built on first use once every layer landed; reset when a layer's copy changes)
     addresses: Optional[torch.Tensor] = None
-    staged_size: Optional[int] = None  # staged_bytes(), once known (reset with ``addresses``)
+    arena_bytes: Optional[int] = None  # staged_bytes(), once known (reset with ``addresses``)
 
     def wait(self) -> None:
         """Block until every copy of this entry to the host has landed (a reader on the
@@ -157,10 +169,10 @@ class HostEntry:
         return sum(self.span(layer_id).nbytes() for layer_id in self.k)
 
     def staged_bytes(self) -> int:
-        """Bytes a reload of this request takes staged on the device (tensors aligned)."""
-        if self.staged_size is None:
-            self.staged_size = sum(self.span(layer_id).staged_bytes() for layer_id in self.k)
-        return self.staged_size
+        """Bytes a reload of this request takes in a staging arena (tensors aligned)."""
+        if self.arena_bytes is None:
+            self.arena_bytes = sum(self.span(layer_id).staged_bytes() for layer_id in self.k)
+        return self.arena_bytes
 
 
 class HostKVStore:
@@ -183,15 +195,15 @@ class HostKVStore:
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream("cpu")
         # pinned host memory where there is a device to copy to (asynchronous copies)
         self.pin = self.copy_stream.stream is not None if pin is None else pin
-        # the prefill's copies through leased pool slots, once the worker has its staging
-        # (:meth:`use_staging`); None: each copy reads the device rows it was given
-        self.copy_out: Optional[LeasedCopyOut] = None
+        # the prefill's copies through the staging arena, once the worker has one
+        # (:meth:`use_arena`); None: each copy reads the device rows it was given
+        self.copy_out: Optional[ArenaCopyOut] = None
 
-    def use_staging(self, staging: StagingLeases) -> None:
-        """Copy the prefill's rows to the host through pool slots leased per request
-        (:mod:`.host_copy`), on an accelerator."""
-        if self.copy_stream.stream is not None:
-            self.copy_out = LeasedCopyOut(staging, self.copy_stream, self.pin)
+    def use_arena(self, arena: StagingArena) -> None:
+        """Copy the prefill's rows to the host through blocks of ``arena`` (VERICACHE's
+        staging share, inside SGLang's budget: :mod:`.host_copy`), on an accelerator."""
+        if self.copy_stream.stream is not None and arena.capacity * HOST_COPY_SHARE >= ALIGN:
+            self.copy_out = ArenaCopyOut(arena, self.copy_stream, self.pin)
 
     def admit(self, rid: str, req_pool_idx: int, p: int, n: int, nbytes: int) -> bool:
         old = self.entries.pop(rid, None)
@@ -245,18 +257,15 @@ class HostKVStore:
         self._to_host(entry, layer_id, k.gather(0, idx), v.gather(0, idx), rel, dropped)
 
     def flush(self) -> None:
-        """Move every layer still on the device whole (no compressor chose its rows); the
-        prefill's copies are all issued then (their leased slots go back once landed)."""
+        """Move every layer still on the device whole (no compressor chose its rows)."""
         for entry in self.entries.values():
             for layer_id, (k, v) in list(entry.pending.items()):
                 del entry.pending[layer_id]
                 self._to_host(entry, layer_id, k, v, None, None)
-        if self.copy_out is not None:
-            self.copy_out.close()
 
     def _to_host(self, entry: "HostEntry", layer_id: int, *tensors) -> None:
-        if self.copy_out is not None:  # through leased pool slots (an accelerator)
-            (k, v, kept, dropped), event = self.copy_out.to_host(entry.rid, layer_id, tensors)
+        if self.copy_out is not None:  # through the staging arena (an accelerator)
+            (k, v, kept, dropped), event = self.copy_out.to_host(tensors)
             self._landed(entry, layer_id, k, v, kept, dropped, event)
             return
 
@@ -279,7 +288,7 @@ class HostKVStore:
     @staticmethod
     def _landed(entry: "HostEntry", layer_id: int, k, v, kept, dropped, event) -> None:
         entry.k[layer_id], entry.v[layer_id] = k, v
-        entry.addresses = entry.staged_size = None
+        entry.addresses = entry.arena_bytes = None
         if kept is not None:
             entry.kept[layer_id], entry.dropped[layer_id] = kept, dropped
         entry.event = event if event is not None else entry.event
@@ -356,10 +365,10 @@ class ReloadFailed(RuntimeError):
     """A layer's staged copy failed the first time and every synchronous retry."""
 
 
-def _orphan(staging: Optional[StagingLeases], lease: Optional[PoolLease]) -> None:
-    # (a finalizer: any thread may run it, so it only queues the lease for the staging)
-    if staging is not None and lease is not None:
-        staging.orphan(lease)
+def _orphan(arena: Optional[StagingArena], block: Optional[Block]) -> None:
+    # (a finalizer: any thread may run it, so it only queues the block for the arena)
+    if arena is not None and block is not None:
+        arena.orphan(block)
 
 
 class LayerwiseReload:
@@ -369,21 +378,21 @@ class LayerwiseReload:
     def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry],
                  layer_ids: list[int], device, depth: int = 2,
                  on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None,
-                 copy_stream: Optional[CopyStream] = None, staging: Optional[StagingLeases] = None):
+                 copy_stream: Optional[CopyStream] = None, arena: Optional[StagingArena] = None):
         self.entries = entries
         self.device = device
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
         self.layer_ids = layer_ids
-        # the staged layers' home: pool slots leased for the reload (None: tensors of its
-        # own), layer_id's in the lease's rows of layer self._region[layer_id]
-        self.staging, self.lease = staging, None
-        self._region: dict[int, int] = {}
-        if staging is not None and layer_ids and all(lid in e.k for e in entries.values() for lid in layer_ids):
-            # (a layer missing on the host fails in the copy thread, as without staging)
-            self.lease = staging.take(self._place(depth))
-            stats.add("vericache", **{"staged_in_pool" if self.lease is not None else "staged_outside_pool": 1})
-        # the lease back once closed; dropped unclosed, at the staging's next lease
-        self._finalizer = weakref.finalize(self, _orphan, staging, self.lease)
+        # the staged layers' home: one arena block (None: tensors of its own), at
+        # self._offset[layer_id] in it
+        self.arena, self.block = arena, None
+        self._offset: dict[int, int] = {}
+        if arena is not None and layer_ids and all(lid in e.k for e in entries.values() for lid in layer_ids):
+            # (a layer missing on the host fails in the copy thread, as without an arena)
+            self.block = arena.alloc(self._place(depth))
+            stats.add("vericache", **{"staged_in_arena" if self.block is not None else "staged_outside_arena": 1})
+        # the block back once closed; dropped unclosed, at the arena's next allocation
+        self._finalizer = weakref.finalize(self, _orphan, arena, self.block)
         self._finalizer.atexit = False
         self.failures = 0
         self.on_failure = on_failure
@@ -407,25 +416,27 @@ class LayerwiseReload:
         return set(self.entries)
 
     def _place(self, depth: int) -> int:
-        """The lease's rows for the reload, and the rows of which layer each layer is
-        staged in: its own where the reload holds every layer until the verify (``depth``
-        >= the layers), else layer ``i``'s in those of layer ``i % (depth + 1)``: its
-        previous layer there was consumed on the GPU before this one is staged
-        (:meth:`_stage_async`). Rows enough for the largest layer (a token-dropping
-        drafter's layers may drop different numbers of rows), all requests one after
-        another."""
-        ring = depth + 1 <= len(self.layer_ids)
-        self._region = {lid: self.layer_ids[i % (depth + 1)] if ring else lid for i, lid in enumerate(self.layer_ids)}
-        return max(rows_for([e.span(lid).tensors() for e in self.entries.values()]) for lid in self.layer_ids)
+        """Each layer's offset in the block, and the block's size. Every layer its own
+        place where the reload holds them all until the verify (``depth`` >= the layers:
+        the block is the bytes the HBM ring counted); else ``depth + 1`` slots as large as
+        the largest layer (a token-dropping drafter's layers may drop different numbers of
+        rows), layer ``i`` in slot ``i % (depth + 1)``: its previous layer there was
+        consumed on the GPU before this one is staged (:meth:`_stage_async`)."""
+        sizes = [sum(e.span(lid).staged_bytes() for e in self.entries.values()) for lid in self.layer_ids]
+        if depth + 1 > len(self.layer_ids):
+            offsets = itertools.accumulate([0, *sizes[:-1]])
+            self._offset = dict(zip(self.layer_ids, offsets))
+            return sum(sizes)
+        slots, slot = depth + 1, max(sizes)
+        self._offset = {lid: (i % slots) * slot for i, lid in enumerate(self.layer_ids)}
+        return slots * slot
 
     def _copy_layer(self, layer_id: int) -> dict[int, Span]:
-        if self.lease is None:
+        if self.block is None:
             return {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()}
-        out, offsets = {}, [0, 0]
+        out, offset = {}, self._offset[layer_id]
         for i, e in self.entries.items():
-            staged = stage(e.span(layer_id).tensors(), self.lease, self._region[layer_id],
-                           lambda dst, src: dst.copy_(src, non_blocking=True), offsets)
-            out[i] = Span(e.p, e.n, *staged) if staged is not None else e.span(layer_id).to(self.device)
+            out[i], offset = e.span(layer_id).into(self.arena, self.block, offset)
         return out
 
     def _stage(self, layer_id: int):
@@ -476,9 +487,9 @@ class LayerwiseReload:
         if self.gave_up or staged is None:
             return {}
         spans, event = staged
-        # the lease's views need no record_stream: they are pool memory, and the lease
-        # goes back only after the consumer's event (close)
-        self.copy_stream.wait(event, () if self.lease is not None else
+        # the arena's views need no record_stream: its buffer is never freed, and their
+        # block comes back only after the consumer's event (close)
+        self.copy_stream.wait(event, () if self.block is not None else
                               (t for span in spans.values() for t in span.tensors()))
         return spans
 
@@ -508,11 +519,10 @@ class LayerwiseReload:
             except Exception:
                 pass
         self._futures.clear()
-        if self._finalizer.detach() is not None and self.lease is not None:
-            # the leased slots back, once the GPU is past its copies and reads
-            self.staging.release(self.lease, self.copy_stream.fences())
+        if self._finalizer.detach() is not None and self.block is not None:
+            # the arena block back, once the GPU is past its copies and reads
+            self.arena.release(self.block, self.copy_stream.fences())
 
     def nbytes(self) -> int:
         """Bytes staged so far (each layer once, retries included)."""
         return self.staged_bytes
-

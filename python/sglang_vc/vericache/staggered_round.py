@@ -134,7 +134,7 @@ class StaggeredRound:
             if self.runtime.entry_for_row(row) is None and decision is not None and decision.mode is Mode.IN_POOL:
                 return 0
             return None
-        return entry.staged_bytes()  # what it takes staged on the device (the HBM ring's bytes)
+        return entry.staged_bytes()  # what it takes in the staging arena (the HBM ring's bytes)
 
     def _reload_one(self, track) -> Optional[LayerwiseReload]:
         """Stage one request's whole full KV (all layers, ``depth`` = every layer): it is
@@ -145,7 +145,7 @@ class StaggeredRound:
         layers = self._layer_ids()
         return LayerwiseReload(self.copy_thread, {0: entry}, layers, self.device, depth=len(layers),
                                on_failure=self._restore_full_kv, copy_stream=self.copy_stream,
-                               staging=self._staging_leases())
+                               arena=self._staging_arena())
 
     @torch.inference_mode()
     def _staggered_round(self, batch):

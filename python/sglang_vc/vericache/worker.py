@@ -49,7 +49,7 @@ from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 from sglang.srt.mem_cache.common import evict_from_tree_cache
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import CopyStream, get_runtime, pool_lease
+from sglang_vc.kvruntime import CopyStream, get_runtime
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
@@ -57,7 +57,7 @@ from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .reload import faults as reload_faults
-from .staging_leases import StagingLeases
+from .staging_arena import StagingArena
 from .staging import PoolStaging, VerifyHeadroom
 from .policy import Decision, Mode, ModePolicy
 from .lockstep import LockstepRound
@@ -171,7 +171,10 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._runtime.release_listeners.append(self._released)
             self._runtime.host_store = self.host
             self._install_specache_drafter(self._runtime)
-            self._staging_leases()  # (the prefill's host copies go through it from the first)
+            # at the first forward (SGLang's warm-up request, before the server serves):
+            # allocated at the first reload, the caching allocator may have handed its
+            # bytes to activations, and reloads would stage outside the budget
+            self._staging_arena()
         return self._runtime
 
     def _install_specache_drafter(self, runtime) -> None:
@@ -192,7 +195,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
 
     def _released(self, rid: str) -> None:
         """SGLang released the request (finished, aborted or retracted): its host entry,
-        its reload in flight (and the pool slots it stages into) and its place in the
+        its reload in flight (and the arena block it stages into) and its place in the
         schedule go now, not at the next forward (a batch that empties has none)."""
         self.host.drop(rid)
         if self._staggered is not None:
@@ -347,32 +350,26 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._publish(req, info)
 
     def _staging_budget(self) -> int:
-        """The HBM ring's capacity: the most of the pool's bytes the reloads staged ahead
-        of their verify (and the prefill's copies to the host) may lease at once
-        (``--vc-staging-fraction`` of the pool's bytes; a cap, nothing set aside: the slots
-        are leased per reload, :mod:`.staging_leases`). (The verify forward itself takes
-        ``n - p`` pool slots per verifier: the pool's, with the verify headroom held back
-        for them, :mod:`.staging`.)"""
-        if not self.runtime.staging_budget:
+        """The HBM ring's capacity: reloads staged ahead of their verify live beside SGLang's
+        KV pool (one buffer, :meth:`_staging_arena`), in the share of SGLang's KV budget set aside for them
+        (``--vc-staging-fraction``, ``hooks._reload_staging_inside_the_budget``: the pool
+        shrank by it). (The verify forward itself takes ``n - p`` pool slots per verifier:
+        the pool's, with the verify headroom held back for them, :mod:`.staging`.)"""
+        if not self.runtime.staging_budget:  # the budget was not split (a pool sized by hand)
             pool_slots = self.runtime.kv_pool.get_key_buffer(self.runtime.start_layer).shape[0]
             self.runtime.staging_budget = int(flags.staging_fraction(flags.settings_of(self.server_args))
                                               * self.runtime.bytes_per_slot * pool_slots)
         return int(self.runtime.staging_budget)
 
-    def _staging_leases(self) -> StagingLeases:
-        """Pool slots leased per reload and per prefill request's host copies, under the
-        staging cap (:meth:`_staging_budget`)."""
+    def _staging_arena(self) -> StagingArena:
+        """The staging share as one buffer, allocated with the runtime (:attr:`runtime`)."""
         runtime = self.runtime
-        if runtime.staging_leases is None:
-            allocator, kv_pool = runtime.allocator, runtime.kv_pool
-            runtime.staging_leases = StagingLeases(
-                lambda rows: pool_lease.take(allocator, kv_pool, rows, runtime._evict),
-                lambda lease: pool_lease.give_back(allocator, lease),
-                self._staging_budget() // runtime.bytes_per_slot, self.copy_stream.fences)
-            self.host.use_staging(runtime.staging_leases)  # the prefill's host copies lease too
-            logger.info("VERICACHE: reloads staged ahead of their verify lease pool slots, at most %d at once "
-                        "(%.2f GB)", runtime.staging_leases.cap_rows, self._staging_budget() / 1e9)
-        return runtime.staging_leases
+        if runtime.staging_arena is None:
+            runtime.staging_arena = StagingArena(self._staging_budget(), self.device, self.copy_stream.fences)
+            self.host.use_arena(runtime.staging_arena)  # the prefill's host copies go through it too
+            logger.info("VERICACHE: reloads staged ahead of their verify go into one %.2f GB buffer",
+                        runtime.staging_arena.capacity / 1e9)
+        return runtime.staging_arena
 
     def _layer_ids(self) -> list[int]:
         kv_pool = self.runtime.kv_pool
@@ -391,7 +388,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             return None
         return LayerwiseReload(self.copy_thread, entries, self._layer_ids(), self.device,
                                on_failure=self._restore_full_kv, copy_stream=self.copy_stream,
-                               staging=self._staging_leases())
+                               arena=self._staging_arena())
 
     _staging: Optional[PoolStaging] = None  # the verify forward's, while it runs
 

@@ -1,0 +1,168 @@
+"""One preallocated device buffer for the reloads VERICACHE stages ahead of their verify.
+
+A reload copies a verifying request's full KV from pinned host memory to the device on
+the copy stream, layer by layer, and the verify forward writes each layer into pool slots
+(:mod:`.staging`). Those staged layers live in the share of SGLang's KV budget set aside
+for them (``--vc-staging-fraction``; the HBM ring's capacity). Allocated per reload, that
+share is only a count the ring keeps: the caching allocator holds what it likes beside it
+(a block freed after a ``record_stream`` is not reused until the reader's event passes,
+fragments of different sizes pile up), and every reload gets new addresses.
+
+Here the share is one buffer, allocated once. A reload takes one block of it for its life
+(first fit, 256-byte aligned) and stages each layer into views at fixed offsets. Its block
+comes back once the GPU has passed two events recorded when the reload closed: the copy
+stream's last copy and the compute stream's last read. The arena checks them without
+waiting (``Event.query``) at the next allocation, and waits on them (oldest first) only
+when a reload would not fit otherwise. A reload dropped without closing hands its block
+back at the next allocation, with events recorded then, on the scheduler thread.
+
+A reload that still finds no room (the ring counts bytes, not contiguous ones) stages into
+tensors of its own, as before the arena (counted as ``staged_outside_arena``): correct,
+outside the share.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import logging
+from typing import Callable, Iterable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 256  # bytes: every view starts at a multiple (any dtype's alignment, coalesced reads)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+    """``size`` bytes of the arena from ``start`` (a multiple of :data:`ALIGN`)."""
+
+    start: int
+    size: int
+
+
+class StagingArena:
+    """``nbytes`` of ``device`` memory, allocated once, handed out in blocks. Used from the
+    scheduler thread; ``fences()`` gives the events a block dropped elsewhere waits for
+    (:meth:`orphan`). An arena the device cannot hold has no room: every reload then
+    stages outside it (a warning says so)."""
+
+    def __init__(self, nbytes: int, device, fences: Callable[[], tuple] = tuple):
+        capacity = max(0, int(nbytes)) // ALIGN * ALIGN
+        try:
+            self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
+            logger.warning("VERICACHE: no %.2f GB buffer for staged reloads (%s); each reload stages into "
+                           "tensors of its own", capacity / 1e9, exc)
+            capacity, self.buffer = 0, torch.empty(0, dtype=torch.uint8, device=device)
+        self.capacity = capacity
+        self.fences = fences
+        self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, size), sorted
+        # blocks closed, oldest first, and the events the GPU must pass before they are reused
+        self._pending: list[tuple[Block, tuple]] = []
+        # blocks of reloads dropped unclosed, on any thread (a deque's append is thread-safe)
+        self._orphans: collections.deque = collections.deque()
+        self.in_use = 0  # bytes of blocks allocated and not yet reclaimed
+        self.peak = 0
+
+    def alloc(self, nbytes: int) -> Optional[Block]:
+        """A block of at least ``nbytes``, or None where the arena has no contiguous room
+        even once the closed reloads' events have passed (waited for oldest first, only
+        while a block of this size could still be freed)."""
+        size = aligned(max(1, nbytes))
+        if size > self.capacity:
+            return None
+        self._adopt_orphans()
+        self._reclaim()
+        block = self._first_fit(size)
+        # (waiting helps only if the free bytes and the closed blocks' could hold it)
+        could_free = self.capacity - self.in_use + sum(b.size for b, _ in self._pending)
+        while block is None and self._pending and could_free >= size:
+            # reloads closed but maybe still read on the GPU: wait for the oldest (rare)
+            old, events = self._pending.pop(0)
+            for e in events:
+                e.synchronize()
+            self._give_back(old)
+            block = self._first_fit(size)
+        if block is not None:
+            self.in_use += block.size
+            self.peak = max(self.peak, self.in_use)
+        return block
+
+    def release(self, block: Block, events: Iterable[object] = ()) -> None:
+        """``block`` is free once every one of ``events`` (None: nothing to wait for) passed."""
+        self._pending.append((block, tuple(e for e in events if e is not None)))
+        self._reclaim()
+
+    def orphan(self, block: Block) -> None:
+        """``block``'s reload was dropped without closing, on whatever thread: released at
+        the next allocation, after events recorded then on the scheduler thread."""
+        self._orphans.append(block)
+
+    def _adopt_orphans(self) -> None:
+        while self._orphans:
+            self.release(self._orphans.popleft(), self.fences())
+
+    def view(self, block: Block, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` at ``offset`` bytes into ``block``."""
+        nbytes = _numel(shape) * dtype.itemsize
+        if offset % ALIGN or offset + nbytes > block.size:
+            raise ValueError(f"a view of {nbytes} bytes at {offset} does not fit a block of {block.size}")
+        start = block.start + offset
+        return self.buffer[start : start + nbytes].view(dtype).view(shape)
+
+    def _first_fit(self, size: int) -> Optional[Block]:
+        for i, (start, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + size, free - size)
+                return Block(start, size)
+        return None
+
+    def _reclaim(self) -> None:
+        """Give back the closed blocks whose events have passed (no wait)."""
+        keep = []
+        for block, events in self._pending:
+            if all(e.query() for e in events):
+                self._give_back(block)
+            else:
+                keep.append((block, events))
+        self._pending = keep
+
+    def _give_back(self, block: Block) -> None:
+        self.in_use -= block.size
+        i = bisect.bisect(self._free, (block.start, 0))
+        start, size = block.start, block.size
+        if i < len(self._free) and self._free[i][0] == start + size:  # the free run after it
+            size += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:  # the free run before it
+            start, size = self._free[i - 1][0], self._free[i - 1][1] + size
+            i -= 1
+            del self._free[i]
+        self._free.insert(i, (start, size))
+
+    def held(self) -> int:
+        """Bytes reloads hold now, once the blocks whose events passed are back (no wait)."""
+        self._adopt_orphans()
+        self._reclaim()
+        return self.in_use
+
+    def stats(self) -> dict:
+        return {"capacity_bytes": self.capacity, "in_use_bytes": self.in_use, "peak_bytes": self.peak,
+                "free_runs": len(self._free)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
