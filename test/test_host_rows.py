@@ -31,7 +31,7 @@ def test_host_rows_reads_the_host_copy_and_only_without_one_the_device():
 def test_the_runtime_views_a_forward_from_host_copies(mode):
     runtime = object.__new__(KVRuntime)  # what begin_forward reads: the index of compressed rows
     entry = SimpleNamespace(keep_full_rows=True)
-    runtime.index, runtime.plans = {1: entry}, {}
+    runtime.index, runtime.plans, runtime.batch = {1: entry}, {}, None
     view = runtime.begin_forward(_forward_batch(mode, [3, 1], [5, 6]))
     assert view.entries == [None, entry]
 
