@@ -43,10 +43,6 @@ class PoolLease:
         rows = (self.k if kind == "k" else self.v)[layer_id]
         return rows.view(-1).view(torch.uint8)
 
-    def region_bytes(self, kind: str) -> int:
-        rows = next(iter((self.k if kind == "k" else self.v).values()))
-        return rows.numel() * rows.element_size()
-
     def slots(self, device=None) -> torch.Tensor:
         return torch.arange(self.start, self.start + self.size, dtype=torch.int64, device=device)
 

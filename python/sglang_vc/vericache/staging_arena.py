@@ -33,11 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 256  # bytes: every view starts at a multiple (any dtype's alignment, coalesced reads)
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+from sglang_vc.kvruntime.pool_lease import ALIGN, aligned  # noqa: F401  (one alignment for views of device memory)
 
 
 @dataclasses.dataclass(eq=False)
