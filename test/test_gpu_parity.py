@@ -12,10 +12,9 @@ KW = dict(contexts=[8192, 32768], batch=32, mem_fraction=0.88, host_ms=5.0, link
 
 def test_terms_are_the_codes():
     from sglang_vc.vericache.decode_graphs import MAX_VERIFY_GRAPH_WIDTH
-    from sglang_vc.vericache.flags import DEFAULT_STAGING_FRACTION
 
     terms = gp.code_terms()
-    assert terms["pool_share"] == 1 / (1 + DEFAULT_STAGING_FRACTION)  # payloads lease pool slots when compressed
+    assert terms["pool_share"] == 1.0  # payloads and reloads take pool slots when a request is compressed
     assert terms["overlap"] is False  # VERICACHE's resolution turns SGLang's overlap scheduler off today
     assert terms["verify_graph_widths"] == list(range(2, MAX_VERIFY_GRAPH_WIDTH + 1))
 

@@ -1,8 +1,8 @@
-"""The prefill's copies of the full KV to the host store go through VERICACHE's staging
-arena (inside SGLang's budget): the gathered device rows are free once a layer is done
-with them, the pieces in flight hold at most a share of the arena, and where the link
-is behind the scheduler waits for the oldest copy rather than hold more (no server;
-stand-in streams and events record what a GPU would order)."""
+"""The prefill's copies of the full KV to the host store go through one small device
+buffer: the gathered device rows are free once a layer is done with them, the pieces in
+flight hold at most the buffer, and where the link is behind the scheduler waits for the
+oldest copy rather than hold more (no server; stand-in streams and events record what a
+GPU would order)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from sglang_vc.kvruntime import CopyStream
 from sglang_vc.testing.streams import StandInStreams
-from sglang_vc.vericache.host_copy import HOST_COPY_SHARE
 from sglang_vc.vericache.reload import HostKVStore
 from sglang_vc.vericache.staging_arena import ALIGN, StagingArena
 
@@ -67,13 +66,13 @@ def test_the_prefills_rows_reach_the_host_through_the_arena_bytes_equal():
 
 
 def test_a_lagging_link_makes_the_prefill_wait_not_hold_more():
-    """The arena's share for the prefill is a quarter of it: 4 KiB here, pieces of 2 KiB,
-    each layer's K and V 2 KiB: with no copy landing by itself, the third piece waits for
-    the first, so the device never holds more than two pieces, whatever the layers."""
+    """A 4 KiB buffer, pieces of 2 KiB, each layer's K and V 2 KiB: with no copy landing
+    by itself, the third piece waits for the first, so the device never holds more than
+    two pieces, whatever the layers."""
     fake = _LaggingStreams()
-    store, arena, full, _ = _store(fake, arena_bytes=64 * ALIGN)
+    store, arena, full, _ = _store(fake, arena_bytes=16 * ALIGN)
     out = store.copy_out
-    assert out.cap == int(64 * ALIGN * HOST_COPY_SHARE) and out.piece == out.cap // 2
+    assert out.cap == 16 * ALIGN and out.piece == out.cap // 2
     assert out.peak_in_flight <= out.cap and arena.peak <= out.cap
     syncs = [e for kind, e in fake.log if kind == "sync"]
     assert len(syncs) == 2 * len(LAYERS) - 2  # every piece but the last two waited for one before
@@ -84,7 +83,7 @@ def test_a_lagging_link_makes_the_prefill_wait_not_hold_more():
 def test_a_layer_larger_than_a_piece_goes_in_pieces_and_a_token_droppers_rows_too():
     fake = _LaggingStreams()
     kept = torch.stack([torch.arange(0, 64, 4), torch.arange(1, 64, 4)])  # 16 kept rows per head
-    store, arena, full, _ = _store(fake, arena_bytes=16 * ALIGN, kept=kept)
+    store, arena, full, _ = _store(fake, arena_bytes=4 * ALIGN, kept=kept)
     out = store.copy_out
     assert out.piece == 2 * ALIGN  # 16 rows of 32 bytes: the 48 dropped rows in three pieces
     entry = store.get("a", 5)
@@ -95,8 +94,8 @@ def test_a_layer_larger_than_a_piece_goes_in_pieces_and_a_token_droppers_rows_to
 
 
 def test_without_room_in_the_arena_a_piece_copies_from_its_own_tensor_and_is_counted():
-    """Reloads hold the whole arena: each piece then copies from a tensor of its own, as
-    before the arena (kept alive until its copy lands), counted, and still lands whole."""
+    """The buffer is full: each piece then copies from a tensor of its own (kept alive until
+    its copy lands), counted, and still lands whole."""
     fake = StandInStreams()
     stream = CopyStream("cpu", module=fake)
     kept_alive = []
@@ -104,7 +103,7 @@ def test_without_room_in_the_arena_a_piece_copies_from_its_own_tensor_and_is_cou
     store = HostKVStore(copy_stream=stream, pin=False)
     arena = StagingArena(64 * ALIGN, "cpu", stream.fences)
     store.use_arena(arena)
-    assert arena.alloc(arena.capacity) is not None  # a reload's block: no room left
+    assert arena.alloc(arena.capacity) is not None  # no room left
     assert store.admit("a", 5, 0, 64, nbytes=100)
     full = {l: (torch.randn(64, 2, 4), torch.randn(64, 2, 4)) for l in LAYERS}
     for l, (k, v) in full.items():
@@ -120,7 +119,7 @@ def test_on_the_cpu_the_store_copies_directly():
     store = HostKVStore(pin=False)
     store.use_arena(StagingArena(64 * ALIGN, "cpu"))
     assert store.copy_out is None  # no stream: a copy is done when it returns
-    # on an accelerator, an arena whose share for the prefill is under one aligned piece
+    # on an accelerator, a buffer the device could not hold (no room at all)
     store = HostKVStore(copy_stream=CopyStream("cpu", module=StandInStreams()), pin=False)
-    store.use_arena(types.SimpleNamespace(capacity=ALIGN))
+    store.use_arena(types.SimpleNamespace(capacity=0))
     assert store.copy_out is None

@@ -1,4 +1,4 @@
-"""The host store of full KV and its layer-wise staged reload (no server)."""
+"""The host store of full KV and its layer-wise reload into pool slots (no server)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,30 @@ def _filled_store(capacity=None, n=10, p=2, flush=True, store=None):
     return store, full
 
 
+class _Pool:
+    """A stand-in KV pool: per layer K and V buffers of ``size`` slots."""
+
+    def __init__(self, size=24):
+        self.k = {l: torch.zeros(size, 2, 4) for l in LAYERS}
+        self.v = {l: torch.zeros(size, 2, 4) for l in LAYERS}
+
+    def get_key_buffer(self, l):
+        return self.k[l]
+
+    def get_value_buffer(self, l):
+        return self.v[l]
+
+
+SLOTS = torch.tensor([17, 3, 9, 12, 20, 4, 15, 8])  # scattered, as SGLang's allocator may hand them out
+
+
+def _reload(executor, entries, pool=None, req_to_token=None, **kw):
+    """A reload of ``entries`` into :data:`SLOTS` (one request) of ``pool``."""
+    pool = pool if pool is not None else _Pool()
+    req_to_token = req_to_token if req_to_token is not None else torch.zeros(8, 16, dtype=torch.int32)
+    return LayerwiseReload(executor, entries, {i: SLOTS for i in entries}, pool, req_to_token, LAYERS, "cpu", **kw), pool
+
+
 def test_store_keeps_the_replaced_rows_bytes_equal():
     store, full = _filled_store()
     entry = store.get("a", 5)
@@ -53,38 +77,39 @@ def test_store_capacity_refuses_and_retain_frees():
     assert store.reserved_bytes == 220
 
 
-def test_layerwise_reload_stages_every_layer_in_order():
+def test_layerwise_reload_lands_every_layer_in_its_slots_in_order():
     store, full = _filled_store()
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {3: store.get("a", 5)}, LAYERS, "cpu", depth=2)
+    with ThreadPoolExecutor(1) as executor:
+        rl, pool = _reload(executor, {3: store.get("a", 5)}, depth=2)
         for l in LAYERS:
-            span = rl.layer(l)[3]
-            p, n, k, v = span.p, span.n, span.k, span.v
-            assert (p, n) == (2, 10) and span.kept is None
-            assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
-            assert k.data_ptr() != store.get("a", 5).k[l].data_ptr()  # a transient copy
+            assert rl.layer(l) is None  # the rows are in the slots: nothing to hand over
+            assert torch.equal(pool.k[l][SLOTS], full[l][0][2:]) and torch.equal(pool.v[l][SLOTS], full[l][1][2:])
         rl.close()
     assert rl.failures == 0
     assert rl.nbytes() == store.get("a", 5).nbytes()
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[SLOTS] = False
+    assert all((pool.k[l][untouched] == 0).all() for l in LAYERS)  # no other slot written
 
 
 def test_failed_copy_is_retried_synchronously(monkeypatch):
     store, full = _filled_store()
     monkeypatch.setattr(reload_mod.faults, "remaining", 1)
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
-        got = [rl.layer(l)[0] for l in LAYERS]
+    with ThreadPoolExecutor(1) as executor:
+        rl, pool = _reload(executor, {0: store.get("a", 5)})
+        for l in LAYERS:
+            rl.layer(l)
         rl.close()
     assert rl.failures == 1
-    for l, span in zip(LAYERS, got):
-        assert torch.equal(span.k, full[l][0][2:]) and torch.equal(span.v, full[l][1][2:])
+    for l in LAYERS:
+        assert torch.equal(pool.k[l][SLOTS], full[l][0][2:]) and torch.equal(pool.v[l][SLOTS], full[l][1][2:])
 
 
 def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
     store, _ = _filled_store()
     monkeypatch.setattr(reload_mod.faults, "whole", 1)  # every copy of the next reload fails
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu")
+    with ThreadPoolExecutor(1) as executor:
+        rl, _ = _reload(executor, {0: store.get("a", 5)})
         with pytest.raises(reload_mod.ReloadFailed, match="reload of layer 0 failed"):
             rl.layer(0)
         rl.close()
@@ -92,36 +117,37 @@ def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
 
 def test_copy_failing_every_retry_hands_the_requests_over(monkeypatch):
     """With ``on_failure`` (the worker restores the full KV on the device) a copy that
-    fails every retry calls it once with the requests, and no staged rows are served from
-    then on: the verify reads the restored device KV."""
+    fails every retry calls it once with the requests, and nothing lands from then on:
+    the verify reads the restored device KV."""
     store, _ = _filled_store()
     taken = []
     monkeypatch.setattr(reload_mod.faults, "whole", 1)
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as executor:
         entries = {0: store.get("a", 5)}
-        rl = LayerwiseReload(pool, entries, LAYERS, "cpu", on_failure=taken.append)
-        got = [rl.layer(l) for l in LAYERS]
+        rl, pool = _reload(executor, entries, on_failure=taken.append)
+        for l in LAYERS:
+            rl.layer(l)
         rl.close()
     assert taken == [entries] and rl.gave_up
-    assert got == [{}] * len(LAYERS)
+    assert all((pool.k[l] == 0).all() for l in LAYERS)
     assert rl.failures == 1 + reload_mod.SYNC_RETRIES
-    assert rl.nbytes() < store.get("a", 5).nbytes()  # not every layer was staged
+    assert rl.nbytes() < store.get("a", 5).nbytes()  # not every layer was copied
 
 
 def test_close_unblocks_unconsumed_layers():
     store, _ = _filled_store()
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu", depth=1)
+    with ThreadPoolExecutor(1) as executor:
+        rl, _ = _reload(executor, {0: store.get("a", 5)}, depth=1)
         rl.layer(0)
         rl.close()  # layers 1..3 never consumed: must not deadlock the copy thread
-        assert pool.submit(lambda: 7).result(timeout=10) == 7
+        assert executor.submit(lambda: 7).result(timeout=10) == 7
 
 
-def test_dropped_rows_only_are_staged_and_merged_with_the_kept_ones():
+def test_dropped_rows_only_are_copied_and_merged_with_the_kept_ones():
     """After a token-dropping compressor kept 3 of the 8 span rows per head (different
     rows per head), the host keeps the 5 dropped rows; a reload copies only those (and
-    their positions), and the span it serves equals the full rows once merged with the
-    kept rows still in the pool."""
+    their positions), and merges them with the kept rows still in the request's own
+    slots (read from its row when the reload starts) into the verify's slots."""
     store, full = _filled_store(n=10, p=2, flush=False)
     kept = torch.tensor([[2, 5, 9], [3, 4, 8]])  # absolute positions, per KV head
     full_bytes = _filled_store(n=10, p=2)[0].get("a", 5).nbytes()
@@ -129,22 +155,23 @@ def test_dropped_rows_only_are_staged_and_merged_with_the_kept_ones():
         store.kept("a", 5, l, kept)
     store.flush()  # nothing left: every layer's rows were selected
     entry = store.get("a", 5)
-    # the pool: row position 2 + j holds, for head h, position kept[h, j]
-    slots = torch.arange(10)
-    k_buf = {l: torch.zeros(10, 2, 4) for l in LAYERS}
-    v_buf = {l: torch.zeros(10, 2, 4) for l in LAYERS}
+    # the request's row 5: position 2 + j is its own slot 2 + j (a slot no reload writes), holding
+    # for head h the position kept[h, j]
+    pool = _Pool()
+    req_to_token = torch.zeros(8, 16, dtype=torch.int32)
+    req_to_token[5, :10] = torch.tensor([0, 1, 2, 5, 6, 0, 0, 0, 0, 0], dtype=torch.int32)
+    own = [2, 5, 6]
     for l in LAYERS:
         for h in range(2):
             for j in range(3):
-                k_buf[l][2 + j, h] = full[l][0][kept[h, j], h]
-                v_buf[l][2 + j, h] = full[l][1][kept[h, j], h]
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS))
+                pool.k[l][own[j], h] = full[l][0][kept[h, j], h]
+                pool.v[l][own[j], h] = full[l][1][kept[h, j], h]
+    with ThreadPoolExecutor(1) as executor:
+        rl, _ = _reload(executor, {0: entry}, pool=pool, req_to_token=req_to_token, depth=len(LAYERS))
+        req_to_token[5, 2:10] = SLOTS.to(torch.int32)  # the verify points the row at its slots
         for l in LAYERS:
-            span = rl.layer(l)[0]
-            assert span.k.shape == (5, 2, 4)
-            k, v = span.full(k_buf[l], v_buf[l], slots[2:])  # the span [p, n) = [2, 10)
-            assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
+            rl.layer(l)
+            assert torch.equal(pool.k[l][SLOTS], full[l][0][2:]) and torch.equal(pool.v[l][SLOTS], full[l][1][2:])
         rl.close()
     rows = 2 * len(LAYERS) * 5 * 2 * 4 * 4  # k and v, layers, dropped rows, heads, dim, fp32
     positions = len(LAYERS) * (2 * 3 + 2 * 5) * 8
@@ -212,42 +239,69 @@ def test_a_quantized_layer_goes_to_the_host_during_the_prefill():
 
 
 def test_reload_copies_on_its_own_stream_and_the_consumer_waits():
-    """On an accelerator each layer is copied on the copy stream and the consumer's
-    stream waits on that layer's event before the rows are returned."""
+    """On an accelerator each layer is copied on the copy stream, after the compute
+    stream's work queued before the reload started (the slots' previous users), and the
+    consumer's stream waits on that layer's event before reading it; the slots are the
+    pool's, so nothing is kept alive."""
     store, full = _filled_store()
     fake = StandInStreams()
     kept = []
     stream = CopyStream("cpu", module=fake)
     stream.keep_alive = lambda t, s: kept.append(t)
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu", copy_stream=stream)
+    with ThreadPoolExecutor(1) as executor:
+        rl, pool = _reload(executor, {0: store.get("a", 5)}, copy_stream=stream)
+        start = fake.log[0][1]
+        assert fake.log[0][0] == "record" and start.stream == "compute"
         for l in LAYERS:
-            span = rl.layer(l)[0]
+            rl.layer(l)
             assert fake.log[-1][0] == "wait" and fake.log[-1][1].layer_copied == "copy"
-            assert torch.equal(span.k, full[l][0][2:])
-            assert any(t is span.k for t in kept) and any(t is span.v for t in kept)
+            assert torch.equal(pool.k[l][SLOTS], full[l][0][2:])
         rl.close()
+    assert kept == []
+    assert [e for kind, e in fake.log if kind == "copy-wait"] == [start] * len(LAYERS)
     waits = [e for kind, e in fake.log if kind == "wait"]
     records = [e for kind, e in fake.log if kind == "record"]
     assert len(waits) == len(LAYERS) and all(any(w is r for r in records) for w in waits)
     assert CopyStream("cpu").stream is None  # the CPU: no stream, no wait
 
 
+def test_a_reload_closed_unconsumed_makes_the_consumer_wait_for_its_last_copy():
+    """A reload closed before its verify read every layer (the verify was put off, the
+    request left, the forward raised): its slots go back to the allocator right after,
+    so the consumer's stream first waits for its last copy (no host wait); a reload
+    consumed whole adds no wait at close."""
+    store, _ = _filled_store()
+    for consumed, extra_waits in ((LAYERS, 0), (LAYERS[:1], 1)):
+        fake = StandInStreams()
+        stream = CopyStream("cpu", module=fake)
+        with ThreadPoolExecutor(1) as executor:
+            rl, _ = _reload(executor, {0: store.get("a", 5)}, copy_stream=stream, depth=len(LAYERS))
+            for l in consumed:
+                rl.layer(l)
+            before = len([1 for kind, _ in fake.log if kind == "wait"])
+            rl.close()
+        waits = [e for kind, e in fake.log if kind == "wait"][before:]
+        assert len(waits) == extra_waits
+        if extra_waits:
+            last_copy = [e for kind, e in fake.log if kind == "record" and e.stream == "copy"][-1]
+            assert waits[0] is last_copy
+            assert not any(kind == "sync" for kind, _ in fake.log)
+
+
 def test_a_staging_slot_comes_back_when_the_gpu_used_the_layers_before():
-    """``depth`` bounds staged layers on the device, not only on the host: the copy of
-    layer ``l + depth`` waits (on the copy thread) for the consumer stream's event
-    recorded when layer ``l`` was handed over, so it starts once the GPU is past every
-    layer handed over before; the first ``depth`` copies wait for nothing."""
+    """``depth`` bounds the layers in flight on the device (each passes through a device
+    tensor of its own before it lands), not only on the host: the copy of layer
+    ``l + depth`` waits (on the copy thread) for the consumer stream's event recorded when
+    layer ``l`` was handed over; the first ``depth`` copies wait for nothing."""
     store, _ = _filled_store()
     fake = StandInStreams()
     stream = CopyStream("cpu", module=fake)
-    stream.keep_alive = lambda t, s: None
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: store.get("a", 5)}, LAYERS, "cpu", depth=2, copy_stream=stream)
+    with ThreadPoolExecutor(1) as executor:
+        rl, _ = _reload(executor, {0: store.get("a", 5)}, depth=2, copy_stream=stream)
         for l in LAYERS:
             rl.layer(l)
         rl.close()
-    handed = [e for kind, e in fake.log if kind == "record" and e.stream == "compute"]
+    handed = [e for kind, e in fake.log if kind == "record" and e.stream == "compute"][1:]  # (the first: the start)
     synced = [e for kind, e in fake.log if kind == "sync"]
     assert len(handed) == len(LAYERS) and synced == handed[: len(LAYERS) - 2], (handed, synced)
     for s in synced:  # each host wait comes before the next layer's copy is issued

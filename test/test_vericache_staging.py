@@ -1,7 +1,7 @@
 """A verify forward's full KV in SGLang's KV pool (:mod:`sglang_vc.vericache.staging`),
 on SGLang's own token allocator: slots reserved per verifying request, its row pointed
-at them and back, each layer's full rows written there (a token-dropping drafter's kept
-rows merged with the reloaded dropped ones), the headroom held back in the pool taken
+at them and back, each layer's full rows copied there by the reload (a token-dropping
+drafter's kept rows merged with the reloaded dropped ones), the headroom held back in the pool taken
 when the allocator has no room, no room at all refused without taking anything,
 and a failed reload adopting the staged slots for good."""
 
@@ -16,8 +16,10 @@ import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sglang_vc.kvruntime import NULL_SLOT
-from sglang_vc.vericache.reload import HostEntry, Span
-from sglang_vc.vericache.staging import PoolStaging, VerifyHeadroom
+from concurrent.futures import ThreadPoolExecutor
+
+from sglang_vc.vericache.reload import HostEntry, LayerwiseReload, Span
+from sglang_vc.vericache.staging import AheadSlots, PoolStaging, VerifyHeadroom
 
 LAYERS = (0, 1)
 H, D = 2, 4
@@ -59,7 +61,17 @@ def _compressed_row(rt, row, p, n, n_keep):
     spans = {l: Span(p, n, torch.stack([full[l][0][dropped[h], h] for h in range(H)], 1),
                      torch.stack([full[l][1][dropped[h], h] for h in range(H)], 1), kept, dropped)
              for l in LAYERS}
+    for l, span in spans.items():  # the host copy holds the dropped rows only
+        host.k[l], host.v[l], host.kept[l], host.dropped[l] = span.k, span.v, span.kept, span.dropped
     return host, full, spans
+
+
+def _reload(rt, staging, hosts: dict, executor, release=None):
+    """The worker's reload of ``hosts`` (forward index -> entry) into their staged slots."""
+    reload = LayerwiseReload(executor, hosts, {k: staging.requests[k].slots for k in hosts}, rt.kv_pool,
+                             rt.req_to_token, list(LAYERS), "cpu", release=release)
+    staging.layer_ready = reload.layer
+    return reload
 
 
 def test_staged_rows_hold_the_full_kv_during_the_forward_and_the_mapping_comes_back():
@@ -68,19 +80,22 @@ def test_staged_rows_hold_the_full_kv_during_the_forward_and_the_mapping_comes_b
     host1, full1, spans1 = _compressed_row(rt, 3, p=0, n=6, n_keep=2)
     before = rt.req_to_token.clone()
     free = rt.allocator.available_size()
-    staging = PoolStaging(rt, lambda l: {0: spans0[l], 5: spans1[l]})
+    staging = PoolStaging(rt)
     assert staging.reserve(0, host0) and staging.reserve(5, host1)
     assert rt.allocator.available_size() == free - 8 - 6
+    executor = ThreadPoolExecutor(1)
+    reload = _reload(rt, staging, {0: host0, 5: host1}, executor)  # (before the rows are pointed)
     staging.point()
     for k, host, full in ((0, host0, full0), (5, host1, full1)):
         row = rt.req_to_token[host.req_pool_idx]
         assert torch.equal(row[host.p : host.n].long(), staging.requests[k].slots)
         assert torch.equal(row[: host.p], before[host.req_pool_idx, : host.p])  # the tree prefix untouched
     for l in LAYERS:
-        staging.write_layer(l, rt.kv_pool.k[l], rt.kv_pool.v[l])
+        staging.layer_landed(l)
         for k, host, full in ((0, host0, full0), (5, host1, full1)):
             at = rt.req_to_token[host.req_pool_idx, host.p : host.n].long()
             assert torch.equal(rt.kv_pool.k[l][at], full[l][0]) and torch.equal(rt.kv_pool.v[l][at], full[l][1])
+    reload.close()
     staging.restore()
     assert torch.equal(rt.req_to_token, before)
     assert rt.allocator.available_size() == free and not rt.dropped
@@ -98,17 +113,19 @@ def test_no_room_takes_the_headroom_then_defers_and_takes_nothing():
     headroom.fit(10)  # the longest span
     assert headroom.size == 10 and rt.allocator.available_size() == 24 - 5 - 10
     rt.allocator.alloc(rt.allocator.available_size())  # the rest of the pool taken by others
-    staging = PoolStaging(rt, lambda l: {0: spans0[l]}, headroom)
+    staging = PoolStaging(rt, headroom=headroom)
     assert staging.reserve(0, host0) and staging.requests[0].from_headroom
     assert not staging.reserve(1, host1) and 1 not in staging  # no room left: it waits
+    reload = _reload(rt, staging, {0: host0}, ThreadPoolExecutor(1))
     staging.point()
     for l in LAYERS:
-        staging.write_layer(l, rt.kv_pool.k[l], rt.kv_pool.v[l])
+        staging.layer_landed(l)
         at = rt.req_to_token[1, 0:10].long()
         assert torch.equal(rt.kv_pool.k[l][at], full0[l][0]) and torch.equal(rt.kv_pool.v[l][at], full0[l][1])
+    reload.close()
     staging.restore()
     assert rt.allocator.available_size() == 0 and headroom.used == 0 and headroom.size == 10
-    assert PoolStaging(rt, lambda l: {}, headroom).reserve(0, host1)  # the next forward's verifier fits
+    assert PoolStaging(rt, headroom=headroom).reserve(0, host1)  # the next forward's verifier fits
 
 
 def test_headroom_fits_to_the_longest_span_and_gives_everything_back():
@@ -186,7 +203,7 @@ def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
     host, full, spans = _compressed_row(rt, 2, p=1, n=9, n_keep=3)
     kept_slots = rt.req_to_token[2, 1:4].long().clone()
     free = rt.allocator.available_size()
-    staging = PoolStaging(rt, lambda l: {})  # the reload gave up: nothing staged per layer
+    staging = PoolStaging(rt)  # the reload gave up: nothing lands per layer
     assert staging.reserve(0, host)
     staging.point()
     staged = staging.requests[0].slots.clone()
@@ -204,53 +221,96 @@ def test_a_failed_reload_keeps_the_staged_slots_as_its_full_kv():
     assert rt.allocator.available_size() == free - 8 + 3  # its 3 kept slots back
 
 
-def test_a_compressing_server_keeps_sglangs_whole_pool():
-    """Quantized payloads lease pool slots while their request lives
-    (:mod:`sglang_vc.kvruntime.payload_store`): a lossy server's pool is SGLang's, every
-    byte of the budget SGLang profiles (device memory after the weights, times
-    --mem-fraction-static); the hook is registered on the function SGLang calls."""
-    from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: F401  (the target must import)
+def test_a_reload_started_ahead_lands_in_slots_it_took_and_hands_them_to_the_verify():
+    """The staggered schedule starts a reload iterations before its verify: its slots are
+    the allocator's from then on (SGLang counts them as used), the verify's staging takes
+    them over (freed after the forward), and a reload closed unconsumed gives them back."""
+    rt = _runtime(size=40)
+    host, full, _ = _compressed_row(rt, 1, p=2, n=12, n_keep=4)
+    free = rt.allocator.available_size()
+    ahead = AheadSlots(rt.allocator, bytes_per_slot=7, cap_bytes=700)
+    executor = ThreadPoolExecutor(1)
+    slots = ahead.take(10)
+    reload = LayerwiseReload(executor, {0: host}, {0: slots}, rt.kv_pool, rt.req_to_token, list(LAYERS), "cpu",
+                             depth=len(LAYERS), release=ahead)
+    assert rt.allocator.available_size() == free - 10 and ahead.held == 10
+    assert ahead.stats()["reload_ahead_bytes"] == 70
+    staging = PoolStaging(rt)
+    staging.hold(3, host, reload.hand_over()[0])
+    staging.layer_ready = reload.layer
+    assert ahead.held == 0 and ahead.peak == 10
+    staging.point()
+    for l in LAYERS:
+        staging.layer_landed(l)
+        at = rt.req_to_token[1, 2:12].long()
+        assert torch.equal(at, slots)
+        assert torch.equal(rt.kv_pool.k[l][at], full[l][0]) and torch.equal(rt.kv_pool.v[l][at], full[l][1])
+    reload.close()  # handed over: it gives nothing back itself
+    assert rt.allocator.available_size() == free - 10
+    staging.restore()
+    assert rt.allocator.available_size() == free
+    # a reload put off (its verify deferred, its request gone): the slots come back at close
+    dropped = LayerwiseReload(executor, {0: host}, {0: ahead.take(10)}, rt.kv_pool, rt.req_to_token, list(LAYERS),
+                              "cpu", depth=len(LAYERS), release=ahead)
+    dropped.close()
+    assert rt.allocator.available_size() == free and ahead.held == 0
+    assert ahead.take(10 ** 6) is None and ahead.held == 0  # no room: nothing taken
+
+
+def test_a_40k_token_reload_needs_only_the_slots_its_verify_takes():
+    """A verify's reload of any length lands in the slots its verify needs anyway: a
+    40,960-token request of 2 layers reloads with nothing allocated beside the pool but
+    one layer in flight (depth 1), identical to its full KV, and attention over the staged
+    row equals attention over the full KV."""
+    n, pool_size = 40960, 40960 + 64
+    rt = types.SimpleNamespace(req_to_token=torch.zeros(2, n + 8, dtype=torch.int32),
+                               allocator=TokenToKVPoolAllocator(pool_size, torch.float32, "cpu", None, need_sort=False),
+                               kv_pool=_Pool(pool_size), drop_compressed_index=lambda row: None)
+    rt.req_to_token[1, :n] = NULL_SLOT  # quantized elsewhere: no row of the prompt in the pool
+    g = torch.Generator().manual_seed(0)
+    full = {l: (torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)) for l in LAYERS}
+    host = HostEntry("long", 1, 0, n)
+    for l in LAYERS:
+        host.k[l], host.v[l] = full[l]
+    staging = PoolStaging(rt)
+    assert staging.reserve(0, host) and rt.allocator.available_size() == 64
+    reload = _reload(rt, staging, {0: host}, ThreadPoolExecutor(1))
+    staging.point()
+    q = torch.randn(1, H, 3, D, generator=g)
+    for l in LAYERS:
+        staging.layer_landed(l)
+        at = rt.req_to_token[1, :n].long()
+        k, v = rt.kv_pool.k[l][at], rt.kv_pool.v[l][at]
+        assert torch.equal(k, full[l][0]) and torch.equal(v, full[l][1])
+        got = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        want = torch.nn.functional.scaled_dot_product_attention(q, full[l][0].transpose(0, 1)[None],
+                                                                full[l][1].transpose(0, 1)[None])
+        assert torch.equal(got, want)
+    assert reload.nbytes() == host.nbytes()
+    reload.close()
+    staging.restore()
+    assert rt.allocator.available_size() == pool_size and (rt.req_to_token[1, :n] == NULL_SLOT).all()
+
+
+def test_every_server_keeps_sglangs_whole_pool():
+    """Nothing is set aside at start-up: quantized payloads lease pool slots while their
+    request lives (:mod:`sglang_vc.kvruntime.payload_store`) and reloads land in pool slots
+    taken when they start (:class:`sglang_vc.vericache.staging.AheadSlots`), so the pool
+    is the plain server's, every byte of the budget SGLang profiles, whatever the flags:
+    no project hook on SGLang's pool sizing changes it (``bench.gpu_parity.pool_share``
+    runs every hook ``hooks.install`` registers there)."""
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 
-    from sglang_vc.config import SERVER_ARGS_ATTR
-    from sglang_vc.hooks import _reload_staging_inside_the_budget
-    from sglang_vc.kvruntime.runtime import kv_budget_split
-
-    assert callable(KVCacheConfigurator._profile_available_bytes)
-    for vc in ({"vc_compressor": "specache"}, {"vc_compressor": "kivi"}, {}):
-        on = types.SimpleNamespace(server_args=types.SimpleNamespace(**{SERVER_ARGS_ATTR: vc}), is_draft_worker=False)
-        assert _reload_staging_inside_the_budget(10 << 30, on) is None and kv_budget_split() == {}
-
-
-def test_vericache_sets_its_staged_reloads_aside_in_sglangs_kv_budget():
-    """Under VERICACHE the budget is split two ways: the pool and the reloads staged ahead
-    of their verify (``--vc-staging-fraction`` of the pool's bytes), which the staggered
-    schedule's HBM ring then admits against (``runtime.staging_budget``, shown in
-    ``/server_info``'s ``kv_pool``); its drafter's payloads take nothing at start-up. Other
-    servers set nothing aside."""
-    from sglang_vc.hooks import _reload_staging_inside_the_budget
-    from sglang_vc.kvruntime.runtime import kv_budget_split
+    from sglang_vc.bench.gpu_parity import pool_share
     from sglang_vc.launch_server import parse_args
-    from sglang_vc.vericache import flags
 
-    def configurator(algorithm, *argv):
-        _, sa = parse_args(["--speculative-algorithm", algorithm, *argv])
-        return types.SimpleNamespace(server_args=sa, is_draft_worker=False)
-
-    budget = 10 << 30
-    pool = _reload_staging_inside_the_budget(budget, configurator("VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2"))
-    f = flags.DEFAULT_STAGING_FRACTION
-    assert pool == int(budget / (1 + f))
-    split = kv_budget_split()
-    assert split == {"pool": pool, "reload_staging": int(f * pool)}
-    assert budget - 2 <= sum(split.values()) <= budget  # the two shares fill the budget
-
-    pool = _reload_staging_inside_the_budget(budget, configurator("VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2",
-                                                                  "--vc-staging-fraction", "0.5"))
-    assert pool == int(budget / 1.5) and kv_budget_split()["reload_staging"] == int(0.5 * pool)
-    # SPECACHE: its payloads are not the compressed-KV runtime's, and it verifies nothing
-    assert _reload_staging_inside_the_budget(budget, configurator("SPECACHE")) is None
-    assert kv_budget_split() == {}
+    assert callable(KVCacheConfigurator._profile_available_bytes)  # the function SGLang sizes the pool with
+    for argv in (("--speculative-algorithm", "VERICACHE"),
+                 ("--speculative-algorithm", "VERICACHE", "--vc-compressor", "kivi", "--vc-kv-bits", "2",
+                  "--vc-staging-fraction", "0.5"),
+                 ("--speculative-algorithm", "VERICACHE", "--vc-schedule", "lockstep"),
+                 ("--vc-compressor", "kivi", "--vc-kv-bits", "4"), ("--speculative-algorithm", "SPECACHE"), ()):
+        assert pool_share(argv) == 1.0, argv
     for bad in ("0", "1.5", "nan"):
         with pytest.raises(SystemExit):
             parse_args(["--speculative-algorithm", "VERICACHE", "--vc-staging-fraction", bad])

@@ -1,35 +1,18 @@
-"""The reloads' staging arena: one preallocated buffer, blocks handed out and given back
-once the GPU is past them, and the layer-wise reload staging into it (no server)."""
+"""The prefill's host-copy buffer (``StagingArena``): one buffer, blocks handed out and
+given back once the GPU is past them; the worker allocates it when the first request is
+compressed, never at start-up, and caps reloads started ahead by ``--vc-staging-fraction``
+without setting anything aside (no server)."""
 
 from __future__ import annotations
 
-import gc
 import types
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
 from sglang_vc.testing.streams import StandInStreams
-from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
+from sglang_vc.vericache.reload import HostKVStore
 from sglang_vc.vericache.staging_arena import ALIGN, StagingArena
-
-LAYERS = [0, 1, 2, 3]
-
-
-def _store(n=10, p=2, kept=None):
-    store = HostKVStore()
-    assert store.admit("a", 5, p, n, nbytes=100)
-    torch.manual_seed(0)
-    full = {l: (torch.randn(n, 2, 4), torch.randn(n, 2, 4)) for l in LAYERS}
-    for l, (k, v) in full.items():
-        store.sink("a", 5, l, p, k, v)
-        if kept is not None:
-            store.kept("a", 5, l, kept)
-    store.flush()
-    return store.get("a", 5), full
-
 
 def _inside(t: torch.Tensor, arena: StagingArena) -> bool:
     start = arena.buffer.data_ptr()
@@ -117,183 +100,40 @@ def test_views_are_typed_slices_of_the_block():
         raise AssertionError(bad)
 
 
-def test_a_reload_stages_its_layers_into_depth_plus_one_slots_of_one_block():
-    """Depth 1 over 4 layers: one block of two layer slots; layer 2 reuses layer 0's
-    views (consumed by then), and every layer is served with its own rows."""
-    entry, full = _store()
-    arena = StagingArena(1 << 20, "cpu")
-    base = stats.snapshot().get("vericache", {})
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=1, arena=arena)
-        assert rl.block is not None and rl.block.size == 2 * entry.span(0).staged_bytes()
-        ptrs = []
-        for l in LAYERS:
-            span = rl.layer(l)[0]
-            assert _inside(span.k, arena) and _inside(span.v, arena)
-            assert torch.equal(span.k, full[l][0][2:]) and torch.equal(span.v, full[l][1][2:])
-            ptrs.append(span.k.data_ptr())
-        assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
-        assert arena.in_use == rl.block.size
-        rl.close()
-    assert arena.in_use == 0 and rl.failures == 0
-    after = stats.snapshot()["vericache"]
-    assert after["staged_in_arena"] == base.get("staged_in_arena", 0) + 1
+def test_the_worker_sets_nothing_aside_until_a_request_is_compressed():
+    """The host-copy buffer is allocated at the first request the host store admits (the
+    first compressed one), once; reloads started ahead take pool slots up to
+    ``--vc-staging-fraction`` of the pool's bytes (a cap: nothing is allocated for it)."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-
-def test_a_token_dropping_drafters_rows_and_positions_stage_into_the_arena():
-    kept = torch.tensor([[2, 5, 9], [3, 4, 8]])
-    entry, full = _store(kept=kept)
-    arena = StagingArena(1 << 20, "cpu")
-    k_buf = {l: torch.zeros(10, 2, 4) for l in LAYERS}
-    v_buf = {l: torch.zeros(10, 2, 4) for l in LAYERS}
-    for l in LAYERS:
-        for h in range(2):
-            for j in range(3):
-                k_buf[l][2 + j, h], v_buf[l][2 + j, h] = full[l][0][kept[h, j], h], full[l][1][kept[h, j], h]
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS), arena=arena)
-        for l in LAYERS:
-            span = rl.layer(l)[0]
-            assert all(_inside(t, arena) for t in span.tensors())
-            k, v = span.full(k_buf[l], v_buf[l], torch.arange(10)[2:])
-            assert torch.equal(k, full[l][0][2:]) and torch.equal(v, full[l][1][2:])
-        rl.close()
-    assert arena.in_use == 0 and arena.peak == entry.staged_bytes()
-
-
-def test_a_staggered_reload_takes_the_bytes_the_hbm_ring_counted_even_when_layers_differ():
-    """Layers of different sizes (two layers keep rows on the device and stage only the
-    dropped ones, two stay full): holding every layer until its verify, the reload's block
-    is exactly ``staged_bytes()`` (what ADMIT reserved on the HBM ring), each layer at its
-    own offset."""
-    store = HostKVStore()
-    assert store.admit("a", 5, 2, 10, nbytes=100)
-    torch.manual_seed(1)
-    full = {l: (torch.randn(10, 2, 4), torch.randn(10, 2, 4)) for l in LAYERS}
-    for l, (k, v) in full.items():
-        store.sink("a", 5, l, 2, k, v)
-    for l in LAYERS[:2]:
-        store.kept("a", 5, l, torch.tensor([[2, 5, 9], [3, 4, 8]]))
-    store.flush()
-    entry = store.get("a", 5)
-    sizes = {l: entry.span(l).staged_bytes() for l in LAYERS}
-    assert sizes[0] != sizes[3]
-    arena = StagingArena(1 << 20, "cpu")
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS), arena=arena)
-        assert rl.block.size == entry.staged_bytes() == sum(sizes.values())
-        starts = []
-        for l in LAYERS:
-            span = rl.layer(l)[0]
-            assert torch.equal(span.k, entry.k[l]) and torch.equal(span.v, entry.v[l])
-            starts.append(span.k.data_ptr() - arena.buffer.data_ptr())
-        rl.close()
-    assert starts == [sum(sizes[m] for m in LAYERS[:i]) for i in range(len(LAYERS))]
-
-
-def test_a_reload_without_room_stages_outside_and_stays_correct():
-    entry, full = _store()
-    arena = StagingArena(ALIGN, "cpu")  # smaller than one layer slot
-    base = stats.snapshot().get("vericache", {}).get("staged_outside_arena", 0)
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=2, arena=arena)
-        assert rl.block is None
-        for l in LAYERS:
-            span = rl.layer(l)[0]
-            assert not _inside(span.k, arena) and torch.equal(span.k, full[l][0][2:])
-        rl.close()
-    assert stats.snapshot()["vericache"]["staged_outside_arena"] == base + 1
-
-
-def test_a_reload_dropped_unclosed_still_gives_its_block_back():
-    entry, _ = _store()
-    arena = StagingArena(1 << 20, "cpu")
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS), arena=arena)
-        for l in LAYERS:
-            rl.layer(l)
-    assert arena.in_use > 0
-    del rl
-    gc.collect()
-    assert arena.in_use > 0  # queued, not given back from whatever thread dropped it
-    assert arena.alloc(ALIGN) is not None and arena.in_use == ALIGN  # at the next allocation
-
-
-def test_on_a_gpu_closing_records_a_copy_and_a_compute_event_and_needs_no_record_stream():
-    """With streams (a stand-in CUDA), closing records an event on the copy stream and one
-    on the consumer's, which the block's release waits for (their waiting is
-    :func:`test_a_block_comes_back_only_once_the_gpu_passed_its_events`). The staged
-    views are not ``record_stream``-ed: the arena's buffer is never freed."""
-    entry, _ = _store()
-    fake = StandInStreams()
-    kept = []
-    stream = CopyStream("cpu", module=fake)
-    stream.keep_alive = lambda t, s: kept.append(t)
-    arena = StagingArena(1 << 20, "cpu")
-    released = []
-    real = arena.release
-    arena.release = lambda block, events=(): (released.append(tuple(events)), real(block, events))
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=len(LAYERS), copy_stream=stream, arena=arena)
-        for l in LAYERS:
-            rl.layer(l)
-        rl.close()
-    assert kept == []
-    assert len(released) == 1 and [e.stream for e in released[0]] == ["copy", "compute"]
-    assert arena.in_use == 0  # the stand-in's events have passed
-    rl.close()  # closing twice gives nothing back twice
-    assert len(released) == 1
-
-
-def test_a_layer_slot_is_reused_only_after_the_gpu_passed_the_layer_before_it():
-    """Depth 1 on a stand-in CUDA: two layer slots. Layer ``i + 1``'s copy goes into
-    layer ``i - 1``'s slot, and is issued (on the copy thread) only after a host wait on
-    the event recorded when layer ``i`` was handed over: the GPU is past layer ``i - 1``'s
-    reads by then."""
-    entry, full = _store()
-    fake = StandInStreams()
-    stream = CopyStream("cpu", module=fake)
-    arena = StagingArena(1 << 20, "cpu", stream.fences)
-    ptrs = []
-    with ThreadPoolExecutor(1) as pool:
-        rl = LayerwiseReload(pool, {0: entry}, LAYERS, "cpu", depth=1, copy_stream=stream, arena=arena)
-        for l in LAYERS:
-            span = rl.layer(l)[0]
-            assert torch.equal(span.k, full[l][0][2:])
-            ptrs.append(span.k.data_ptr())
-        rl.close()
-    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1]
-    handed = [e for kind, e in fake.log if kind == "record" and e.stream == "compute"][: len(LAYERS)]
-    synced = [e for kind, e in fake.log if kind == "sync"]
-    # layer i + 1 waited for the hand-over of layer i (layer 1's wait is for the depth bound)
-    assert synced == handed[:3], (handed, synced)
-    copies = [i for i, (kind, e) in enumerate(fake.log) if kind == "record" and e.stream == "copy"]
-    for s, copy in zip(synced, copies[1:]):
-        assert next(i for i, (kind, e) in enumerate(fake.log) if kind == "sync" and e is s) < copy
-
-
-def test_the_worker_sizes_the_arena_to_the_staging_share():
-    """The worker's arena is the HBM ring's capacity (``_staging_budget``), allocated once."""
+    from sglang_vc.vericache.host_copy import HOST_COPY_BYTES
     from sglang_vc.vericache.worker import VeriCacheWorker
 
     worker = object.__new__(VeriCacheWorker)
     worker.device = "cpu"
     worker.copy_stream = CopyStream("cpu", module=StandInStreams())  # an accelerator's copy stream
     worker.host = HostKVStore(copy_stream=worker.copy_stream, pin=False)
-    runtime = types.SimpleNamespace(staging_budget=64 * ALIGN, staging_arena=None)
-    worker._runtime = runtime
-    arena = worker._staging_arena()
-    assert arena.capacity == 64 * ALIGN and runtime.staging_arena is arena
-    assert worker._staging_arena() is arena
-    # the prefill's copies to the host store go through the same share (host_copy)
-    assert worker.host.copy_out is not None and worker.host.copy_out.arena is arena
+    worker.server_args = types.SimpleNamespace()
+    allocator = TokenToKVPoolAllocator(100, torch.float32, "cpu", None, need_sort=False)
+    k0 = torch.zeros(101, 2, 4)
+    worker._runtime = types.SimpleNamespace(bytes_per_slot=64, allocator=allocator, start_layer=0,
+                                            kv_pool=types.SimpleNamespace(get_key_buffer=lambda l: k0))
+    assert worker.host.copy_out is None
+    ahead = worker._ahead_slots()
+    from sglang_vc.vericache import flags
+    assert ahead.cap_bytes == int(flags.DEFAULT_STAGING_FRACTION * 64 * 101) and ahead.held == 0
+    assert allocator.available_size() == 100  # a cap, not a reservation
+    assert worker._ahead_slots() is ahead
+    assert worker._admit_host("r", 0, 0, 10)
+    out = worker.host.copy_out
+    assert out is not None and out.arena.capacity == HOST_COPY_BYTES
+    assert worker._admit_host("s", 1, 0, 10) and worker.host.copy_out is out  # once
 
 
 def test_the_gpu_checks_reload_staging_runs_the_servers_reload_on_the_cpu():
-    """``bench.gpu_check``'s staging check (what a lent GPU runs first) on small CPU shapes:
-    the staged rows equal the host copy, through the arena and without it."""
+    """``bench.gpu_check``'s reload check (what a lent GPU runs first) on small CPU shapes:
+    the rows land in contiguous and scattered pool slots equal to the host copy."""
     from sglang_vc.bench.gpu_check import reload_staging
 
     out = reload_staging(device="cpu", n=64, layers=3, hkv=2, d=8, dtype=torch.float32, repeats=1)
-    assert out["ok"] and out["arena_gb_per_s"] > 0 and out["tensors_gb_per_s"] > 0, out
-    assert out["arena_peak_bytes"] == out["bytes"]  # 64 x 2 x 8 x 4 bytes per tensor: aligned already
+    assert out["ok"] and out["contiguous_gb_per_s"] > 0 and out["scattered_gb_per_s"] > 0, out

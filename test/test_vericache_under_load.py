@@ -57,7 +57,7 @@ def assert_idle_and_whole(proc, timeout: float = 60) -> dict:
         counters = requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]
         pool = counters["kv_pool"]
         whole = pool["available_tokens"] + pool["evictable_tokens"] == pool["total_tokens"]
-        held = (pool["host_store_bytes"], pool["reload_staging_in_use_bytes"], pool["verify_headroom_tokens"])
+        held = (pool["host_store_bytes"], pool["reload_ahead_bytes"], pool["verify_headroom_tokens"])
         if whole and held == (0, 0, 0):
             return counters
         assert time.time() < deadline, pool

@@ -513,33 +513,6 @@ def _decode_graphs_for_vericache(original, model_runner):
     return runner_cls_for(original, model_runner)
 
 
-def _reload_staging_inside_the_budget(result, *args, **kwargs):
-    """SGLang sizes the KV pool from the device memory left after the weights (with
-    ``--mem-fraction-static``). VERICACHE stages its reloads ahead of a verify in
-    ``--vc-staging-fraction`` of the pool's bytes beside it, so the pool takes
-    ``1 / (1 + f_staging)`` of that budget and the staging the rest: all inside SGLang's
-    memory fraction (``/server_info``'s ``kv_pool`` shows the split; quantized payloads take
-    leased pool slots instead, :mod:`sglang_vc.kvruntime.payload_store`). SGLang reserves
-    out of this budget only for its own multimodal caches (``mm_runtime_reservation_gb``);
-    no seam for a plugin."""
-    from sglang_vc.kvruntime.runtime import kv_pool_share, record_kv_budget_split
-    from sglang_vc.vericache.flags import staging_fraction_of
-
-    configurator = args[0] if args else None
-    if configurator is None or getattr(configurator, "is_draft_worker", False):
-        return None
-    f_staging = staging_fraction_of(getattr(configurator, "server_args", None))
-    if not f_staging:
-        record_kv_budget_split()  # not split
-        return None
-    pool = int(result * kv_pool_share(f_staging))
-    record_kv_budget_split(pool=pool, reload_staging=int(f_staging * pool))
-    logger.info("KV budget %.2f GB (--mem-fraction-static): pool up to %.2f GB, reloads staged for verifies "
-                "(%.1f%% of the pool's bytes) %.2f GB", result / 2**30, pool / 2**30, 100 * f_staging,
-                f_staging * pool / 2**30)
-    return pool
-
-
 def assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
                              out_cache_loc, batch_size):
     """Pure-torch ``assign_req_to_token_pool_func``: write the freshly allocated slots
@@ -690,11 +663,6 @@ def install() -> None:
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_req_to_token_pool",
         _view_rows_for_in_pool_drafts,
         HookType.AROUND,
-    )
-    HookRegistry.register(
-        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
-        _reload_staging_inside_the_budget,
-        HookType.AFTER,
     )
     HookRegistry.register(
         "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend",

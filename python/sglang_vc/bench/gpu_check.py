@@ -6,9 +6,9 @@ SGLang, no network):
    reads pinned host memory from the GPU, against the same call on the CPU's torch path:
    the same attention output (float32, both devices);
 2. ``bench.kernels``: every Triton kernel against its torch path, time and error;
-3. the server's staged reload (``LayerwiseReload``) of one 8k-token 8B request from pinned
-   host memory into the staging arena and into tensors of its own: rows equal, GB/s each
-   (``reload_staging.json``);
+3. the server's reload (``LayerwiseReload``) of one 8k-token 8B request from pinned host
+   memory into pool slots, contiguous and scattered (as SGLang's allocator hands them out):
+   rows equal, GB/s each (``reload_staging.json``);
 4. ``bench.gpu_step`` at batch 8 and batch 32 (in-pool view budget 512): one 8B decode
    layer at 32k tokens, each drafter through the server's own functions where it has one,
    with kernel launches and host-blocking CUDA calls counted by ``torch.profiler``;
@@ -64,16 +64,16 @@ def drafter_matches_cpu(n: int = 4096, batch: int = 4, hq: int = 32, hkv: int = 
 
 def reload_staging(device: str = "cuda", n: int = 8192, layers: int = 32, hkv: int = 8, d: int = 128,
                    dtype=torch.bfloat16, repeats: int = 3) -> dict:
-    """The server's staged reload (``LayerwiseReload`` on the copy stream, every layer held
-    until the verify: the staggered schedule's) of one request's full KV (8B shapes, ``n``
-    tokens) from pinned host memory, into the preallocated staging arena and into tensors
-    of its own: the staged rows equal the host copy, and the link rate of each."""
+    """The server's reload (``LayerwiseReload`` on the copy stream, every layer ahead of the
+    verify: the staggered schedule's) of one request's full KV (8B shapes, ``n`` tokens)
+    from pinned host memory into pool slots of a KV pool twice its size, contiguous and
+    scattered: the slots' rows equal the host copy, and the link rate of each."""
     import time
     from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
 
     from sglang_vc.kvruntime import CopyStream
     from sglang_vc.vericache.reload import HostKVStore, LayerwiseReload
-    from sglang_vc.vericache.staging_arena import StagingArena
 
     stream = CopyStream(device)
     store = HostKVStore(copy_stream=stream)
@@ -85,27 +85,30 @@ def reload_staging(device: str = "cuda", n: int = 8192, layers: int = 32, hkv: i
     store.flush()
     entry = store.get("r", 0)
     entry.wait()
-    arena = StagingArena(entry.staged_bytes(), device, stream.fences)
+    k = [torch.zeros(2 * n, hkv, d, dtype=dtype, device=device) for _ in range(layers)]
+    v = [torch.zeros(2 * n, hkv, d, dtype=dtype, device=device) for _ in range(layers)]
+    pool = SimpleNamespace(get_key_buffer=k.__getitem__, get_value_buffer=v.__getitem__)
+    req_to_token = torch.zeros(1, n, dtype=torch.int32, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = {"check": "reload_staging", "tokens": n, "layers": layers, "bytes": entry.nbytes(), "ok": True}
-    with ThreadPoolExecutor(1) as pool:
-        for name, use in (("arena", arena), ("tensors", None)):
+    layouts = {"contiguous": torch.arange(n // 2, n // 2 + n, device=device),
+               "scattered": torch.randperm(2 * n, generator=g, device=device)[:n]}
+    with ThreadPoolExecutor(1) as executor:
+        for name, slots in layouts.items():
             best = float("inf")
             for _ in range(repeats):
                 sync()
                 t0 = time.perf_counter()
-                rl = LayerwiseReload(pool, {0: entry}, list(range(layers)), device, depth=layers, copy_stream=stream,
-                                     arena=use)
-                spans = [rl.layer(lid)[0] for lid in range(layers)]
+                rl = LayerwiseReload(executor, {0: entry}, {0: slots}, pool, req_to_token, list(range(layers)),
+                                     device, depth=layers, copy_stream=stream)
+                for lid in range(layers):
+                    rl.layer(lid)
                 sync()
                 best = min(best, time.perf_counter() - t0)
-                out["ok"] &= all(torch.equal(s.k.cpu(), entry.k[lid]) and torch.equal(s.v.cpu(), entry.v[lid])
-                                 for lid, s in enumerate(spans))
-                out["ok"] &= (rl.block is not None) == (use is not None)
-                del spans
                 rl.close()
+                out["ok"] &= all(torch.equal(k[lid][slots].cpu(), entry.k[lid]) and
+                                 torch.equal(v[lid][slots].cpu(), entry.v[lid]) for lid in range(layers))
             out[f"{name}_gb_per_s"] = entry.nbytes() / best / 1e9
-    out["arena_peak_bytes"] = arena.peak
     return out
 
 

@@ -5,8 +5,9 @@ A PREDICTION, not a measurement: nothing here runs on a GPU. The terms that deci
 read from the project's own code, so the figures move when the code does:
 
 * **the pool**: the share of SGLang's KV budget the pool keeps under VERICACHE's default
-  flags (``kvruntime.runtime.kv_pool_share``, the split ``hooks`` applies at start-up), and
-  so how many requests of the context are resident beside plain SGLang's;
+  flags (:func:`pool_share`: the project's hooks on SGLang's pool sizing, applied to a
+  budget; none today), and so how many requests of the context are resident beside plain
+  SGLang's;
 * **overlap**: whether VERICACHE's flag resolution leaves SGLang's overlap scheduler on
   (``speculative.resolve_flags``); where it is off, the iteration's host work
   (``--host-ms``, an assumption: the issue priced it at 4-6 ms for 32 requests) is added
@@ -14,8 +15,8 @@ read from the project's own code, so the figures move when the code does:
 * **verify graphs**: the widths a uniform in-pool verify replays from a graph
   (``vericache.decode_graphs.verify_graph_widths``), reported (nothing drafts here, so
   they do not enter the ratio);
-* **bytes per verify** under offload: the request's whole full KV today (the reload is
-  not staged layer by layer yet), over a ``--link-gb-s`` link.
+* **bytes per verify** under offload: the request's whole full KV (copied layer by layer
+  into the verify's own pool slots), over a ``--link-gb-s`` link.
 
 The device iteration is the memory-bound decode step: the weights and every resident
 request's KV read once from HBM. Printed beside the figures a code read gave at d332b8c
@@ -44,19 +45,48 @@ def kv_bytes_per_token(model: dict) -> int:
     return 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * model["dtype_bytes"]
 
 
+POOL_SIZING = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+
+
+def pool_share(argv: tuple = ("--speculative-algorithm", "VERICACHE"), budget: int = 10 << 30) -> float:
+    """The share of SGLang's KV budget the pool keeps for a server launched with ``argv``:
+    every hook the project registers on SGLang's pool sizing (:data:`POOL_SIZING`; recorded
+    from ``hooks.install``, not applied to SGLang), run on a budget of ``budget`` bytes."""
+    from unittest import mock
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_vc import hooks
+    from sglang_vc.launch_server import parse_args
+
+    recorded = []
+
+    def record(target, hook, hook_type=HookType.AFTER, **_):
+        recorded.append((target, hook, hook_type))
+
+    with mock.patch.object(HookRegistry, "register", staticmethod(record)):
+        hooks.install()
+    _, server_args = parse_args(list(argv))
+    configurator = SimpleNamespace(server_args=server_args, is_draft_worker=False)
+    pool = budget
+    for target, hook, hook_type in recorded:
+        if target == POOL_SIZING:
+            if hook_type is not HookType.AFTER:
+                raise NotImplementedError(f"a {hook_type} hook on SGLang's pool sizing")
+            out = hook(pool, configurator)
+            pool = pool if out is None else out
+    return pool / budget
+
+
 def code_terms(draft_tokens: int = 32) -> dict:
     """What the code does under VERICACHE's default flags (X chosen from data up to
     ``draft_tokens``): the pool's share of the KV budget, whether SGLang's overlap
     scheduler stays on, the verify widths graphs capture."""
-    from sglang_vc.kvruntime.runtime import kv_pool_share
     from sglang_vc.speculative import resolve_flags
     from sglang_vc.vericache.decode_graphs import verify_graph_widths
-    from sglang_vc.vericache.flags import DEFAULT_STAGING_FRACTION
     from sglang_vc.vericache.names import ATTENTION_BACKEND
 
-    # quantized payloads lease pool slots when a request is compressed; the reload staging
-    # share is still split off at start-up
-    share = kv_pool_share(DEFAULT_STAGING_FRACTION)
+    share = pool_share()
     args = SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
                            enable_mixed_chunk=False)
     resolve_flags(args, ATTENTION_BACKEND)  # (records its notice in this process only)

@@ -45,27 +45,6 @@ MAX_SCORING_QUERIES = 512  # last prompt queries H2O/KVzip score with (memory bo
 PAYLOAD_TAIL_HEADROOM = 0.25
 
 _runtime: Optional["KVRuntime"] = None
-# How SGLang's KV budget (--mem-fraction-static) was split in this process: recorded by
-# ``hooks._reload_staging_inside_the_budget`` when SGLang sizes the pool, before any runtime
-_kv_budget_split: dict[str, int] = {}
-
-
-def kv_pool_share(f_staging: float) -> float:
-    """The share of SGLang's KV budget the pool keeps where reload staging of ``f_staging``
-    of the pool's bytes is split off beside it."""
-    return 1.0 / (1.0 + f_staging)
-
-
-def record_kv_budget_split(**bytes_of: int) -> None:
-    """Keep the split of SGLang's KV budget (``pool``, ``reload_staging`` bytes) for the runtime and ``/server_info``."""
-    _kv_budget_split.clear()
-    _kv_budget_split.update({k: int(v) for k, v in bytes_of.items()})
-
-
-def kv_budget_split() -> dict[str, int]:
-    return dict(_kv_budget_split)
-
-
 def host_rows(forward_batch) -> list[int]:
     """The forward's ``req_to_token`` rows, read from a host copy: SGLang makes one for an
     extend (``req_pool_indices_cpu``), the project's workers for each forward they run
@@ -157,10 +136,7 @@ class KVRuntime:
         # quantized payloads live in slots leased from the pool while their request does
         self.payloads = PayloadStore(self.allocator, self.kv_pool, self._evict)
         self.payload_tail_headroom = PAYLOAD_TAIL_HEADROOM
-        # device memory for reloads staged ahead of their verify (VERICACHE): what SGLang's
-        # budget set aside for them when it sized the pool (the worker fills it in otherwise)
-        self.staging_budget = kv_budget_split().get("reload_staging", 0)
-        self.staging_arena = None  # VERICACHE's buffer of that share, once allocated (its stats())
+        self.reload_ahead = None  # VERICACHE's pool slots of reloads started ahead of their verify (stats())
         self.host_store = None  # VERICACHE's host store of the full KV compression replaced
         self.plans: dict[str, RequestPlan] = {}
         self.index: dict[int, CompressedKVIndex] = {}
@@ -473,16 +449,19 @@ class KVRuntime:
         return {  # pool slots leased for quantized payloads now, and the most they held at once
                 "payload_store_bytes": self.payload_bytes,
                 "payload_store_peak_bytes": self.payloads.peak_slots * self.bytes_per_slot,
-                "reload_staging_budget_bytes": self.staging_budget,
-                # the most of that buffer reloads held at once (0: none allocated yet)
-                "reload_staging_peak_bytes": self.staging_arena.peak if self.staging_arena is not None else 0,
-                # what reloads hold of it now (0 once every reload was consumed or dropped)
-                "reload_staging_in_use_bytes": self.staging_arena.held() if self.staging_arena is not None else 0,
+                # pool slots reloads started ahead of their verify hold: their cap (not set
+                # aside), now and at most (VERICACHE)
+                **(self.reload_ahead.stats() if self.reload_ahead is not None else
+                   {"reload_ahead_cap_bytes": 0, "reload_ahead_bytes": 0, "reload_ahead_peak_bytes": 0}),
+                # the prefill's host copies' device buffer, allocated when a request is first compressed
+                "host_copy_buffer_bytes": self._host_copy_bytes(),
                 # host memory holding the full KV that compression replaced (VERICACHE)
                 "host_store_bytes": self.host_store.reserved_bytes if self.host_store is not None else 0,
-                "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0,
-                # SGLang's KV budget (--mem-fraction-static) before the split, where it was split
-                "kv_budget_bytes": sum(kv_budget_split().values())}
+                "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0}
+
+    def _host_copy_bytes(self) -> int:
+        copy_out = getattr(self.host_store, "copy_out", None)
+        return copy_out.arena.capacity if copy_out is not None else 0
 
     def take_returned_slots(self) -> int:
         """Slots compression gave back to the allocator since the last call: room that

@@ -232,8 +232,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         lid = layer.layer_id
         k_buf = self.token_to_kv_pool.get_key_buffer(lid)
         v_buf = self.token_to_kv_pool.get_value_buffer(lid)
-        if self.staging is not None:  # the verifiers' full rows of this layer
-            self.staging.write_layer(lid, k_buf, v_buf)
+        if self.staging is not None:  # the verifiers' full rows of this layer have landed
+            self.staging.layer_landed(lid)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         if vf.view is not None:  # full KV: SGLang's backend
             full = self._full_kv_backend()

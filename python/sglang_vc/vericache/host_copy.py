@@ -1,4 +1,4 @@
-"""The prefill's copies of the full KV to the host store, through the staging share.
+"""The prefill's copies of the full KV to the host store, through one small device buffer.
 
 Right before a prompt's layer is compressed, its full rows (those compression replaces)
 go to pinned host memory on the copy stream (:class:`~.reload.HostKVStore`). A copy
@@ -7,14 +7,14 @@ that read the gathered rows themselves would keep them alive until it lands
 layer's copy long before the first lands, so a 32k-token prompt on 8B shapes (128 MiB
 per layer) would hold gigabytes of device memory outside SGLang's budget.
 
-Here each layer's rows are written, piece by piece, into blocks of VERICACHE's staging
-arena (the reload share of ``--mem-fraction-static``) on the compute stream and copied
-from there to the host on the copy stream; the gathered rows are free as soon as the
-layer is done with them. The prefill's pieces in flight hold at most
-:data:`HOST_COPY_SHARE` of the arena, so reloads keep the rest: past it the scheduler
-waits for the oldest piece's copy to land (the link is behind the prefill; the GPU keeps
-the layers queued after it). Where the arena has no room a piece is copied from a tensor
-of its own, as before, and counted (``host_copies_outside_arena``).
+Here each layer's rows are written, piece by piece, into blocks of one small device
+buffer (:data:`HOST_COPY_BYTES`, allocated when the first request is compressed, never at
+start-up: :meth:`~.reload.HostKVStore.ensure_copy_buffer`) on the compute stream and
+copied from there to the host on the copy stream; the gathered rows are free as soon as
+the layer is done with them. Past the buffer's bytes in flight the scheduler waits for the
+oldest piece's copy to land (the link is behind the prefill; the GPU keeps the layers
+queued after it). Where the buffer has no room a piece is copied from a tensor of its own,
+as before, and counted (``host_copies_outside_arena``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from sglang_vc.kvruntime import CopyStream
 
 from .staging_arena import ALIGN, StagingArena, aligned
 
-HOST_COPY_SHARE = 0.25  # of the staging arena: the prefill's copies in flight at most
+# The prefill's copies in flight at most: 256 MiB is ~10 ms of a 25 GB/s link, enough to
+# keep it busy, and beside SGLang's activations (outside the KV pool) it is small
+HOST_COPY_BYTES = 256 << 20
 
 
 class ArenaCopyOut:
@@ -39,7 +41,7 @@ class ArenaCopyOut:
         self.arena = arena
         self.copy_stream = copy_stream
         self.pin = pin
-        self.cap = int(arena.capacity * HOST_COPY_SHARE) // ALIGN * ALIGN
+        self.cap = arena.capacity // ALIGN * ALIGN
         self.piece = max(ALIGN, self.cap // 2)  # two pieces in flight: one copies while one fills
         self._in_flight: collections.deque = collections.deque()  # (bytes, copy event), oldest first
         self.in_flight_bytes = 0

@@ -64,9 +64,10 @@ class LockstepRound:
             if entry is not None:
                 entry.keep_full_rows = True
 
-        # 2. (started first, so that it overlaps drafting) stage the full KV of the
-        # compressed requests, layer by layer, for the verify forward
-        reload = self._start_reload(batch, rows)
+        # 2. (started first, so that it overlaps drafting) copy the full KV of the
+        # compressed requests, layer by layer, into pool slots for the verify forward
+        staging = PoolStaging(self.runtime)
+        reload = self._start_reload(batch, rows, staging)
 
         # 1. draft X tokens greedily from the compressed KV
         try:  # (from here on, the reload is closed however the iteration ends)
@@ -93,16 +94,13 @@ class LockstepRound:
             spec_info = self.verify_input(verify_ids, positions, committed, dev)
             self.set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
                             slots.flatten(), spec_info, seq_dtype, dev)
-            # each compressed request's full KV into pool slots (where the pool has room)
-            staging = PoolStaging(self.runtime, reload.layer if reload is not None else (lambda layer_id: {}))
-            for i, host in (reload.entries.items() if reload is not None else ()):
-                staging.reserve(i, host)
             self._verify_forward_with(staging)
             res = self.target_worker.forward_batch_generation(batch, is_verify=True)
         finally:
-            self._verify_forward_done()
             if reload is not None:
-                reload.close()
+                reload.close()  # (before its slots are freed: see LayerwiseReload.close)
+            self._verify_forward_done()
+            staging.restore()  # (a no-op once done: the slots of a round that failed before its verify)
         reloaded = reload.nbytes() if reload is not None else 0
         if reload is not None and reload.failures:
             stats.add("vericache", reload_failures=reload.failures)

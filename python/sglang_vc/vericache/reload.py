@@ -8,20 +8,20 @@ fit is not compressed at all (it decodes from its full device KV, the slower pat
 than losing KV that a verify would need.
 
 :class:`LayerwiseReload` copies that KV back for one verify forward, layer by layer, on a
-copy thread: layer ``l + 1`` is staged while the verify computes layer ``l``, and layer 0
-while the batch drafts. The transient region is thus ``depth`` layers of the verifying
-requests (plus the one the GPU is using), not their whole full KV: a staging slot comes
-back when the GPU, not only the host, is past the layers handed over (an event the copy
-thread waits on). It lives outside SGLang's KV pool, in the share of SGLang's KV budget
-set aside for it: a block of :class:`~.staging_arena.StagingArena` holding ``depth + 1``
-layers, each layer staged into the same views of it as the layer ``depth + 1`` before
-(already consumed on the GPU by then), or every layer at its own offset where the reload
-holds them all until its verify (the staggered schedule's). The verify forward writes each staged layer into
-pool slots of its own (:mod:`.staging`). A failed copy is retried synchronously on
-the scheduler thread (counted as a reload failure). A copy that fails every retry hands
-its requests to ``on_failure`` (the worker writes their full KV into device slots, and
-they verify and decode from it: the slower correct path); without one it raises
-:class:`ReloadFailed`.
+copy thread, straight into the pool slots the verify reads it from (:mod:`.staging`: the
+request's row points at them during the forward). The slots are taken from SGLang's
+allocator when the reload starts (the staggered schedule starts it iterations ahead of
+the verify) or from the verify headroom, and go back after the verify: nothing is set
+aside for reloads at start-up, and a request of any length reloads into as many slots
+as its span, the same slots its verify needs anyway. Each layer passes through a device
+tensor of one layer's span on the copy stream (pinned host rows can only be scattered
+into pool slots from the device), so ``depth`` bounds that transient, not the reload.
+Layer ``l + 1`` lands while the verify computes layer ``l``, and layer 0 while the
+batch drafts; the verify's stream waits for each layer's copy event before reading it.
+A failed copy is retried synchronously on the scheduler thread (counted as a reload
+failure). A copy that fails every retry hands its requests to ``on_failure`` (the worker
+writes their full KV into device slots, and they verify and decode from it: the slower
+correct path); without one it raises :class:`ReloadFailed`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ import torch
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream
 
-from .host_copy import HOST_COPY_SHARE, ArenaCopyOut
-from .staging_arena import ALIGN, Block, StagingArena, aligned
+from sglang_vc.kvruntime import kernels
+
+from .host_copy import HOST_COPY_BYTES, ArenaCopyOut
+from .staging_arena import ALIGN, StagingArena
 
 logger = logging.getLogger(__name__)
 
@@ -76,29 +78,14 @@ class Span:
     dropped: Optional[torch.Tensor] = None  # [H, n_drop]
 
     def to(self, device) -> "Span":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True, copy=True)  # noqa: E731
+        # (a tensor already there is used as it is: on the CPU the host rows are written
+        # into the pool directly)
+        move = lambda t: t if t is None or t.device == torch.device(device) else \
+            t.to(device, non_blocking=True)  # noqa: E731
         return Span(self.p, self.n, move(self.k), move(self.v), move(self.kept), move(self.dropped))
 
     def tensors(self) -> tuple:
         return self.k, self.v, self.kept, self.dropped
-
-    def staged_bytes(self) -> int:
-        """Bytes it takes in a staging arena (each tensor :data:`~.staging_arena.ALIGN`-ed)."""
-        return sum(aligned(t.numel() * t.element_size()) for t in self.tensors() if t is not None)
-
-    def into(self, arena: StagingArena, block: Block, offset: int) -> tuple["Span", int]:
-        """A copy in ``block`` of ``arena`` from ``offset`` (non-blocking copies from the
-        pinned host copy), and the offset past it."""
-        out = []
-        for t in self.tensors():
-            if t is None:
-                out.append(None)
-                continue
-            staged = arena.view(block, offset, t.shape, t.dtype)
-            staged.copy_(t, non_blocking=True)
-            out.append(staged)
-            offset += aligned(t.numel() * t.element_size())
-        return Span(self.p, self.n, *out), offset
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
@@ -147,7 +134,6 @@ class HostEntry:
     # [L, 2] int64 addresses of each layer's K and V copies, for the batched SpeCache fetch
     # (built on first use once every layer landed; reset when a layer's copy changes)
     addresses: Optional[torch.Tensor] = None
-    arena_bytes: Optional[int] = None  # staged_bytes(), once known (reset with ``addresses``)
 
     def wait(self) -> None:
         """Block until every copy of this entry to the host has landed (a reader on the
@@ -167,12 +153,6 @@ class HostEntry:
     def nbytes(self) -> int:
         """Bytes a reload of this request copies."""
         return sum(self.span(layer_id).nbytes() for layer_id in self.k)
-
-    def staged_bytes(self) -> int:
-        """Bytes a reload of this request takes in a staging arena (tensors aligned)."""
-        if self.arena_bytes is None:
-            self.arena_bytes = sum(self.span(layer_id).staged_bytes() for layer_id in self.k)
-        return self.arena_bytes
 
 
 class HostKVStore:
@@ -200,10 +180,16 @@ class HostKVStore:
         self.copy_out: Optional[ArenaCopyOut] = None
 
     def use_arena(self, arena: StagingArena) -> None:
-        """Copy the prefill's rows to the host through blocks of ``arena`` (VERICACHE's
-        staging share, inside SGLang's budget: :mod:`.host_copy`), on an accelerator."""
-        if self.copy_stream.stream is not None and arena.capacity * HOST_COPY_SHARE >= ALIGN:
+        """Copy the prefill's rows to the host through blocks of ``arena`` (:mod:`.host_copy`),
+        on an accelerator."""
+        if self.copy_stream.stream is not None and arena.capacity >= ALIGN:
             self.copy_out = ArenaCopyOut(arena, self.copy_stream, self.pin)
+
+    def ensure_copy_buffer(self, device) -> None:
+        """The prefill's host copies' buffer (:data:`~.host_copy.HOST_COPY_BYTES`), allocated
+        when the first request is compressed (never at start-up), on an accelerator only."""
+        if self.copy_out is None and self.copy_stream.stream is not None:
+            self.use_arena(StagingArena(HOST_COPY_BYTES, device, self.copy_stream.fences))
 
     def admit(self, rid: str, req_pool_idx: int, p: int, n: int, nbytes: int) -> bool:
         old = self.entries.pop(rid, None)
@@ -288,7 +274,7 @@ class HostKVStore:
     @staticmethod
     def _landed(entry: "HostEntry", layer_id: int, k, v, kept, dropped, event) -> None:
         entry.k[layer_id], entry.v[layer_id] = k, v
-        entry.addresses = entry.arena_bytes = None
+        entry.addresses = None
         if kept is not None:
             entry.kept[layer_id], entry.dropped[layer_id] = kept, dropped
         entry.event = event if event is not None else entry.event
@@ -365,35 +351,43 @@ class ReloadFailed(RuntimeError):
     """A layer's staged copy failed the first time and every synchronous retry."""
 
 
-def _orphan(arena: Optional[StagingArena], block: Optional[Block]) -> None:
-    # (a finalizer: any thread may run it, so it only queues the block for the arena)
-    if arena is not None and block is not None:
-        arena.orphan(block)
+def _give_back(orphan: Optional[Callable[[torch.Tensor], None]], slots: list) -> None:
+    # (a finalizer, on any thread: a reload dropped without closing only queues its slots,
+    # :meth:`.staging.AheadSlots.orphan`)
+    if orphan is not None:
+        for s in slots:
+            orphan(s)
 
 
 class LayerwiseReload:
-    """Stage the full KV of ``entries`` (batch index -> :class:`HostEntry`) on ``device``
-    one layer at a time, ``depth`` layers ahead of the consumer."""
+    """Copy the full KV of ``entries`` (batch index -> :class:`HostEntry`) into the pool
+    slots ``dest`` (batch index -> ``[n - p]`` slots on ``pool``'s device) one layer at a
+    time, ``depth`` layers ahead of the consumer. ``release`` (an
+    :class:`~.staging.AheadSlots`, if given) takes the slots back when the reload closes
+    without having handed them over to its verify (:meth:`hand_over`)."""
 
-    def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry],
-                 layer_ids: list[int], device, depth: int = 2,
+    def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry], dest: dict[int, torch.Tensor],
+                 pool, req_to_token: torch.Tensor, layer_ids: list[int], device, depth: int = 2,
                  on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None,
-                 copy_stream: Optional[CopyStream] = None, arena: Optional[StagingArena] = None):
+                 copy_stream: Optional[CopyStream] = None, release=None):
         self.entries = entries
+        self.dest = dest
+        self.pool = pool
         self.device = device
         self.copy_stream = copy_stream if copy_stream is not None else CopyStream(device)
         self.layer_ids = layer_ids
-        # the staged layers' home: one arena block (None: tensors of its own), at
-        # self._offset[layer_id] in it
-        self.arena, self.block = arena, None
-        self._offset: dict[int, int] = {}
-        if arena is not None and layer_ids and all(lid in e.k for e in entries.values() for lid in layer_ids):
-            # (a layer missing on the host fails in the copy thread, as without an arena)
-            self.block = arena.alloc(self._place(depth))
-            stats.add("vericache", **{"staged_in_arena" if self.block is not None else "staged_outside_arena": 1})
-        # the block back once closed; dropped unclosed, at the arena's next allocation
-        self._finalizer = weakref.finalize(self, _orphan, arena, self.block)
+        # a token-dropping drafter's kept rows are read from the request's own slots of
+        # [p, n) (a copy: the verify points the row elsewhere)
+        self._own = {i: req_to_token[e.req_pool_idx, e.p : e.n].to(torch.int64, copy=True)
+                     for i, e in entries.items() if e.kept}
+        # the copies start after what the compute stream queued so far: the slots' previous
+        # users and the kept rows
+        self._after = self.copy_stream.mark()
+        self._release = release
+        self._finalizer = weakref.finalize(self, _give_back, release.orphan if release is not None else None,
+                                           list(dest.values()))
         self._finalizer.atexit = False
+        self._last_copy = None  # the event after this reload's last copy issued
         self.failures = 0
         self.on_failure = on_failure
         self.gave_up = False  # every retry failed: on_failure took the requests over
@@ -415,39 +409,36 @@ class LayerwiseReload:
         """The requests (batch indices) whose KV this reload stages."""
         return set(self.entries)
 
-    def _place(self, depth: int) -> int:
-        """Each layer's offset in the block, and the block's size. Every layer its own
-        place where the reload holds them all until the verify (``depth`` >= the layers:
-        the block is the bytes the HBM ring counted); else ``depth + 1`` slots as large as
-        the largest layer (a token-dropping drafter's layers may drop different numbers of
-        rows), layer ``i`` in slot ``i % (depth + 1)``: its previous layer there was
-        consumed on the GPU before this one is staged (:meth:`_stage_async`)."""
-        sizes = [sum(e.span(lid).staged_bytes() for e in self.entries.values()) for lid in self.layer_ids]
-        if depth + 1 > len(self.layer_ids):
-            offsets = itertools.accumulate([0, *sizes[:-1]])
-            self._offset = dict(zip(self.layer_ids, offsets))
-            return sum(sizes)
-        slots, slot = depth + 1, max(sizes)
-        self._offset = {lid: (i % slots) * slot for i, lid in enumerate(self.layer_ids)}
-        return slots * slot
+    def hand_over(self) -> dict[int, torch.Tensor]:
+        """The destination slots, now the verify's (its staging frees them after the
+        forward): this reload no longer gives them back."""
+        if self._release is not None:
+            self._release.handed_over(sum(s.numel() for s in self.dest.values()))
+        self._release = None
+        self._finalizer.detach()
+        return self.dest
 
-    def _copy_layer(self, layer_id: int) -> dict[int, Span]:
-        if self.block is None:
-            return {i: e.span(layer_id).to(self.device) for i, e in self.entries.items()}
-        out, offset = {}, self._offset[layer_id]
+    def _copy_layer(self, layer_id: int) -> None:
+        """Each request's full rows of the layer into its slots: the host rows as they
+        are, or (a token-dropping drafter) the dropped rows merged with the kept ones."""
+        k_buf, v_buf = self.pool.get_key_buffer(layer_id), self.pool.get_value_buffer(layer_id)
         for i, e in self.entries.items():
-            out[i], offset = e.span(layer_id).into(self.arena, self.block, offset)
-        return out
+            span = e.span(layer_id).to(k_buf.device)
+            k, v = span.full(k_buf, v_buf, self._own.get(i))
+            slots = self.dest[i]
+            kernels.write_rows(k_buf, slots, k)
+            kernels.write_rows(v_buf, slots, v)
 
     def _stage(self, layer_id: int):
         """``(spans, event)``: the layer's rows copied to the device (see :class:`CopyStream`)."""
         if self._doomed:
             raise RuntimeError(f"injected reload failure ({FAIL_WHOLE_RELOADS_ENV})")
         faults.check()
-        out, event = self.copy_stream.copy(lambda: self._copy_layer(layer_id))
+        _, event = self.copy_stream.copy(lambda: self._copy_layer(layer_id), after=self._after)
         with self._lock:
-            self.staged_bytes += sum(span.nbytes() for span in out.values())
-        return out, event
+            self.staged_bytes += sum(e.span(layer_id).nbytes() for e in self.entries.values())
+            self._last_copy = event if event is not None else self._last_copy
+        return event
 
     def _stage_async(self, layer_id: int):
         # at most ``depth`` staged layers wait for the consumer on the device (plus the one
@@ -463,13 +454,14 @@ class LayerwiseReload:
             return None
         return self._stage(layer_id)
 
-    def layer(self, layer_id: int) -> dict[int, Span]:
-        """The staged rows of ``layer_id``; frees a staging slot for a later layer. Empty
-        once ``on_failure`` has taken the requests over (their KV is on the device)."""
+    def layer(self, layer_id: int) -> None:
+        """Make the consumer's stream wait until ``layer_id`` has landed in the slots (the
+        copy thread may then stage one more layer). Nothing to wait for once
+        ``on_failure`` has taken the requests over (their KV is on the device)."""
         fut = self._futures.pop(layer_id)
-        if self.gave_up:  # the requests' KV is on the device now
-            self._release()
-            return {}
+        if self.gave_up:
+            self._next()
+            return
         try:
             staged = fut.result()
         except Exception as exc:  # the slower path: copy again, here
@@ -483,17 +475,11 @@ class LayerwiseReload:
                     self._cancelled = True  # the copy thread stops staging later layers
                     self.on_failure(self.entries)
                 staged = None
-        self._release()
-        if self.gave_up or staged is None:
-            return {}
-        spans, event = staged
-        # the arena's views need no record_stream: its buffer is never freed, and their
-        # block comes back only after the consumer's event (close)
-        self.copy_stream.wait(event, () if self.block is not None else
-                              (t for span in spans.values() for t in span.tensors()))
-        return spans
+        self._next()
+        if not self.gave_up and staged is not None:
+            self.copy_stream.wait(staged, ())  # the slots are the pool's: nothing to keep alive
 
-    def _release(self) -> None:
+    def _next(self) -> None:
         self._consumed.append(self.copy_stream.mark())
         self._slots.release()
 
@@ -509,19 +495,26 @@ class LayerwiseReload:
         raise ReloadFailed(f"VERICACHE: reload of layer {layer_id} failed {SYNC_RETRIES + 1} times: {exc}")
 
     def close(self) -> None:
-        """Drop what was not consumed (e.g. the forward raised)."""
+        """Drop what was not consumed (e.g. the forward raised, or the verify was put off),
+        and give the slots back unless they were handed over. Call it before the slots are
+        freed elsewhere: a layer not consumed may still be landing, and the consumer's
+        stream then waits for this reload's last copy (no host wait)."""
+        unconsumed = bool(self._futures)
         self._cancelled = True
         for _ in self._futures:
-            self._release()
+            self._next()
         for fut in self._futures.values():
             try:
                 fut.result()
             except Exception:
                 pass
         self._futures.clear()
-        if self._finalizer.detach() is not None and self.block is not None:
-            # the arena block back, once the GPU is past its copies and reads
-            self.arena.release(self.block, self.copy_stream.fences())
+        if unconsumed and self._last_copy is not None:
+            self.copy_stream.wait(self._last_copy, ())
+        if self._finalizer.detach() is not None and self._release is not None:
+            for slots in self.dest.values():
+                self._release.give(slots)
+        self._release = None
 
     def nbytes(self) -> int:
         """Bytes staged so far (each layer once, retries included)."""

@@ -125,9 +125,12 @@ class StaggeredSchedule:
 
     def plan(self, rids: list[str], rows: list[int], committed: list[int],
              kv_bytes: Callable[[int], Optional[int]],
-             draft_caps: Optional[list[Optional[int]]] = None) -> IterationPlan:
+             draft_caps: Optional[list[Optional[int]]] = None,
+             hbm_bytes: Optional[Callable[[int], int]] = None) -> IterationPlan:
         """``draft_caps[i]``: the most drafts request ``i`` may make before its next
-        verify (it has few tokens left; :func:`.decode_slots.draft_cap`), None: no cap."""
+        verify (it has few tokens left; :func:`.decode_slots.draft_cap`), None: no cap.
+        ``hbm_bytes(i)``: the device memory request ``i``'s reload holds until its verify
+        (the pool slots it lands in), where it differs from the bytes it copies."""
         live = set(rids)
         for rid in [r for r in self.tracks if r not in live]:
             self.forget(rid)
@@ -173,6 +176,7 @@ class StaggeredSchedule:
             elif track.admission is None:
                 anchor = self.anchor(rid, len(rids))
                 track.admission = self.sched.admit(rid, nbytes, anchor if cap is None else min(anchor, cap),
+                                                   hbm_bytes=hbm_bytes(i) if hbm_bytes is not None else None,
                                                    max_draft_len=cap)
             if track.admission is None:
                 if self.sched.mode(rid) is Mode.FALLBACK:

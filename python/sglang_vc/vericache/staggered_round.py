@@ -134,18 +134,64 @@ class StaggeredRound:
             if self.runtime.entry_for_row(row) is None and decision is not None and decision.mode is Mode.IN_POOL:
                 return 0
             return None
-        return entry.staged_bytes()  # what it takes in the staging arena (the HBM ring's bytes)
+        return entry.nbytes()  # what it copies over the link
 
-    def _reload_one(self, track) -> Optional[LayerwiseReload]:
-        """Stage one request's whole full KV (all layers, ``depth`` = every layer): it is
-        consumed iterations later, and must not hold the copy thread meanwhile."""
+    def _reload_slot_bytes(self, rid: str, row: int) -> int:
+        """The pool slots a reload of this request lands in, in bytes (held until its verify)."""
+        entry = self.host.get(rid, row)
+        return 0 if entry is None else entry.num_tokens * self.runtime.bytes_per_slot
+
+    def _reload_one(self, track, slots: Optional[torch.Tensor] = None) -> Optional[LayerwiseReload]:
+        """Copy one request's whole full KV into pool slots for its verify (all layers,
+        ``depth`` = every layer: it is consumed iterations later, and must not hold the copy
+        thread meanwhile): ``slots`` reserved by the verify's staging, else slots taken now
+        (:class:`.staging.AheadSlots`); None where the pool has no room for them yet."""
         entry = self.host.get(track.rid, track.row)
         if entry is None or not entry.num_tokens:
             return None
+        ahead = None
+        if slots is None:
+            ahead = self._ahead_slots()
+            slots = ahead.take(entry.num_tokens)
+            if slots is None:
+                return None
         layers = self._layer_ids()
-        return LayerwiseReload(self.copy_thread, {0: entry}, layers, self.device, depth=len(layers),
-                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream,
-                               arena=self._staging_arena())
+        return LayerwiseReload(self.copy_thread, {0: entry}, {0: slots}, self.runtime.kv_pool,
+                               self.req_to_token_pool.req_to_token, layers, self.device, depth=len(layers),
+                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream, release=ahead)
+
+    def _stage_verifier(self, batch, plan, s, staging: PoolStaging) -> bool:
+        """The verifier's full KV in pool slots for this forward: the slots its reload took
+        ahead (handed to ``staging``), else slots reserved now (free ones, else the
+        headroom's) and a reload into them started now. False where it does not verify
+        this iteration (no room: it waits; no host rows: it fails)."""
+        track = s.track
+        compressed = self.runtime.entry_for_row(track.row) is not None
+        if reload_faults.take("lose") and compressed:  # testing: the host entry is gone
+            self.host.drop(track.rid)
+            if track.reload is not None:
+                track.reload.close()
+                track.reload = None
+        entry = self.host.get(track.rid, track.row)
+        if not compressed or entry is None or not entry.num_tokens:
+            if compressed:
+                # never verify against the compressed rows (that would not be lossless): the
+                # request ends with an error, the rest of the batch goes on
+                self._fail(batch.reqs[s.index], "its full KV is not on the host (host rows missing); it cannot "
+                           "be verified exactly")
+                plan.slots[plan.slots.index(s)] = Slot(s.index, Role.WAIT, track)
+                return False
+            return True
+        if track.reload is not None:
+            staging.hold(s.index, entry, track.reload.hand_over()[0])
+            return True
+        if not staging.reserve(s.index, entry):
+            self._defer_verify(plan, s)
+            return False
+        track.reload = self._reload_one(track, staging.requests[s.index].slots)  # not started on time: now
+        track.reload_started_at = plan.iteration
+        stats.add("vericache", reloads_at_verify=1)
+        return True
 
     @torch.inference_mode()
     def _staggered_round(self, batch):
@@ -181,7 +227,9 @@ class StaggeredRound:
         self._decide_modes(batch, row_list, committed_list)
         plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
                           lambda i: self._reload_bytes(batch.reqs[i].rid, row_list[i]),
-                          [draft_cap(r.sampling_params.max_new_tokens, len(r.output_ids)) for r in batch.reqs])
+                          [draft_cap(r.sampling_params.max_new_tokens, len(r.output_ids)) for r in batch.reqs],
+                          # the HBM ring's: the pool slots a reload lands in, held until its verify
+                          lambda i: self._reload_slot_bytes(batch.reqs[i].rid, row_list[i]))
         for slot in plan.reloads_due:
             slot.track.reload = self._reload_one(slot.track)
             slot.track.reload_started_at = plan.iteration
@@ -191,27 +239,10 @@ class StaggeredRound:
                 full.append(slot)
         drafters = plan.of(Role.DRAFT)
         # a verifier's full KV goes into pool slots for its verify: free ones, else the headroom's
-        staging = PoolStaging(self.runtime, lambda layer_id: {}, self.headroom)
+        staging = PoolStaging(self.runtime, headroom=self.headroom)
         verifiers, due = [], plan.of(Role.VERIFY)
         for s in due:
-            if s.track.reload is None and self.runtime.entry_for_row(s.track.row) is not None:
-                s.track.reload = self._reload_one(s.track)  # not started on time: now
-                s.track.reload_started_at = plan.iteration
-            if reload_faults.take("lose") and s.track.reload is not None:  # testing: the host entry is gone
-                self.host.drop(s.track.rid)
-                s.track.reload.close()
-                s.track.reload = None
-            reload = s.track.reload
-            if reload is None:
-                if self.runtime.entry_for_row(s.track.row) is not None:
-                    # never verify against the compressed rows (that would not be lossless): the
-                    # request ends with an error, the rest of the batch goes on
-                    self._fail(batch.reqs[s.index], "its full KV is not on the host (host rows missing); it cannot "
-                               "be verified exactly")
-                    plan.slots[plan.slots.index(s)] = Slot(s.index, Role.WAIT, s.track)
-                    continue
-            elif not staging.reserve(s.index, reload.entries[0]):
-                self._defer_verify(plan, s)
+            if not self._stage_verifier(batch, plan, s, staging):
                 continue
             verifiers.append(s)
         waits = len(due) - len(verifiers)
@@ -286,9 +317,10 @@ class StaggeredRound:
             req_to_token = self.req_to_token_pool.req_to_token
             slots = req_to_token[to_device(rows[idx][q_req], req_to_token.device), to_device(pos_t, req_to_token.device)]
             # staging keyed by the request's index in this forward
-            reloads = {k: s.track.reload for k, s in enumerate(part) if s.index in staging}
+            reloads = {k: s.track.reload for k, s in enumerate(part)
+                       if s.index in staging and s.track.reload is not None}
             staging.rekey({s.index: k for k, s in enumerate(part)})
-            staging.layer_spans = staged_layers(reloads)
+            staging.layer_ready = staged_layers(reloads.values())
             ids_t = torch.tensor(ids, dtype=torch.int64)
             sub = self.sub_batch(batch, idx)
             try:
@@ -325,9 +357,9 @@ class StaggeredRound:
                 self.view_rows.give_back()
                 self.shared_selections.end_forward()
                 self.model_runner.attn_backend.in_pool = None
-                self._verify_forward_done()
-                for r in reloads.values():
+                for r in reloads.values():  # (before their slots are freed: see LayerwiseReload.close)
                     r.close()
+                self._verify_forward_done()
             # penalties and grammar masks at each row's own position: verified rows and drafts alike
             if self.constrained(sub.reqs):
                 masked = None if self.draft_grammar else [s.role is not Role.DRAFT for s, n in zip(part, lens)

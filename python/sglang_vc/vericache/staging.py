@@ -3,17 +3,18 @@
 A verifying request's prompt rows ``[p, n)`` hold its compressed KV: a token-dropping
 drafter's kept rows (per head, a different position in each) followed by null slots, or
 nothing but null slots where the KV is quantized outside the pool. For its verify,
-:class:`PoolStaging` gives the span ``n - p`` fresh pool slots, points the request's
-``req_to_token`` row at them, and writes each layer's full rows there (reloaded from the
-host copy) right before that layer's attention. The request's row then describes full KV
+:class:`PoolStaging` gives the span ``n - p`` fresh pool slots (or takes over those its
+reload already holds: :class:`AheadSlots`), points the request's ``req_to_token`` row at
+them, and the reload copies each layer's full rows there from the host copy
+(:class:`~.reload.LayerwiseReload`); the layer's attention waits for its copy. The
+request's row then describes full KV
 like any uncompressed request's, so the verify runs the attention backend SGLang chose
 (FlashInfer, FA3 or Triton on CUDA; ``torch_native`` on the CPU) as an ordinary extend:
 prefix = the committed tokens, extend = the verified window, causal.
 
 After the forward the compressed mapping comes back and the slots go back to the
 allocator. A pool slot holds a token's KV for every layer, so a verifying request holds
-``n - p`` slots for the whole forward (the per-layer device copies it is written from are
-released layer by layer). A request whose reload failed every retry keeps the staged
+``n - p`` slots for the whole forward. A request whose reload failed every retry keeps the staged
 slots for good: its full KV (all layers, from the host copy) is written there and its
 compressed index is dropped, so it verifies and decodes from full KV (the slower, correct
 path) while the forward's metadata stays valid.
@@ -34,6 +35,7 @@ tensors built from host-known sizes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -77,14 +79,15 @@ class StagedRequest:
 
 class PoolStaging:
     """The staged full KV of one verify forward's verifying requests (forward index ->
-    :class:`StagedRequest`). ``layer_spans(layer_id)`` gives the rows a reload staged on
-    the device for that layer (forward index -> :class:`~.reload.Span`)."""
+    :class:`StagedRequest`). ``layer_ready(layer_id)`` makes the forward's stream wait
+    until the reloads have copied that layer into the staged slots."""
 
-    def __init__(self, runtime, layer_spans: Callable[[int], dict], headroom: Optional["VerifyHeadroom"] = None):
+    def __init__(self, runtime, layer_ready: Callable[[int], None] = lambda layer_id: None,
+                 headroom: Optional["VerifyHeadroom"] = None):
         self.runtime = runtime
         self.req_to_token = runtime.req_to_token
         self.allocator = runtime.allocator
-        self.layer_spans = layer_spans
+        self.layer_ready = layer_ready
         self.headroom = headroom
         self.requests: dict[int, StagedRequest] = {}
         self._pointed = False
@@ -106,6 +109,12 @@ class PoolStaging:
             stats.add("vericache", staged_in_headroom=1)
         self.requests[k] = StagedRequest(host, slots.to(torch.int64), from_headroom=from_headroom)
         return True
+
+    def hold(self, k: int, host: "HostEntry", slots: torch.Tensor) -> None:
+        """The request at forward index ``k`` verifies in ``slots``, which its reload took
+        from the allocator when it started (:meth:`~.reload.LayerwiseReload.hand_over`):
+        freed with the others after the forward."""
+        self.requests[k] = StagedRequest(host, slots)
 
     def rekey(self, index: dict[int, int]) -> None:
         """Key the staged requests by their index in the forward (``index``: old -> new)."""
@@ -130,19 +139,10 @@ class PoolStaging:
         self.req_to_token[rows, cols] = staged.to(self.req_to_token.dtype)
         self._pointed = True
 
-    def write_layer(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-        """Write this layer's full rows of every staged request into its staged slots
-        (waits, on the device, for the layer's reload copy)."""
-        for k, span in self.layer_spans(layer_id).items():
-            r = self.requests.get(k)
-            if r is not None and not r.adopted:
-                self._write(r, span, k_buf, v_buf)
-
-    def _write(self, r: StagedRequest, span: "Span", k_buf, v_buf) -> None:
-        # the saved row and the slots are the pool's: on the device already
-        k_full, v_full = span.full(k_buf, v_buf, r.saved)
-        kernels.write_rows(k_buf, r.slots, k_full)
-        kernels.write_rows(v_buf, r.slots, v_full)
+    def layer_landed(self, layer_id: int) -> None:
+        """Before this layer's attention: its full rows are in the staged slots (the
+        forward's stream waits for the reloads' copies of it)."""
+        self.layer_ready(layer_id)
 
     def adopt(self, host: "HostEntry", full_rows: Callable[["HostEntry", torch.Tensor], tuple]) -> bool:
         """The request's reload failed every retry: its full KV of every layer
@@ -298,16 +298,67 @@ class VerifyHeadroom:
         self.used = min(self.used, self.size)
 
 
-def staged_layers(reloads: dict) -> Callable[[int], dict]:
-    """The staged reloads of one verify forward (request index in the forward -> its
-    ``LayerwiseReload``, each started at the request's own reserved window) as one
-    ``layer_spans``: layer id -> {request index: that layer's staged rows}."""
+def staged_layers(reloads) -> Callable[[int], None]:
+    """The reloads of one verify forward (each started when its request's own window
+    came, or at the verify) as one ``layer_ready``: wait for each one's copy of the layer."""
+    reloads = list(reloads)
 
-    def layer(layer_id: int) -> dict:
-        out = {}
-        for k, reload in reloads.items():
-            for staged in reload.layer(layer_id).values():
-                out[k] = staged
-        return out
+    def ready(layer_id: int) -> None:
+        for reload in reloads:
+            reload.layer(layer_id)
 
-    return layer
+    return ready
+
+
+class AheadSlots:
+    """Pool slots the reloads started ahead of their verify hold (the staggered schedule
+    starts a reload iterations before its verify, so that the link hides it): taken from
+    SGLang's allocator when a reload starts (SGLang's admission counts them as used), given
+    back when it closes unconsumed, or handed to the verify's :class:`PoolStaging`. The
+    HBM ring caps them at ``cap_bytes`` (``--vc-staging-fraction`` of the pool's bytes);
+    nothing is set aside at start-up. No host synchronisation: counts are host-known."""
+
+    def __init__(self, allocator, bytes_per_slot: int, cap_bytes: int, join: Callable[[], None] = lambda: None):
+        self.allocator = allocator
+        self.bytes_per_slot = bytes_per_slot
+        self.cap_bytes = cap_bytes
+        self.join = join  # the compute stream waits for every copy queued so far
+        self.held = 0  # slots held now
+        self.peak = 0
+        self._orphans: collections.deque = collections.deque()  # of reloads dropped unclosed
+
+    def take(self, n: int) -> Optional[torch.Tensor]:
+        """``n`` free slots, or None (nothing taken) where the allocator has fewer."""
+        self.reclaim()
+        slots = self.allocator.alloc(n) if n > 0 and not _headroom_only() else None
+        if slots is None:
+            stats.add("vericache", reloads_without_room_ahead=1)
+            return None
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        stats.add("vericache", reloads_ahead=1)
+        return slots.to(torch.int64)
+
+    def give(self, slots: torch.Tensor) -> None:
+        """A reload closed without its verify: its slots back to the allocator."""
+        self.allocator.free(slots)
+        self.held -= slots.numel()  # (host metadata: no sync)
+
+    def orphan(self, slots: torch.Tensor) -> None:
+        """A reload was dropped without closing, on whatever thread (a finalizer): its
+        slots go back at the next :meth:`reclaim`, on the scheduler thread."""
+        self._orphans.append(slots)
+
+    def reclaim(self) -> None:
+        if self._orphans:
+            self.join()  # their copies may still be landing
+            while self._orphans:
+                self.give(self._orphans.popleft())
+
+    def handed_over(self, n: int) -> None:
+        """``n`` slots now belong to a verify forward (freed by its staging)."""
+        self.held -= n
+
+    def stats(self) -> dict:
+        return {"reload_ahead_cap_bytes": self.cap_bytes, "reload_ahead_bytes": self.held * self.bytes_per_slot,
+                "reload_ahead_peak_bytes": self.peak * self.bytes_per_slot}

@@ -1,24 +1,15 @@
-"""One preallocated device buffer for the reloads VERICACHE stages ahead of their verify.
+"""One device buffer handed out in blocks: the prefill's copies of the full KV to the host
+pass through it (:mod:`.host_copy`).
 
-A reload copies a verifying request's full KV from pinned host memory to the device on
-the copy stream, layer by layer, and the verify forward writes each layer into pool slots
-(:mod:`.staging`). Those staged layers live in the share of SGLang's KV budget set aside
-for them (``--vc-staging-fraction``; the HBM ring's capacity). Allocated per reload, that
-share is only a count the ring keeps: the caching allocator holds what it likes beside it
-(a block freed after a ``record_stream`` is not reused until the reader's event passes,
-fragments of different sizes pile up), and every reload gets new addresses.
-
-Here the share is one buffer, allocated once. A reload takes one block of it for its life
-(first fit, 256-byte aligned) and stages each layer into views at fixed offsets. Its block
-comes back once the GPU has passed two events recorded when the reload closed: the copy
-stream's last copy and the compute stream's last read. The arena checks them without
-waiting (``Event.query``) at the next allocation, and waits on them (oldest first) only
-when a reload would not fit otherwise. A reload dropped without closing hands its block
-back at the next allocation, with events recorded then, on the scheduler thread.
-
-A reload that still finds no room (the ring counts bytes, not contiguous ones) stages into
-tensors of its own, as before the arena (counted as ``staged_outside_arena``): correct,
-outside the share.
+Allocated per copy, that memory would be only a count: the caching allocator holds what
+it likes beside it (a block freed after a ``record_stream`` is not reused until the
+reader's event passes, fragments of different sizes pile up). Here it is one buffer,
+allocated once (when the first request is compressed). A piece takes one block (first
+fit, 256-byte aligned) and comes back once the GPU has passed the events recorded when it
+was released. The arena checks them without waiting (``Event.query``) at the next
+allocation, and waits on them (oldest first) only when a block would not fit otherwise.
+A block dropped elsewhere (:meth:`StagingArena.orphan`) comes back at the next
+allocation, with events recorded then, on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -47,30 +38,30 @@ class Block:
 class StagingArena:
     """``nbytes`` of ``device`` memory, allocated once, handed out in blocks. Used from the
     scheduler thread; ``fences()`` gives the events a block dropped elsewhere waits for
-    (:meth:`orphan`). An arena the device cannot hold has no room: every reload then
-    stages outside it (a warning says so)."""
+    (:meth:`orphan`). An arena the device cannot hold has no room: every piece is then
+    copied from a tensor of its own (a warning says so)."""
 
     def __init__(self, nbytes: int, device, fences: Callable[[], tuple] = tuple):
         capacity = max(0, int(nbytes)) // ALIGN * ALIGN
         try:
             self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
-            logger.warning("VERICACHE: no %.2f GB buffer for staged reloads (%s); each reload stages into "
-                           "tensors of its own", capacity / 1e9, exc)
+            logger.warning("VERICACHE: no %.2f GB buffer for the prefill's host copies (%s); each copies "
+                           "from a tensor of its own", capacity / 1e9, exc)
             capacity, self.buffer = 0, torch.empty(0, dtype=torch.uint8, device=device)
         self.capacity = capacity
         self.fences = fences
         self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []  # (start, size), sorted
         # blocks closed, oldest first, and the events the GPU must pass before they are reused
         self._pending: list[tuple[Block, tuple]] = []
-        # blocks of reloads dropped unclosed, on any thread (a deque's append is thread-safe)
+        # blocks dropped unreleased, on any thread (a deque's append is thread-safe)
         self._orphans: collections.deque = collections.deque()
         self.in_use = 0  # bytes of blocks allocated and not yet reclaimed
         self.peak = 0
 
     def alloc(self, nbytes: int) -> Optional[Block]:
         """A block of at least ``nbytes``, or None where the arena has no contiguous room
-        even once the closed reloads' events have passed (waited for oldest first, only
+        even once the released blocks' events have passed (waited for oldest first, only
         while a block of this size could still be freed)."""
         size = aligned(max(1, nbytes))
         if size > self.capacity:
@@ -81,7 +72,7 @@ class StagingArena:
         # (waiting helps only if the free bytes and the closed blocks' could hold it)
         could_free = self.capacity - self.in_use + sum(b.size for b, _ in self._pending)
         while block is None and self._pending and could_free >= size:
-            # reloads closed but maybe still read on the GPU: wait for the oldest (rare)
+            # blocks released but maybe still read on the GPU: wait for the oldest (rare)
             old, events = self._pending.pop(0)
             for e in events:
                 e.synchronize()
@@ -98,7 +89,7 @@ class StagingArena:
         self._reclaim()
 
     def orphan(self, block: Block) -> None:
-        """``block``'s reload was dropped without closing, on whatever thread: released at
+        """``block`` was dropped unreleased, on whatever thread: released at
         the next allocation, after events recorded then on the scheduler thread."""
         self._orphans.append(block)
 
@@ -147,7 +138,7 @@ class StagingArena:
         self._free.insert(i, (start, size))
 
     def held(self) -> int:
-        """Bytes reloads hold now, once the blocks whose events passed are back (no wait)."""
+        """Bytes held now, once the blocks whose events passed are back (no wait)."""
         self._adopt_orphans()
         self._reclaim()
         return self.in_use

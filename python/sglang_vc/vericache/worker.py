@@ -57,8 +57,7 @@ from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
 from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
 from .reload import faults as reload_faults
-from .staging_arena import StagingArena
-from .staging import PoolStaging, VerifyHeadroom
+from .staging import AheadSlots, PoolStaging, VerifyHeadroom
 from .policy import Decision, Mode, ModePolicy
 from .lockstep import LockstepRound
 from .staggered_round import StaggeredRound
@@ -171,10 +170,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._runtime.release_listeners.append(self._released)
             self._runtime.host_store = self.host
             self._install_specache_drafter(self._runtime)
-            # at the first forward (SGLang's warm-up request, before the server serves):
-            # allocated at the first reload, the caching allocator may have handed its
-            # bytes to activations, and reloads would stage outside the budget
-            self._staging_arena()
+            self._runtime.reload_ahead = self._ahead_slots()  # (its counts in /server_info)
         return self._runtime
 
     def _install_specache_drafter(self, runtime) -> None:
@@ -195,7 +191,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
 
     def _released(self, rid: str) -> None:
         """SGLang released the request (finished, aborted or retracted): its host entry,
-        its reload in flight (and the arena block it stages into) and its place in the
+        its reload in flight (and the pool slots it lands in) and its place in the
         schedule go now, not at the next forward (a batch that empties has none)."""
         self.host.drop(rid)
         if self._staggered is not None:
@@ -267,6 +263,8 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         ok = self.host.admit(rid, req_pool_idx, p, n, (n - p) * self.runtime.bytes_per_slot)
         if not ok:
             stats.add("vericache", fallbacks=1, host_store_full=1)
+        else:
+            self.host.ensure_copy_buffer(self.device)  # the first compressed request: its buffer now
         return ok
 
     # ------------------------------------------------------------------ entry point
@@ -350,45 +348,48 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._publish(req, info)
 
     def _staging_budget(self) -> int:
-        """The HBM ring's capacity: reloads staged ahead of their verify live beside SGLang's
-        KV pool (one buffer, :meth:`_staging_arena`), in the share of SGLang's KV budget set aside for them
-        (``--vc-staging-fraction``, ``hooks._reload_staging_inside_the_budget``: the pool
-        shrank by it). (The verify forward itself takes ``n - p`` pool slots per verifier:
-        the pool's, with the verify headroom held back for them, :mod:`.staging`.)"""
-        if not self.runtime.staging_budget:  # the budget was not split (a pool sized by hand)
-            pool_slots = self.runtime.kv_pool.get_key_buffer(self.runtime.start_layer).shape[0]
-            self.runtime.staging_budget = int(flags.staging_fraction(flags.settings_of(self.server_args))
-                                              * self.runtime.bytes_per_slot * pool_slots)
-        return int(self.runtime.staging_budget)
+        """The HBM ring's capacity: the pool slots reloads started ahead of their verify may
+        hold at once, ``--vc-staging-fraction`` of the pool's bytes. A cap, not a
+        reservation: the slots are taken from SGLang's allocator when a reload starts
+        (:class:`.staging.AheadSlots`). (The verify forward itself takes ``n - p`` pool
+        slots per verifier, with the verify headroom held back for them: :mod:`.staging`.)"""
+        pool_slots = self.runtime.kv_pool.get_key_buffer(self.runtime.start_layer).shape[0]
+        return int(flags.staging_fraction(flags.settings_of(self.server_args)) * self.runtime.bytes_per_slot
+                   * pool_slots)
 
-    def _staging_arena(self) -> StagingArena:
-        """The staging share as one buffer, allocated with the runtime (:attr:`runtime`)."""
-        runtime = self.runtime
-        if runtime.staging_arena is None:
-            runtime.staging_arena = StagingArena(self._staging_budget(), self.device, self.copy_stream.fences)
-            self.host.use_arena(runtime.staging_arena)  # the prefill's host copies go through it too
-            logger.info("VERICACHE: reloads staged ahead of their verify go into one %.2f GB buffer",
-                        runtime.staging_arena.capacity / 1e9)
-        return runtime.staging_arena
+    _ahead: Optional[AheadSlots] = None
+
+    def _ahead_slots(self) -> AheadSlots:
+        if self._ahead is None:
+            stream = self.copy_stream
+            join = (lambda: stream.wait(stream.stream.record_event(), ())) if stream.stream is not None else \
+                (lambda: None)
+            self._ahead = AheadSlots(self.runtime.allocator, self.runtime.bytes_per_slot, self._staging_budget(),
+                                     join)
+        return self._ahead
 
     def _layer_ids(self) -> list[int]:
         kv_pool = self.runtime.kv_pool
         return list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
 
-    def _start_reload(self, batch, rows):
-        """Kick off the staged reload of every request of the batch that is compressed
-        and has its full KV on the host; None when no request needs one."""
+    def _start_reload(self, batch, rows, staging: PoolStaging) -> Optional[LayerwiseReload]:
+        """Kick off the reload of every request of the batch that is compressed and has its
+        full KV on the host, into pool slots ``staging`` reserves for its verify; None when
+        no request needs one (or the pool has no room for any: their verify then fails)."""
         entries = {}
         for i, req in enumerate(batch.reqs):
             row = int(rows[i])
             entry = self.host.get(req.rid, row)
-            if entry is not None and entry.num_tokens and self.runtime.entry_for_row(row) is not None:
+            if entry is not None and entry.num_tokens and self.runtime.entry_for_row(row) is not None \
+                    and staging.reserve(i, entry):
                 entries[i] = entry
         if not entries:
             return None
-        return LayerwiseReload(self.copy_thread, entries, self._layer_ids(), self.device,
-                               on_failure=self._restore_full_kv, copy_stream=self.copy_stream,
-                               arena=self._staging_arena())
+        reload = LayerwiseReload(self.copy_thread, entries, {i: staging.requests[i].slots for i in entries},
+                                 self.runtime.kv_pool, self.req_to_token_pool.req_to_token, self._layer_ids(),
+                                 self.device, on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
+        staging.layer_ready = reload.layer
+        return reload
 
     _staging: Optional[PoolStaging] = None  # the verify forward's, while it runs
 
