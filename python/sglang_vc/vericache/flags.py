@@ -66,10 +66,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_STAGING_FRACTION,
         metavar="F",
-        help="VERICACHE: device memory for reloads staged ahead of their verify (the staggered "
-        "schedule's HBM ring), as a fraction of the KV pool's bytes (default "
-        f"{DEFAULT_STAGING_FRACTION}). It comes out of SGLang's KV budget "
-        "(--mem-fraction-static) beside the pool, which shrinks by it.",
+        help="VERICACHE: the most KV pool slots reloads started ahead of their verify may hold "
+        "at once (the staggered schedule's HBM ring), as a fraction of the KV pool's bytes "
+        f"(default {DEFAULT_STAGING_FRACTION}; never less than the longest compressed request's "
+        "span). A cap, not a reservation: a reload takes its slots from SGLang's allocator "
+        "when it starts and its verify frees them.",
     )
     g.add_argument(
         "--vc-schedule",
@@ -210,17 +211,9 @@ def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
 
 
 def staging_fraction(settings: Optional[dict]) -> float:
-    """``--vc-staging-fraction`` (VERICACHE servers only: see :func:`staging_fraction_of`)."""
+    """``--vc-staging-fraction``: the cap on pool slots reloads started ahead may hold."""
     f = (settings or {}).get("staging_fraction")
     return DEFAULT_STAGING_FRACTION if f is None else float(f)
-
-
-def staging_fraction_of(server_args) -> float:
-    """The share of the KV pool's bytes a server reserves beside it for staged reloads:
-    ``--vc-staging-fraction`` under VERICACHE, else 0."""
-    if str(getattr(server_args, "speculative_algorithm", None) or "").upper() != ALGORITHM:
-        return 0.0
-    return staging_fraction(settings_of(server_args))
 
 
 def remote_verifier(settings: Optional[dict]) -> Optional[str]:

@@ -39,9 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import CopyStream
-
-from sglang_vc.kvruntime import kernels
+from sglang_vc.kvruntime import CopyStream, kernels
 
 from .host_copy import HOST_COPY_BYTES, ArenaCopyOut
 from .staging_arena import ALIGN, StagingArena

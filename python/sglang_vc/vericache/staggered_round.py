@@ -211,6 +211,10 @@ class StaggeredRound:
 
     def _staggered_iteration(self, batch, started: float):
         sched = self._schedule()
+        # the HBM ring holds --vc-staging-fraction of the pool, and never less than the
+        # longest compressed span (the headroom's: a reload of any length can be placed)
+        sched.sched.hbm_ring.hbm_bytes = max(self._ahead_slots().cap_bytes,
+                                             self.headroom.need * self.runtime.bytes_per_slot)
         bs, dev = len(batch.reqs), batch.seq_lens.device
         committed = committed_lens(batch)
         row_list = [req.kv.req_pool_idx for req in batch.reqs]  # the host's own (req_pool_indices is built from them)

@@ -315,8 +315,9 @@ class AheadSlots:
     starts a reload iterations before its verify, so that the link hides it): taken from
     SGLang's allocator when a reload starts (SGLang's admission counts them as used), given
     back when it closes unconsumed, or handed to the verify's :class:`PoolStaging`. The
-    HBM ring caps them at ``cap_bytes`` (``--vc-staging-fraction`` of the pool's bytes);
-    nothing is set aside at start-up. No host synchronisation: counts are host-known."""
+    HBM ring caps them at ``cap_bytes`` (``--vc-staging-fraction`` of the pool's bytes),
+    or the longest compressed span where that is more (so that a reload of any length can
+    be placed); nothing is set aside at start-up. No host synchronisation: counts are host-known."""
 
     def __init__(self, allocator, bytes_per_slot: int, cap_bytes: int, join: Callable[[], None] = lambda: None):
         self.allocator = allocator
