@@ -27,9 +27,9 @@ from sglang_vc.kvruntime.runtime import host_rows
 
 from . import draft_view
 from .chain_attention import verify_lens
+from .forward_plan import NO_PLAN, ForwardPlan, plan_of
 
 if TYPE_CHECKING:
-    from .staging import PoolStaging
     from .view_rows import SharedSelections
     from .specache_drafter import SpeCacheBatch, SpeCacheDrafter
 
@@ -38,7 +38,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
     """``vc_torch`` (prefill + compression, decode over compressed KV) plus the
     TARGET_VERIFY forward: each request's ``W`` queries at positions ``L .. L+W-1``
     attend causally to its row ``[0, L+W)``. Over full KV through SGLang's backend for
-    a verifying request (positions ``[p, n)`` staged in the pool by ``self.staging``)
+    a verifying request (positions ``[p, n)`` staged in the pool by the forward's plan:
+    :mod:`.forward_plan`)
     and an uncompressed one; over its compressed KV for a drafting one (``W = 1``).
 
     Draft (decode) forwards of a request compressed with ``specache`` use SpeCache's
@@ -72,7 +73,6 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         return super()._attend_compressed(q, entry, layer, seq_len)
 
     verify_forward: "Optional[VerifyForward]" = None  # this TARGET_VERIFY forward's metadata
-    staging: "Optional[PoolStaging]" = None  # set by the worker around a verify forward
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
@@ -89,7 +89,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         starts = seq_lens.tolist()
         rows = host_rows(forward_batch)
         lens = verify_lens(forward_batch.spec_info, len(starts))
-        staged = self.staging.requests if self.staging is not None else {}
+        plan = plan_of(forward_batch)
+        staged = plan.staged
         entries = [None if i in staged else self.runtime.entry_for_row(r) for i, r in enumerate(rows)]
         offsets = [0]
         for w in lens:
@@ -100,12 +101,12 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         if any(lens[i] > 1 for i in drafting):
             # never verify against the compressed rows: that would not be lossless
             raise RuntimeError("VERICACHE: a compressed request verifies without its full KV staged")
-        in_pool = sorted(self.in_pool.budgets) if self.in_pool is not None else []
-        if any(lens[i] < 2 for i in (self.in_pool.verifiers if self.in_pool is not None else ())):
+        in_pool = sorted(plan.in_pool.budgets) if plan.in_pool is not None else []
+        if any(lens[i] < 2 for i in (plan.in_pool.verifiers if plan.in_pool is not None else ())):
             raise RuntimeError("VERICACHE: an in-pool verify forwards its drafts")
         if any(lens[i] > 1 or entries[i] is not None for i in in_pool):
             raise RuntimeError("VERICACHE: an in-pool draft forwards one token over its own full rows")
-        exact = [i for i, e in enumerate(entries) if e is None and i not in self.in_pool_set]
+        exact = [i for i, e in enumerate(entries) if e is None and i not in plan.in_pool_set]
         req_to_token = self.req_to_token_pool.req_to_token
         d_rows, d_starts = [rows[i] for i in drafting], [entries[i].row_start for i in drafting]
         d_ends = [starts[i] + lens[i] for i in drafting]
@@ -143,26 +144,21 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
                 exact_q = to_device(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in exact]), self.device)
             self._full_kv_backend().init_forward_metadata(view)
             stats.add("attention", full_kv_verify_forwards=1)
-        views = self._in_pool_views(forward_batch, in_pool, offsets) if in_pool else None
+        views = self._in_pool_views(forward_batch, plan.in_pool, in_pool, offsets) if in_pool else None
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
-                             slots, positions, indptr, rows, views, specache)
+                             slots, positions, indptr, rows, views, specache, plan)
 
-    in_pool: "Optional[InPoolDrafts]" = None  # set by the worker around a forward
     # the re-selected view's positions per request: rid -> [layers, Hkv, K], from its last verify
     selections: "Optional[dict[str, torch.Tensor]]" = None
     shared_selections: "Optional[SharedSelections]" = None  # the shared view's (set by the worker)
 
-    @property
-    def in_pool_set(self) -> frozenset:
-        return frozenset(self.in_pool.budgets) if self.in_pool is not None else frozenset()
-
-    def _in_pool_views(self, forward_batch, in_pool: list[int], offsets: list[int]) -> "InPoolViews":
+    def _in_pool_views(self, forward_batch, ip: "InPoolDrafts", in_pool: list[int],
+                       offsets: list[int]) -> "InPoolViews":
         """The re-selected view's drafters (per layer and KV head: no single row list a
         backend could read; the window view's drafters forward over view rows of
         ``req_to_token`` through SGLang's backend, :mod:`.view_rows`): their positions
         built on the device once for every layer (:mod:`.draft_view`)."""
         dev = forward_batch.seq_lens.device
-        ip = self.in_pool
         idx = to_device(torch.tensor(in_pool, dtype=torch.int64), dev)
         q_rows = to_device(torch.tensor([offsets[i] for i in in_pool], dtype=torch.int64), dev)
         # a draft query sits at position seq_len (its own KV written there first)
@@ -232,8 +228,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         lid = layer.layer_id
         k_buf = self.token_to_kv_pool.get_key_buffer(lid)
         v_buf = self.token_to_kv_pool.get_value_buffer(lid)
-        if self.staging is not None:  # the verifiers' full rows of this layer have landed
-            self.staging.layer_landed(lid)
+        if vf.plan.staging is not None:  # the verifiers' full rows of this layer have landed
+            vf.plan.staging.layer_landed(lid)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         if vf.view is not None:  # full KV: SGLang's backend
             full = self._full_kv_backend()
@@ -253,7 +249,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             slots = self.req_to_token_pool.req_to_token[iv.rows.to(torch.int64)[:, None, None], pos].to(torch.int64)
             out = draft_view.attend_view(q_, k_buf, v_buf, slots, valid, layer.scaling)
             o[iv.q_rows] = out.to(o.dtype).reshape(out.shape[0], -1)
-        if self.in_pool is not None and self.in_pool.verifiers:
+        if vf.plan.in_pool is not None and vf.plan.in_pool.verifiers:
             self._reselect(q, layer, vf, k_buf)
         for group in vf.specache:  # the Triton path: SpeCache drafters, a few launches for all
             q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[group.q_rows]
@@ -286,8 +282,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         if self.selections is None:
             self.selections = {}
-        shared = self.in_pool.view is draft_view.View.SHARED
-        for i, (rid, count, recent) in self.in_pool.verifiers.items():
+        shared = vf.plan.in_pool.view is draft_view.View.SHARED
+        for i, (rid, count, recent) in vf.plan.in_pool.verifiers.items():
             first, last = draft_view.SINKS, vf.starts[i] - recent
             if last - first < count:
                 continue  # too short to leave anything out: the window view serves it
@@ -344,6 +340,7 @@ class VerifyForward:
     rows: list[int]  # req_pool_idx per request
     in_pool: "Optional[InPoolViews]" = None  # in-pool drafters' sparse views
     specache: list = dataclasses.field(default_factory=list)  # SpeCacheGroup per payload layout (Triton path)
+    plan: ForwardPlan = NO_PLAN  # what the worker planned for this forward (staging, in-pool drafts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang_vc import stats
 from sglang_vc.spec_worker import committed_lens
 
+from .forward_plan import ForwardPlan, attach
 from .sampling import greedy_verify_ids
 from .staging import PoolStaging
 
@@ -92,6 +93,7 @@ class LockstepRound:
             # 3. verify t0 + drafts in one forward over the full KV
             verify_ids = torch.cat([t0[:, None], drafts], dim=1)  # [bs, W]
             spec_info = self.verify_input(verify_ids, positions, committed, dev)
+            attach(spec_info, ForwardPlan(staging=staging))
             self.set_batch(batch, ForwardMode.TARGET_VERIFY, verify_ids.flatten(), committed,
                             slots.flatten(), spec_info, seq_dtype, dev)
             self._verify_forward_with(staging)

@@ -32,6 +32,7 @@ from .attention import InPoolDrafts
 from .decode_graphs import mark_replayable, verify_graphs_captured, verify_graphs_of
 from .decode_slots import draft_cap
 from .flags import InPoolVerify
+from .forward_plan import ForwardPlan, attach
 from .draft_view import View
 from .policy import Decision, IterationRows, Mode
 from .reload import LayerwiseReload, measure_bandwidth
@@ -329,7 +330,7 @@ class StaggeredRound:
             sub = self.sub_batch(batch, idx)
             try:
                 self._verify_forward_with(staging)
-                self.model_runner.attn_backend.in_pool = in_pool_drafts
+                plan = ForwardPlan(staging=staging, in_pool=in_pool_drafts)  # what its attention reads
                 viewed = views.rows if views is not None else {}
                 if all(s.role is Role.FULL or k in viewed for k, s in enumerate(part)):
                     # every request decodes one token from full KV or drafts one over its view
@@ -347,6 +348,7 @@ class StaggeredRound:
                     spec_info = self.verify_input(ids_t.view(n, w), pos_t.view(n, w), torch.tensor(fwd_starts), dev,
                                                   mask=verify_graphs_captured(self.model_runner))
                     mark_replayable(spec_info)
+                    attach(spec_info, plan)
                     logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(fwd_starts),
                                               slots.flatten(), spec_info)
                     stats.add("vericache", verify_forwards=1, uniform_verify_forwards=1,
@@ -354,13 +356,13 @@ class StaggeredRound:
                 else:
                     # vc_verify runs the forward as a causal extend: no dense mask to build
                     spec_info = self.ragged_verify_input(ids_t, pos_t, fwd_starts, lens, dev, mask=False)
+                    attach(spec_info, plan)
                     logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(fwd_starts),
                                               slots.flatten(), spec_info, rows=fwd_rows if viewed else None)
                     stats.add("vericache", verify_forwards=1)
             finally:
                 self.view_rows.give_back()
                 self.shared_selections.end_forward()
-                self.model_runner.attn_backend.in_pool = None
                 for r in reloads.values():  # (before their slots are freed: see LayerwiseReload.close)
                     r.close()
                 self._verify_forward_done()

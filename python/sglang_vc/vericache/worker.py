@@ -394,15 +394,15 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
     _staging: Optional[PoolStaging] = None  # the verify forward's, while it runs
 
     def _verify_forward_with(self, staging: PoolStaging) -> None:
-        """Point the verifying requests' rows at their staged slots and hand the staging
-        to the attention backend (before the forward builds its metadata)."""
+        """Point the verifying requests' rows at their staged slots (before the forward
+        builds its metadata: SGLang's backends read ``req_to_token`` then); the staging
+        reaches the attention backend on the forward's plan (:mod:`.forward_plan`), and is
+        kept here for a reload that fails inside the forward (:meth:`_restore_full_kv`)."""
         staging.point()
         self._staging = staging
-        self.model_runner.attn_backend.staging = staging
 
     def _verify_forward_done(self) -> None:
         staging, self._staging = self._staging, None
-        self.model_runner.attn_backend.staging = None
         if staging is not None:
             staging.restore()
 
