@@ -330,7 +330,7 @@ class StaggeredRound:
             sub = self.sub_batch(batch, idx)
             try:
                 self._verify_forward_with(staging)
-                plan = ForwardPlan(staging=staging, in_pool=in_pool_drafts)  # what its attention reads
+                forward_plan = ForwardPlan(staging=staging, in_pool=in_pool_drafts)  # what its attention reads
                 viewed = views.rows if views is not None else {}
                 if all(s.role is Role.FULL or k in viewed for k, s in enumerate(part)):
                     # every request decodes one token from full KV or drafts one over its view
@@ -348,7 +348,7 @@ class StaggeredRound:
                     spec_info = self.verify_input(ids_t.view(n, w), pos_t.view(n, w), torch.tensor(fwd_starts), dev,
                                                   mask=verify_graphs_captured(self.model_runner))
                     mark_replayable(spec_info)
-                    attach(spec_info, plan)
+                    attach(spec_info, forward_plan)
                     logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(fwd_starts),
                                               slots.flatten(), spec_info)
                     stats.add("vericache", verify_forwards=1, uniform_verify_forwards=1,
@@ -356,7 +356,7 @@ class StaggeredRound:
                 else:
                     # vc_verify runs the forward as a causal extend: no dense mask to build
                     spec_info = self.ragged_verify_input(ids_t, pos_t, fwd_starts, lens, dev, mask=False)
-                    attach(spec_info, plan)
+                    attach(spec_info, forward_plan)
                     logits = self.forward_sub(sub, ForwardMode.TARGET_VERIFY, ids_t, torch.tensor(fwd_starts),
                                               slots.flatten(), spec_info, rows=fwd_rows if viewed else None)
                     stats.add("vericache", verify_forwards=1)
