@@ -362,7 +362,8 @@ def _counters(proc) -> dict:
     ("reselect", "long-first"),
     ("shared", "long-first"),
     ("window", "long-first"),
-    ("window", "short-first")])
+    # the same batch in the other order: a second way to check it (slow; 70 s)
+    pytest.param("window", "short-first", marks=pytest.mark.slow)])
 def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, model_dir, tokenizer, tmp_path_factory,
                                                                       vc_in_pool_servers, view, order):
     """A 600-token request alone has room: it drafts in place (its reply says in-pool and

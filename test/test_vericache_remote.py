@@ -196,6 +196,7 @@ def test_remote_server_drafts_from_the_compressed_copy_and_the_local_server_veri
         local.stop()
 
 
+@pytest.mark.slow  # a second cross-server storage run (the module's docstring); P1 is in the default run
 def test_p2_streams_the_full_copy_and_the_remote_server_goes_on_alone(tmp_path, tokenizer):
     """Path P2: the remote server drafts from the 4-bit copy, verified by the local
     server, while the full copy streams over its (emulated) link; once it has arrived

@@ -92,3 +92,26 @@ def compare(reference: Reference, tokens: list[int], finish_reason: str | None) 
             near_tie = reference.is_near_tie(i)
             return Comparison(i, n, near_tie, None if near_tie else i, **shape)
     return Comparison(n, n, False, None, **shape)
+
+
+@torch.inference_mode()
+def penalised_step(model_dir: str, input_ids: list[int], output_prefix: list[int], params: dict,
+                   stop_ids: tuple = (), dtype: str = "float32") -> tuple[int, bool]:
+    """The reference's greedy token after ``output_prefix`` with SGLang's penalties in
+    ``params`` (``frequency_penalty`` and ``presence_penalty`` subtracted, then
+    ``repetition_penalty`` scaling, each over the output tokens only, as SGLang's
+    penalizers count them; ``min_new_tokens`` holding back ``stop_ids``), and whether that
+    step is a near-tie. For a divergence between two servers: the one whose token this
+    is followed the reference there, the other left it."""
+    model = load_hf_model(model_dir, dtype)
+    logits = model(torch.tensor([input_ids + output_prefix])).logits[0, -1].double()
+    counts = torch.bincount(torch.tensor(output_prefix, dtype=torch.long), minlength=logits.numel())[: logits.numel()]
+    logits -= float(params.get("frequency_penalty", 0.0)) * counts.double()
+    logits -= float(params.get("presence_penalty", 0.0)) * (counts > 0).double()
+    rep, seen = float(params.get("repetition_penalty", 1.0)), counts > 0
+    logits[seen] = torch.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+    if len(output_prefix) < int(params.get("min_new_tokens", 0) or 0):
+        logits[list(stop_ids)] = float("-inf")
+    top2 = torch.topk(logits, 2)
+    gap, top = float(top2.values[0] - top2.values[1]), float(top2.values[0])
+    return int(top2.indices[0]), gap < NEAR_TIE_REL * abs(top)
