@@ -27,7 +27,7 @@ from sglang_vc.kvruntime.runtime import host_rows
 
 from . import draft_view
 from .chain_attention import verify_lens
-from .forward_plan import NO_PLAN, ForwardPlan, plan_of
+from .forward_plan import NO_PLAN, ForwardPlan, InPoolDrafts, plan_of  # noqa: F401  (InPoolDrafts: the workers' import)
 
 if TYPE_CHECKING:
     from .view_rows import SharedSelections
@@ -341,18 +341,6 @@ class VerifyForward:
     in_pool: "Optional[InPoolViews]" = None  # in-pool drafters' sparse views
     specache: list = dataclasses.field(default_factory=list)  # SpeCacheGroup per payload layout (Triton path)
     plan: ForwardPlan = NO_PLAN  # what the worker planned for this forward (staging, in-pool drafts)
-
-
-@dataclasses.dataclass(frozen=True)
-class InPoolDrafts:
-    """Which requests of the next forward draft in place, and each one's budget (rows)."""
-
-    budgets: dict  # request index in the forward -> budget
-    view: "draft_view.View" = draft_view.View.WINDOW
-    rids: dict = dataclasses.field(default_factory=dict)  # drafter index -> rid (re-selected view)
-    recent: dict = dataclasses.field(default_factory=dict)  # drafter index -> recent rows (re-selected view)
-    # in-pool verifiers whose verify re-selects their view: index -> (rid, selected rows, recent rows)
-    verifiers: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -12,11 +12,24 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+from . import draft_view
+
 if TYPE_CHECKING:
-    from .attention import InPoolDrafts
     from .staging import PoolStaging
 
 PLAN_ATTR = "vc_plan"
+
+
+@dataclasses.dataclass(frozen=True)
+class InPoolDrafts:
+    """Which requests of the next forward draft in place, and each one's budget (rows)."""
+
+    budgets: dict  # request index in the forward -> budget
+    view: "draft_view.View" = draft_view.View.WINDOW
+    rids: dict = dataclasses.field(default_factory=dict)  # drafter index -> rid (re-selected view)
+    recent: dict = dataclasses.field(default_factory=dict)  # drafter index -> recent rows (re-selected view)
+    # in-pool verifiers whose verify re-selects their view: index -> (rid, selected rows, recent rows)
+    verifiers: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
