@@ -135,24 +135,25 @@ def test_cpu_platform_selected_without_env():
 
 
 def test_algorithms_warn_of_what_they_switch_off(caplog):
-    """A project algorithm turns off SGLang's overlap scheduler and mixed chunks where they
-    were on (on a GPU, SGLang's default overlap is): each is a warning with its reason
-    once the launcher has configured logging, and what was already off is not."""
+    """A project algorithm turns off what it cannot run with where it was on: mixed
+    chunks, and SGLang's overlap scheduler for a worker that does not keep its contract
+    (SPECACHE; VERICACHE keeps it: ``test_vericache_overlap.py``). Each is a warning with
+    its reason once the launcher has configured logging; what was already off is not."""
     import logging
     import types
 
     from sglang_vc import notices
     from sglang_vc.speculative import resolve_flags
 
-    args = types.SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
+    args = types.SimpleNamespace(speculative_algorithm="SPECACHE", disable_overlap_schedule=False,
                                  enable_mixed_chunk=True)
-    resolve_flags(args, "vc_verify")
+    resolve_flags(args, "vc_specache")
     assert args.disable_overlap_schedule and not args.enable_mixed_chunk
     with caplog.at_level(logging.WARNING, logger="sglang_vc"):
         notices.flush()
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(m.startswith("the overlap scheduler disabled by --speculative-algorithm VERICACHE: ") for m in lines)
-    assert any(m.startswith("mixed chunks (--enable-mixed-chunk) disabled by --speculative-algorithm VERICACHE: ")
+    assert any(m.startswith("the overlap scheduler disabled by --speculative-algorithm SPECACHE: ") for m in lines)
+    assert any(m.startswith("mixed chunks (--enable-mixed-chunk) disabled by --speculative-algorithm SPECACHE: ")
                for m in lines), lines
     caplog.clear()
     resolve_flags(types.SimpleNamespace(speculative_algorithm="SPECACHE", disable_overlap_schedule=True,

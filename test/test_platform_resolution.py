@@ -75,6 +75,7 @@ def test_backends_resolve_under_sglangs_cuda_platform(model_dir):
     assert vc["graphs"] == [None, "disabled"] and "vericache" in vc["mechanisms"]
     # --speculative-num-draft-tokens 4 (drafts): SGLang's count is the verify width
     assert vc["draft_tokens"] == 5, vc
+    assert vc["overlap"], vc  # SGLang's overlap scheduler stays on (test_vericache_overlap.py)
     # full-KV attention under the project's backends is SGLang's own choice for CUDA
     # (Triton here: FlashInfer is not installed; FlashInfer or FA3 on a GPU install), or
     # the one the flag names

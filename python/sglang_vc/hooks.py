@@ -265,10 +265,13 @@ def _correct_drafts_histogram(original, req, num_correct_drafts: int):
     iteration in which a VERICACHE request only drafted commits 0 tokens, i.e. -1
     "correct drafts", which would index the histogram at -1 (an IndexError on its first
     iteration); one in which it decoded a token from its full KV (``vc_verified`` False,
-    set by the worker) is no verify either. Both are taken out of the counts, so
+    set by the worker per forward: under the overlap scheduler the next forward runs
+    before this result is processed) is no verify either. Both are taken out of the counts, so
     ``spec_verify_ct`` and ``spec_num_correct_drafts`` count VERICACHE's verifies and
     accepted drafts. The output path has no seam for a worker's per-request counts."""
-    if num_correct_drafts < 0 or getattr(req, "vc_verified", None) is False:
+    log = getattr(req, "vc_verify_log", None)  # the worker's flag per forward, in processing order
+    verified = log.popleft() if log else getattr(req, "vc_verified", None)
+    if num_correct_drafts < 0 or verified is False:
         req.spec_verify_ct -= 1
         req.spec_num_correct_drafts -= num_correct_drafts
         return None
@@ -277,6 +280,30 @@ def _correct_drafts_histogram(original, req, num_correct_drafts: int):
 
 _SPEC_FIELDS = ("spec_accept_rate", "spec_accept_length", "spec_num_correct_drafts", "spec_num_proposed_drafts",
                 "spec_verify_ct", "spec_correct_drafts_histogram")
+
+
+def _overlap_only_where_nothing_drafts(result, scheduler, batch, *args, **kwargs):
+    """SGLang's overlap loop launches decode batch ``k`` before it processes the result of
+    ``k - 1``; a VERICACHE iteration that drafts, verifies or reloads plans from the
+    tokens ``k - 1`` committed, so it needs them processed first -- what this method
+    decides, as SGLang does for grammar batches. The worker says which batches
+    (``needs_sync``: where every request decodes from its full KV, nothing drafts, they
+    overlap as a plain server's). The method has no per-algorithm seam."""
+    if result or batch is None or not batch.forward_mode.is_decode() or not scheduler.result_queue:
+        return None
+    decide = getattr(scheduler.model_worker, "needs_sync", None)
+    return True if decide is not None and decide(batch) else None
+
+
+def _keep_requests_that_commit_nothing_yet(original, scheduler, batch):
+    """Under the overlap loop SGLang leaves out of decode batch ``k`` the requests whose
+    queued result commits their last token by length (it counts one token per queued
+    result); a VERICACHE request that only drafted in that iteration commits none, and
+    left out it would never be scheduled again (its client hangs). The worker names
+    them (``commits_nothing``); the rest are left out as SGLang does."""
+    finishing = original(scheduler, batch)
+    nothing = getattr(scheduler.model_worker, "commits_nothing", None)
+    return [r for r in finishing if r.rid not in nothing] if finishing and nothing else finishing
 
 
 def _spec_fields_of_vericache(result, *args, **kwargs):
@@ -676,6 +703,10 @@ def install() -> None:
     )
     from sglang_vc.kvruntime.graphs import GRAPH_GATE_TARGET, no_graph_for_compressed_batches
 
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch",
+                          _overlap_only_where_nothing_drafts, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._reqs_finishing_inflight",
+                          _keep_requests_that_commit_nothing_yet, HookType.AROUND)
     HookRegistry.register(GRAPH_GATE_TARGET, no_graph_for_compressed_batches, HookType.AROUND)
     if _on_cpu_platform():
         _install_cpu_shims()

@@ -43,6 +43,12 @@ def chain_mask(starts: list[int], lens: list[int], dev) -> torch.Tensor:
     return local % wd <= start + local // wd
 
 
+def on(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``: as it is where it is there already (an overlapped iteration's
+    tokens), else a non-blocking copy of the small host tensor (``to_device``)."""
+    return t if t.device == torch.device(device) else to_device(t, device)
+
+
 def committed_lens(batch) -> torch.Tensor:
     """Each request's committed length, int64 on the host: SGLang's ScheduleBatch keeps
     them there (``seq_lens_cpu``, updated with ``seq_lens`` after every round), so no
@@ -106,10 +112,15 @@ class ChainSpecWorker(BaseSpecWorker):
         dev = batch.seq_lens.device
         committed = committed_lens(batch)
         new_seq_lens = to_device((committed + accept_lens).to(batch.seq_lens.dtype), dev)
-        tokens = to_device(accept_tokens.to(torch.int32), dev).flatten()
-        lens = to_device(accept_lens.to(torch.int32), dev)
+        tokens = on(accept_tokens.to(torch.int32), dev).flatten()
+        lens = on(accept_lens.to(torch.int32), dev)
+        logits_output = logits_output or LogitsProcessorOutput(next_token_logits=None)
+        if batch.return_logprob and logits_output.next_token_logprobs is None:
+            # nothing committed that asked for logprobs (a failed iteration: every request
+            # ends): SGLang's output path reads the field whenever the batch asks
+            logits_output.next_token_logprobs = torch.zeros(accept_tokens.shape, dtype=torch.float32)
         return GenerationBatchResult(
-            logits_output=logits_output or LogitsProcessorOutput(next_token_logits=None),
+            logits_output=logits_output,
             next_token_ids=tokens,
             can_run_cuda_graph=can_run_cuda_graph,
             accept_lens=lens,
@@ -120,12 +131,13 @@ class ChainSpecWorker(BaseSpecWorker):
         )
 
     def draft_input(self, new_seq_lens, accept_tokens, accept_lens):
-        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+        from sglang_vc.overlap import RelayInput
 
         # SGLang's chain/tree verify input carries the per-request accept state between
-        # rounds (filter/merge on batch changes); the workers keep nothing else there.
-        return NgramVerifyInput(draft_token_num=self.stride, new_seq_lens=new_seq_lens,
-                                accept_tokens=accept_tokens, accept_lens=accept_lens)
+        # rounds (filter/merge on batch changes); the workers keep nothing else there
+        # (under the overlap scheduler, the last tokens it relays: :mod:`sglang_vc.overlap`)
+        return RelayInput(draft_token_num=self.stride, new_seq_lens=new_seq_lens,
+                          accept_tokens=accept_tokens, accept_lens=accept_lens)
 
     def sub_batch(self, batch, indices: list[int]):
         """The requests ``indices`` of the batch, as a batch of their own, in batch order
@@ -287,8 +299,8 @@ class ChainSpecWorker(BaseSpecWorker):
         first = torch.tensor([0 if r is None else r for r in first_row], dtype=torch.int64)
         last = (accept_lens.to(torch.int64) - 1).clamp(min=0)
         rows = first[:, None] + torch.minimum(torch.arange(stride)[None, :], last[:, None])
-        out = LogitsProcessorOutput(next_token_logits=logits[rows.flatten().to(logits.device)])
-        compute_spec_logprobs(batch, out, accept_tokens.flatten().to(logits.device), chain_stride=stride)
+        out = LogitsProcessorOutput(next_token_logits=logits[to_device(rows.flatten(), logits.device)])
+        compute_spec_logprobs(batch, out, on(accept_tokens.flatten(), logits.device), chain_stride=stride)
         return out
 
     def targets(self, logits: torch.Tensor, batch, positions: torch.Tensor) -> torch.Tensor:
@@ -329,7 +341,7 @@ class ChainSpecWorker(BaseSpecWorker):
             per_row(info.min_ps.float()),
             bool(info.need_min_p_sampling),
             None if seed is None else per_row(seed),
-            positions.reshape(-1).to(probs.device),
+            on(positions.reshape(-1), probs.device),
         ).to(torch.int64)
         # greedy requests of a mixed batch (SGLang gives them top_k = 1): exact argmax
         greedy = per_row(info.top_ks <= 1).to(ids.device)

@@ -27,10 +27,13 @@ PROJECT_ALGORITHMS: set[str] = set()  # the names registered below
 
 
 def register_algorithm(name: str, attention_backend: Optional[str], create_backend: Optional[Callable],
-                       validate_server_args: Callable, handle_server_args: Callable) -> None:
-    """Register algorithm ``name`` (synchronous, no overlap schedule) and the attention
-    backend its worker forwards with (None: SGLang's own), unless already registered.
-    The worker class is imported only when SGLang builds it."""
+                       validate_server_args: Callable, handle_server_args: Callable,
+                       supports_overlap: bool = False) -> None:
+    """Register algorithm ``name`` and the attention backend its worker forwards with
+    (None: SGLang's own), unless already registered. ``supports_overlap``: its worker
+    keeps SGLang's overlap contract (publishes each forward's lengths, relays its last
+    tokens through the future map). The worker class is imported only when SGLang
+    builds it."""
     PROJECT_ALGORITHMS.add(name.upper())
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
@@ -44,7 +47,7 @@ def register_algorithm(name: str, attention_backend: Optional[str], create_backe
     if get_spec(name) is None:
         SpeculativeAlgorithm.register(
             name,
-            supports_overlap=False,
+            supports_overlap=supports_overlap,
             validate_server_args=validate_server_args,
             spec_class=_spec_class(name, handle_server_args),
         )(lambda server_args: worker_cls_for(name))
@@ -74,15 +77,16 @@ def check_raw_flags(server_args, attention_backend: str) -> Optional[str]:
     return None
 
 
-def resolve_flags(server_args, attention_backend: str) -> None:
-    """The SGLang flags every project algorithm runs with: a synchronous worker (no
-    overlap schedule, no mixed chunks), one chain, its attention backend over the ``vc``
-    radix cache, page size 1 (compressed rows are token slots). Turning off what was on
+def resolve_flags(server_args, attention_backend: str, overlap: bool = False) -> None:
+    """The SGLang flags every project algorithm runs with: no mixed chunks, one chain,
+    its attention backend over the ``vc`` radix cache, page size 1 (compressed rows are
+    token slots), and a synchronous worker (no overlap schedule) unless ``overlap``
+    (the algorithm's worker keeps SGLang's overlap contract). Turning off what was on
     is a warning users see (:mod:`sglang_vc.notices`)."""
     from sglang_vc.notices import switched_off
 
     algorithm = f"--speculative-algorithm {server_args.speculative_algorithm}"
-    if not server_args.disable_overlap_schedule:
+    if not overlap and not server_args.disable_overlap_schedule:
         switched_off("the overlap scheduler", algorithm,
                      "its worker runs each decode iteration's forwards synchronously and commits "
                      "tokens the next iteration's plan depends on")
@@ -91,7 +95,8 @@ def resolve_flags(server_args, attention_backend: str) -> None:
                      "its decode iterations are draft and verify forwards of their own, not mixable "
                      "with a prefill chunk")
     server_args.speculative_eagle_topk = 1
-    server_args.disable_overlap_schedule = True
+    if not overlap:
+        server_args.disable_overlap_schedule = True
     server_args.enable_mixed_chunk = False
     server_args.attention_backend = attention_backend
     server_args.radix_cache_backend = "vc"

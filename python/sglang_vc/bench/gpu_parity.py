@@ -82,14 +82,19 @@ def code_terms(draft_tokens: int = 32) -> dict:
     """What the code does under VERICACHE's default flags (X chosen from data up to
     ``draft_tokens``): the pool's share of the KV budget, whether SGLang's overlap
     scheduler stays on, the verify widths graphs capture."""
+    from sglang.srt.speculative.spec_registry import get_spec
+
     from sglang_vc.speculative import resolve_flags
     from sglang_vc.vericache.decode_graphs import verify_graph_widths
     from sglang_vc.vericache.names import ATTENTION_BACKEND
+    from sglang_vc.vericache.worker_spec import register
 
     share = pool_share()
+    register()
     args = SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
                            enable_mixed_chunk=False)
-    resolve_flags(args, ATTENTION_BACKEND)  # (records its notice in this process only)
+    # as VERICACHE's handler resolves it: overlap stays on where its worker keeps the contract
+    resolve_flags(args, ATTENTION_BACKEND, overlap=get_spec("VERICACHE").supports_overlap)
     return {"pool_share": share, "overlap": not args.disable_overlap_schedule,
             "verify_graph_widths": verify_graph_widths(draft_tokens + 1)}
 

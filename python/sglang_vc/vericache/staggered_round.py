@@ -61,9 +61,11 @@ class StaggeredRound:
         """KV slots past its committed length the request's next staggered iteration
         writes up to (:mod:`.decode_slots`): its next draft's, or its next token's."""
         track = self._staggered.tracks.get(req.rid) if self._staggered is not None else None
-        if track is None or track.committed != req.kv.kv_committed_len:
+        if track is None or track.row != req.kv.req_pool_idx or track.committed < req.kv.kv_committed_len:
             return 1  # new, or prefilled again: its first token
-        return len(track.drafts) + 1
+        # under the overlap scheduler SGLang allocates before it processes the queued
+        # result: its committed length lags the worker's by what that result commits
+        return track.committed - req.kv.kv_committed_len + len(track.drafts) + 1
 
     def _schedule(self) -> StaggeredSchedule:
         if self._staggered is None:
@@ -415,6 +417,8 @@ class StaggeredRound:
             self.policy.record(phases["forward_s"], IterationRows(len(ids), rows_read, query_rows, offload_drafts),
                                batch=bs, full_only=len(full) == len(part) == bs)
         self._count_modes(plan)
+        for req, n in zip(batch.reqs, accept_lens.tolist()):  # (SGLang's finishing check: hooks.py)
+            (self.commits_nothing.discard if n else self.commits_nothing.add)(req.rid)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(drafters),
                   waits=len(plan.of(Role.WAIT)) + len(plan.of(Role.FULL)) - len(full), full_kv_steps=len(full))
         return (plan, self.result(batch, accept_tokens, accept_lens, logits_output,

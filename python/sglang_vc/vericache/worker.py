@@ -39,6 +39,7 @@ SGLang's own ``DECODE`` forward instead (its decode kernels; one query per reque
 
 from __future__ import annotations
 
+import collections
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -50,6 +51,7 @@ from sglang.srt.mem_cache.common import evict_from_tree_cache
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream, get_runtime
+from sglang_vc.overlap import relay, widen
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
@@ -60,6 +62,8 @@ from .reload import faults as reload_faults
 from .staging import AheadSlots, PoolStaging, VerifyHeadroom
 from .policy import Decision, Mode, ModePolicy
 from .lockstep import LockstepRound
+from .overlapped import LaggedTimer, full_only_iteration
+from .overlapped import needs_sync as _needs_sync
 from .staggered_round import StaggeredRound
 from .staggered import StaggeredSchedule
 from .view_rows import SharedSelections, ViewRows
@@ -131,6 +135,11 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         self._staggered: Optional[StaggeredSchedule] = None
         self._stalled_verifies = 0  # verifies that waited for pool room, nothing committed since
         self._bandwidth: Optional[float] = None
+        # SGLang's overlap scheduler (:mod:`.overlapped`): whether the next decode forward
+        # was let overlap; the requests whose last decode forward committed nothing
+        self._overlapped = False
+        self.commits_nothing: set[str] = set()
+        self.overlap_timer = LaggedTimer(self.device)
         if schedule is flags.Schedule.STAGGERED:
             # the link is measured once, here rather than in the first decode iteration (the
             # schedule itself is built then: its HBM budget needs the runtime's staging share)
@@ -198,6 +207,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._staggered.forget(rid)
         self.modes.pop(rid, None)
         self._faults.pop(rid, None)
+        self.commits_nothing.discard(rid)
 
     def _full_kv_while_memory_free(self, rid: str, own_rows: int, spec) -> Optional[str]:
         """``--vc-compress-when memory-binds``: whether a request whose prefill just ended
@@ -273,12 +283,10 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         runtime = self.runtime  # installs the host sink before the first prefill
         for req in batch.reqs:
             self.drafter.set_request(req.rid, getattr(req.sampling_params, "custom_params", None))
+        overlapped, self._overlapped = self._overlapped, False
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
             try:
-                if self.schedule is flags.Schedule.STAGGERED:
-                    result = self._staggered_round(batch)
-                else:
-                    result = self._decode_round(batch)
+                result = full_only_iteration(self, batch) if overlapped else self._decode_running(batch)
             except Exception as exc:  # a fault of this batch's forward ends its requests, not the server
                 logger.exception("VERICACHE: a decode iteration failed; its %d requests end with an error",
                                  len(batch.reqs))
@@ -286,11 +294,19 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
                     self._fail(req, f"its decode iteration failed ({type(exc).__name__}: {exc})")
                 result = self.result(batch, torch.zeros(len(batch.reqs), self.stride, dtype=torch.int64),
                                      torch.zeros(len(batch.reqs), dtype=torch.int64))
+            for req in batch.reqs:  # read back in order as SGLang processes each result (hooks.py)
+                if overlapped:
+                    req.vc_verified = False
+                req.vc_verify_log = getattr(req, "vc_verify_log", None) or collections.deque()
+                req.vc_verify_log.append(getattr(req, "vc_verified", None))
         else:
             self._prefill_prompts = {req.rid: req.origin_input_ids for req in batch.reqs}  # (the compress gate's)
             result = self.prefill_result(batch, pp_proxy_tensors)
             self._prefill_prompts = {}
             self.host.flush()  # what no compressor selected moves to the host whole
+        if overlapped or not batch.forward_mode.is_decode():
+            self.commits_nothing.difference_update(r.rid for r in batch.reqs)
+        relay(result, batch, on_publish)  # the overlap scheduler's (sglang_vc.overlap)
         self.host.retain(runtime.compressed_rids())
         # pool room for the verify of the longest compressed span (eq. 5: the device budget
         # counts a verifier's full KV), held back from SGLang's admission -- but not the
@@ -314,6 +330,32 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         self.drafter.forget(live)
         self.draft_length.forget(live)
         return result
+
+    def needs_sync(self, batch) -> bool:
+        """Whether decode ``batch`` runs synchronously under SGLang's overlap scheduler
+        (:mod:`.overlapped`); asked once per iteration by the scheduler hook."""
+        sync = _needs_sync(self, batch)
+        self._overlapped = not sync
+        stats.add("vericache", **{"overlap_synced" if sync else "overlap_async": 1})
+        return sync
+
+    def _decode_running(self, batch):
+        """The decode iteration of the batch's requests still running: under the overlap
+        scheduler a synchronous iteration processed the previous result after the batch
+        was built, and the requests it finished are released (:mod:`sglang_vc.overlap`)."""
+        live = [i for i, r in enumerate(batch.reqs) if not (r.finished() or r.kv.req_pool_idx is None)]
+        if len(live) == len(batch.reqs):
+            return self._decode(batch)
+        stats.add("vericache", finished_in_batch=len(batch.reqs) - len(live))
+        if not live:
+            return self.result(batch, torch.zeros(len(batch.reqs), self.stride, dtype=torch.int64),
+                               torch.zeros(len(batch.reqs), dtype=torch.int64))
+        return widen(self._decode(self.sub_batch(batch, live)), live, batch)
+
+    def _decode(self, batch):
+        if self.schedule is flags.Schedule.STAGGERED:
+            return self._staggered_round(batch)
+        return self._decode_round(batch)
 
     # ------------------------------------------------------------------ one round
 

@@ -6,8 +6,9 @@ per round from the compressed KV and verifies them in one forward against the fu
 (:mod:`.worker`). Registration is cheap (no torch model code is imported); the worker
 class is imported only when SGLang builds it.
 
-Flags SGLang resolves for the algorithm (``handle_server_args``): no overlap schedule
-(the worker runs synchronously), ``topk=1`` chains, ``--page-size 1``, the attention
+Flags SGLang resolves for the algorithm (``handle_server_args``): SGLang's overlap
+schedule stays on (iterations in which nothing drafts overlap; :mod:`.overlapped`),
+``topk=1`` chains, ``--page-size 1``, the attention
 backend ``vc_verify`` (:class:`.worker.VeriCacheAttnBackend`, the lossy backend plus
 TARGET_VERIFY over the full KV) and the lossy radix cache ``vc``.
 """
@@ -31,7 +32,7 @@ def register() -> None:
     from sglang_vc.speculative import register_algorithm
 
     register_algorithm(ALGORITHM, ATTENTION_BACKEND, _create_attention_backend, validate_server_args,
-                       handle_server_args)
+                       handle_server_args, supports_overlap=True)
 
 
 def _create_attention_backend(model_runner):
@@ -114,7 +115,7 @@ def handle_server_args(server_args) -> None:
     server_args.speculative_num_steps = x
     from sglang_vc.speculative import resolve_flags
 
-    resolve_flags(server_args, ATTENTION_BACKEND)
+    resolve_flags(server_args, ATTENTION_BACKEND, overlap=True)
     from sglang_vc.config import parsed_config
 
     config = parsed_config()

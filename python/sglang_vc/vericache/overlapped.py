@@ -1,0 +1,157 @@
+"""VERICACHE under SGLang's overlap scheduler: the iterations in which no request drafts
+run overlapped, as a plain server's decode does; the others synchronously.
+
+SGLang's ``event_loop_overlap`` launches iteration ``k`` and only then processes the
+result of ``k - 1``, unless ``Scheduler.is_disable_overlap_for_batch`` says otherwise
+(then ``k - 1`` is processed first). The project's hook (``hooks.py``) asks
+:func:`needs_sync` for each decode batch:
+
+- **overlapped** (every request decodes its next token from its full KV, resident in the
+  pool: nothing compressed, nothing drafted, admitted or reloading, no penalty or grammar
+  that reads the output so far, full-KV decoding chosen by the mode policy): the forward
+  reads the batch's committed lengths and last tokens from SGLang's future map, on the
+  device (:func:`full_only_iteration`), and nothing is read back to the host;
+- **synchronous** otherwise: the worker's staggered or lock-step iteration, over the
+  requests still running (:mod:`sglang_vc.overlap`).
+
+The mode policy decides in :func:`needs_sync` (once per iteration): a decision taken at
+the forward could otherwise turn a request to drafting in an iteration already
+overlapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+from sgl_kernel_ext.payload_batch import to_device
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sglang_vc import stats
+from sglang_vc.kvruntime import syncs
+from sglang_vc.spec_worker import committed_lens
+
+from . import flags
+from .policy import IterationRows, Mode
+from .staggered import Outcome, Role
+
+
+def needs_sync(worker, batch) -> bool:
+    """Whether decode ``batch`` must see the previous result processed before its forward
+    (a request drafts, verifies, reloads or is compressed; a penalty or grammar reads the
+    committed output; lock-step schedule). Decides the mode of every request at a cycle
+    boundary, with the lengths the worker committed."""
+    if worker.schedule is not flags.Schedule.STAGGERED or worker.constrained(batch.reqs):
+        return True
+    runtime, tracks = worker.runtime, worker._schedule().tracks
+    rows, lengths = [], []
+    for req in batch.reqs:
+        row = req.kv.req_pool_idx
+        if row is None or req.finished() or runtime.entry_for_row(row) is not None \
+                or worker.host.get(req.rid, row) is not None:
+            return True
+        track = tracks.get(req.rid)
+        if track is not None and (track.drafts or track.admission is not None or track.reload is not None):
+            return True
+        rows.append(row)
+        # (SGLang's own count lags by the queued result's token; the worker's does not)
+        lengths.append(track.committed if track is not None and track.row == row else req.kv.kv_committed_len)
+    worker._decide_modes(batch, rows, lengths)
+    return any(worker.modes[req.rid].mode is not Mode.FULL for req in batch.reqs)
+
+
+class LaggedTimer:
+    """The device time of forwards nobody waits for: events recorded around each, read
+    when a later iteration finds them complete (no host wait). On the CPU a forward is
+    synchronous and its wall time is exact."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.pending: deque = deque()
+        self.last: Optional[float] = None
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start) -> Optional[float]:
+        """The latest forward time known now (this one's on the CPU)."""
+        if not self.cuda:
+            self.last = time.perf_counter() - start
+            return self.last
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pending.append((start, end))
+        while self.pending and self.pending[0][1].query():
+            begin, done = self.pending.popleft()
+            self.last = begin.elapsed_time(done) / 1e3
+        return self.last
+
+
+def full_only_iteration(worker, batch):
+    """One overlapped iteration: every request decodes one token from its full KV
+    (:func:`needs_sync` said so), with the committed lengths SGLang resolved from the
+    previous forward's publish and the last tokens it relayed (``spec_info.bonus_tokens``),
+    both already on their device. Returns the spec-V2 result; with
+    ``SGLANG_VC_COUNT_SYNCS`` set, its host synchronisations go into the trace."""
+    counter = syncs.SyncCounter() if syncs.enabled() else None
+    with counter if counter is not None else contextlib.nullcontext():
+        result, finish = _full_only(worker, batch)
+    if counter is not None:
+        finish[-1]["host_syncs"] = counter.total
+        finish[-1].update({f"host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
+        if syncs.with_sites():
+            finish[-1]["host_sync_sites"] = dict(counter.by_site)
+    worker._schedule().finish(*finish)
+    return result
+
+
+def _full_only(worker, batch):
+    started = time.perf_counter()
+    sched = worker._schedule()
+    bs = len(batch.reqs)
+    committed = committed_lens(batch)
+    row_list = [req.kv.req_pool_idx for req in batch.reqs]
+    committed_list = committed.tolist()  # (a host copy: SGLang resolved it from the publish)
+    plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
+                      lambda i: worker._reload_bytes(batch.reqs[i].rid, row_list[i]))
+    if any(s.role is not Role.FULL for s in plan.slots):  # needs_sync and the plan read the same state
+        raise RuntimeError("an overlapped iteration was planned with a request that drafts")
+    req_to_token = worker.req_to_token_pool.req_to_token
+    rows = torch.tensor(row_list, dtype=torch.int64)
+    slots = req_to_token[to_device(rows, req_to_token.device), to_device(committed, req_to_token.device)]
+    sub = worker.sub_batch(batch, list(range(bs)))
+    timer = worker.overlap_timer
+    mark = timer.start()
+    logits = worker.forward_sub(sub, ForwardMode.DECODE, batch.spec_info.bonus_tokens, committed + 1, slots, None)
+    exact = worker.targets_flat(logits, sub, torch.arange(bs), committed)
+    accept_tokens = torch.zeros(bs, worker.stride, dtype=torch.int64, device=exact.device)
+    accept_tokens[:, 0] = exact
+    accept_lens = torch.ones(bs, dtype=torch.int64)
+    logits_output = None
+    if batch.return_logprob:
+        logits_output = worker.committed_logprobs(batch, logits.float() if sub.sampling_info is None or
+                                                  sub.sampling_info.logit_bias is None else
+                                                  logits.float() + sub.sampling_info.logit_bias[:, : logits.shape[-1]],
+                                                  list(range(bs)), accept_tokens, accept_lens)
+    forward_s = timer.stop(mark)
+    for s in plan.slots:
+        sched.verified(s.track, 1)
+    rows_read = sum(committed_list) + bs
+    if forward_s is not None:
+        worker.draft_length.record_iteration(forward_s, 0, bs, 0, 0)
+        worker.policy.record(forward_s, IterationRows(bs, rows_read, rows_read, 0), batch=bs, full_only=True)
+    worker._count_modes(plan)
+    stats.add("vericache", iterations=1, forwards=1, full_kv_steps=bs, decode_forwards=1, overlapped_iterations=1)
+    phases = {"plan_s": 0.0, "forward_s": forward_s or 0.0, "forwards": 1, "overlapped": True,
+              "tokens": bs, "rows": rows_read, "query_rows": rows_read, "offload_drafts": 0}
+    finish = (plan, forward_s if forward_s is not None else time.perf_counter() - started,
+              {s.track.rid: Outcome(drafts=0, tokens=1) for s in plan.slots}, {}, phases)
+    return worker.result(batch, accept_tokens, accept_lens, logits_output, can_run_cuda_graph=worker.replayed), finish
