@@ -248,3 +248,35 @@ def test_drafting_iterations_run_synchronously_and_stay_lossless(server, model_d
     assert after.get("overlap_synced", 0) > before.get("overlap_synced", 0), after
     assert after["verify_rounds"] > before.get("verify_rounds", 0), after  # the compressed path was taken
     assert sum(o["meta_info"][META][-1]["drafted"] for o in outs[2:5]) > 0
+
+
+def test_lagged_timer_pairs_each_forward_time_with_its_own_iteration(monkeypatch):
+    """On CUDA an overlapped forward's events complete after later forwards launched: each
+    time read then goes with the rows of the iteration it timed, once, never repeated."""
+    from sglang_vc.vericache.overlapped import LaggedTimer
+
+    class Event:
+        clock, done = 0, set()
+
+        def __init__(self, enable_timing=True):
+            Event.clock += 1
+            self.at = Event.clock
+
+        def record(self):
+            pass
+
+        def query(self):
+            return self.at in Event.done
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = LaggedTimer("cpu")
+    timer.cuda = True
+    assert timer.stop(timer.start(), "k1") == []  # events 1, 2: not complete yet
+    Event.done.add(2)
+    assert timer.stop(timer.start(), "k2") == [(1.0, "k1")]  # events 3, 4
+    Event.done.update({4})
+    assert timer.stop(timer.start(), "k3") == [(1.0, "k2")]
+    assert LaggedTimer("cpu").stop(0.0, "x")[0][1] == "x"  # the CPU: this forward, now

@@ -23,6 +23,8 @@ import torch
 
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
+from sglang_vc.spec_worker import on
+
 
 class RelayInput(NgramVerifyInput):
     """The draft input a project worker returns: SGLang's chain-verify input (its
@@ -78,20 +80,20 @@ def widen(result, live: list[int], batch):
 
     def scatter(value):
         per = len(value) // n
-        rows = (index[:, None] * per + torch.arange(per)).flatten()
+        rows = [i * per + j for i in live for j in range(per)]
         if isinstance(value, torch.Tensor):
             out = value.new_zeros((bs * per, *value.shape[1:]))
-            out[rows.to(value.device)] = value
+            out[on(torch.tensor(rows), value.device)] = value
             return out
         out = [value[0]] * (bs * per)  # (never read: the output path skips finished requests)
-        for j, i in enumerate(rows.tolist()):
+        for j, i in enumerate(rows):
             out[i] = value[j]
         return out
 
     result.next_token_ids = scatter(result.next_token_ids)
     result.accept_lens = scatter(result.accept_lens)
     seq_lens = batch.seq_lens.clone()
-    seq_lens[index.to(seq_lens.device)] = result.new_seq_lens.to(seq_lens.dtype)
+    seq_lens[on(index, seq_lens.device)] = result.new_seq_lens.to(seq_lens.dtype)
     result.new_seq_lens = seq_lens
     out = result.logits_output
     for name in ("next_token_logprobs", "next_token_top_logprobs_val", "next_token_top_logprobs_idx",

@@ -66,13 +66,12 @@ def needs_sync(worker, batch) -> bool:
 
 class LaggedTimer:
     """The device time of forwards nobody waits for: events recorded around each, read
-    when a later iteration finds them complete (no host wait). On the CPU a forward is
-    synchronous and its wall time is exact."""
+    when a later iteration finds them complete (no host wait), each returned with what
+    its own iteration ran. On the CPU a forward is synchronous and its wall time is exact."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
-        self.pending: deque = deque()
-        self.last: Optional[float] = None
+        self.pending: deque = deque()  # (start event, end event, payload), oldest first
 
     def start(self):
         if not self.cuda:
@@ -81,18 +80,19 @@ class LaggedTimer:
         event.record()
         return event
 
-    def stop(self, start) -> Optional[float]:
-        """The latest forward time known now (this one's on the CPU)."""
+    def stop(self, start, payload) -> list[tuple[float, object]]:
+        """``(seconds, payload)`` of every timed forward known now: this one on the CPU;
+        on CUDA those whose events have completed, oldest first."""
         if not self.cuda:
-            self.last = time.perf_counter() - start
-            return self.last
+            return [(time.perf_counter() - start, payload)]
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self.pending.append((start, end))
+        self.pending.append((start, end, payload))
+        done = []
         while self.pending and self.pending[0][1].query():
-            begin, done = self.pending.popleft()
-            self.last = begin.elapsed_time(done) / 1e3
-        return self.last
+            begin, finish, earlier = self.pending.popleft()
+            done.append((begin.elapsed_time(finish) / 1e3, earlier))
+        return done
 
 
 def full_only_iteration(worker, batch):
@@ -141,13 +141,14 @@ def _full_only(worker, batch):
                                                   sub.sampling_info.logit_bias is None else
                                                   logits.float() + sub.sampling_info.logit_bias[:, : logits.shape[-1]],
                                                   list(range(bs)), accept_tokens, accept_lens)
-    forward_s = timer.stop(mark)
+    rows_read = sum(committed_list) + bs
+    timed = timer.stop(mark, (bs, rows_read))
     for s in plan.slots:
         sched.verified(s.track, 1)
-    rows_read = sum(committed_list) + bs
-    if forward_s is not None:
-        worker.draft_length.record_iteration(forward_s, 0, bs, 0, 0)
-        worker.policy.record(forward_s, IterationRows(bs, rows_read, rows_read, 0), batch=bs, full_only=True)
+    for seconds, (n, rows) in timed:  # each with the rows of its own iteration
+        worker.draft_length.record_iteration(seconds, 0, n, 0, 0)
+        worker.policy.record(seconds, IterationRows(n, rows, rows, 0), batch=n, full_only=True)
+    forward_s = timed[-1][0] if timed else None
     worker._count_modes(plan)
     stats.add("vericache", iterations=1, forwards=1, full_kv_steps=bs, decode_forwards=1, overlapped_iterations=1)
     phases = {"plan_s": 0.0, "forward_s": forward_s or 0.0, "forwards": 1, "overlapped": True,

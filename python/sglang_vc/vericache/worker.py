@@ -297,7 +297,8 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             for req in batch.reqs:  # read back in order as SGLang processes each result (hooks.py)
                 if overlapped:
                     req.vc_verified = False
-                req.vc_verify_log = getattr(req, "vc_verify_log", None) or collections.deque()
+                if not hasattr(req, "vc_verify_log"):
+                    req.vc_verify_log = collections.deque()
                 req.vc_verify_log.append(getattr(req, "vc_verified", None))
         else:
             self._prefill_prompts = {req.rid: req.origin_input_ids for req in batch.reqs}  # (the compress gate's)
