@@ -134,7 +134,7 @@ def test_cpu_platform_selected_without_env():
     assert result.stdout.split() == ["sglang_vc.platform.cpu", "True"]
 
 
-def test_algorithms_warn_of_what_they_switch_off(caplog):
+def test_algorithms_warn_of_what_they_switch_off(caplog, monkeypatch):
     """A project algorithm turns off what it cannot run with where it was on: mixed
     chunks, and SGLang's overlap scheduler for a worker that does not keep its contract
     (SPECACHE; VERICACHE keeps it: ``test_vericache_overlap.py``). Each is a warning with
@@ -145,6 +145,9 @@ def test_algorithms_warn_of_what_they_switch_off(caplog):
     from sglang_vc import notices
     from sglang_vc.speculative import resolve_flags
 
+    # A notice is said once per process: start from none, whatever ran before in this worker.
+    monkeypatch.setattr(notices, "_all", [])
+    monkeypatch.setattr(notices, "_pending", [])
     args = types.SimpleNamespace(speculative_algorithm="SPECACHE", disable_overlap_schedule=False,
                                  enable_mixed_chunk=True)
     resolve_flags(args, "vc_specache")

@@ -27,11 +27,15 @@ META = "sglang_vc_vericache"
 
 # ----------------------------------------------------------------------------- units
 
-def test_vericache_keeps_the_overlap_scheduler_other_algorithms_do_not(caplog):
+def test_vericache_keeps_the_overlap_scheduler_other_algorithms_do_not(caplog, monkeypatch):
     import logging
 
     from sglang_vc import notices
     from sglang_vc.speculative import resolve_flags
+
+    # A notice is said once per process: start from none, whatever ran before in this worker.
+    monkeypatch.setattr(notices, "_all", [])
+    monkeypatch.setattr(notices, "_pending", [])
 
     vc = types.SimpleNamespace(speculative_algorithm="VERICACHE", disable_overlap_schedule=False,
                                enable_mixed_chunk=False)
