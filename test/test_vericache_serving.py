@@ -197,6 +197,8 @@ def test_greedy_identity_from_a_lossy_drafter(server, model_dir, tokenizer, vc4,
     assert ahead > 0, after
     pool = vc_counters(vc4)["counters"]["kv_pool"]
     assert pool["reload_ahead_peak_bytes"] > 0 and pool["reload_ahead_bytes"] == 0, pool
+    # the host rows were views of the store's slabs (test_vericache_host_slabs), none apart
+    assert pool["host_slabs"] >= 1 and pool["host_rows_outside_slabs"] == 0, pool
 
     # footprint while decoding, one request alone: full KV would hold every prompt token
     ids = ids_list[1]

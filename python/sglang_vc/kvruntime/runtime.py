@@ -457,6 +457,9 @@ class KVRuntime:
                 "host_copy_buffer_bytes": self._host_copy_bytes(),
                 # host memory holding the full KV that compression replaced (VERICACHE)
                 "host_store_bytes": self.host_store.reserved_bytes if self.host_store is not None else 0,
+                # the pinned slabs its rows are views of, pinned when first needed (VERICACHE)
+                **(self.host_store.slabs.stats() if self.host_store is not None else
+                   {"host_slabs": 0, "host_slab_bytes": 0, "host_slab_in_use_bytes": 0, "host_rows_outside_slabs": 0}),
                 "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0}
 
     def _host_copy_bytes(self) -> int:

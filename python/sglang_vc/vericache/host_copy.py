@@ -20,7 +20,7 @@ as before, and counted (``host_copies_outside_arena``).
 from __future__ import annotations
 
 import collections
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -48,14 +48,18 @@ class ArenaCopyOut:
         self.peak_in_flight = 0
         self.outside = 0  # pieces copied from tensors of their own (no room in the arena)
 
-    def to_host(self, tensors: Sequence[Optional[torch.Tensor]]) -> tuple[list, object]:
-        """Host copies of ``tensors`` (None stays None) and the event of the last copy."""
+    def to_host(self, tensors: Sequence[Optional[torch.Tensor]],
+                empty: Optional[Callable[..., torch.Tensor]] = None) -> tuple[list, object]:
+        """Host copies of ``tensors`` (None stays None) into ``empty(shape, dtype)``
+        (a slab's view, :mod:`.host_slabs`; by default a pinned tensor of its own), and the
+        event of the last copy."""
         out, last = [], None
         for t in tensors:
             if t is None:
                 out.append(None)
                 continue
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+            host = (empty(t.shape, t.dtype) if empty is not None
+                    else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin))
             row = max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
             rows = max(1, self.piece // row)
             for a in range(0, t.shape[0], rows):

@@ -77,6 +77,9 @@ class ModePolicy:
         self._sampling: collections.Counter = collections.Counter()  # batch -> decisions spent sampling
         self._costs: Optional[RowCosts] = None  # the last fit (None: none yet)
         self._since = 0  # iterations recorded since it
+        self.fits = 0  # fits made so far: a decision stands until the next one
+        # rid -> (what the decision was made on, the decision): :meth:`decide_for`
+        self._standing: dict[str, tuple[tuple, Decision]] = {}
 
     def record(self, seconds: float, it: IterationRows, batch: int = 0, full_only: bool = False) -> None:
         """One iteration's forward time and what it forwarded; ``full_only``: each of its
@@ -99,7 +102,31 @@ class ModePolicy:
             rows = [*self.history, *(h for q in self.full_samples.values() for h in q if id(h) not in kept)]
             terms = nonnegative_fit([h[0] for h in rows], [h[1:] for h in rows])
             self._costs = None if terms is None else RowCosts(*terms)
+            self.fits += 1
         return self._costs
+
+    def decide_for(self, rid: str, length: int, batch: int, curve: AcceptanceCurve) -> Decision:
+        """:meth:`decide` for request ``rid`` at a cycle boundary, or its standing decision
+        where nothing it weighs has moved: the same fit (refitted every
+        :data:`~.draft_length.REFIT_EVERY` iterations), batch size and acceptance curve. A
+        full-KV request is at a boundary every iteration; without this each would sweep
+        every X on the scheduler's thread per iteration (~75 us a request on this CPU:
+        2.4 ms an iteration at batch 32, host work an overlapped GPU step must hide). Its
+        length moves meanwhile by the tokens it committed, which the prediction barely
+        feels. A decision spent sampling full KV for the fit is not kept (it is counted)."""
+        self.costs()  # refit when due, so that a new fit is seen now
+        on = (self.fits, batch, id(curve), curve.verifies)
+        standing = self._standing.get(rid)
+        if standing is not None and standing[0] == on:
+            return standing[1]
+        sampling = self.needs_full_sample(batch)
+        decision = self.decide(length, batch, curve)
+        if not sampling:
+            self._standing[rid] = (on, decision)
+        return decision
+
+    def forget(self, rid: str) -> None:
+        self._standing.pop(rid, None)
 
     def needs_full_sample(self, batch: int) -> bool:
         """Whether the fit lacks an iteration of ``batch`` requests all decoding from full

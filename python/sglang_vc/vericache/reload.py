@@ -42,6 +42,7 @@ from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream, kernels
 
 from .host_copy import HOST_COPY_BYTES, ArenaCopyOut
+from .host_slabs import HostSlabs
 from .staging_arena import ALIGN, StagingArena
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class HostKVStore:
         # the prefill's copies through the staging arena, once the worker has one
         # (:meth:`use_arena`); None: each copy reads the device rows it was given
         self.copy_out: Optional[ArenaCopyOut] = None
+        # where the host rows live: views of a few large slabs, pinned when first needed
+        self.slabs = HostSlabs(self.pin, capacity_bytes, fences=self.copy_stream.fences)
 
     def use_arena(self, arena: StagingArena) -> None:
         """Copy the prefill's rows to the host through blocks of ``arena`` (:mod:`.host_copy`),
@@ -248,8 +251,11 @@ class HostKVStore:
                 self._to_host(entry, layer_id, k, v, None, None)
 
     def _to_host(self, entry: "HostEntry", layer_id: int, *tensors) -> None:
+        def empty(shape, dtype) -> torch.Tensor:  # a slab's block, back when the entry dies
+            return self.slabs.empty(shape, dtype, owner=entry)
+
         if self.copy_out is not None:  # through the staging arena (an accelerator)
-            (k, v, kept, dropped), event = self.copy_out.to_host(tensors)
+            (k, v, kept, dropped), event = self.copy_out.to_host(tensors, empty)
             self._landed(entry, layer_id, k, v, kept, dropped, event)
             return
 
@@ -259,7 +265,7 @@ class HostKVStore:
                 if t is None:
                     out.append(None)
                     continue
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+                host = empty(t.shape, t.dtype)
                 host.copy_(t, non_blocking=self.pin)
                 if self.copy_stream.stream is not None:
                     self.copy_stream.keep_alive(t, self.copy_stream.stream)  # read by the copy stream

@@ -480,7 +480,7 @@ class StaggeredRound:
                 # keeps the slow ones drafting X = 13 after the fast ones finish (0.98x end
                 # to end at 1.71x in the steady window)
                 curve = self.draft_length.curve_for(self.budget.name, req.rid)
-                decision = self.policy.decide(length, len(batch.reqs), curve)
+                decision = self.policy.decide_for(req.rid, length, len(batch.reqs), curve)
             self.modes[req.rid] = decision
             self._note_mode(req, decision)
 

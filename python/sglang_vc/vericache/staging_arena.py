@@ -41,13 +41,14 @@ class StagingArena:
     (:meth:`orphan`). An arena the device cannot hold has no room: every piece is then
     copied from a tensor of its own (a warning says so)."""
 
-    def __init__(self, nbytes: int, device, fences: Callable[[], tuple] = tuple):
+    def __init__(self, nbytes: int, device, fences: Callable[[], tuple] = tuple, pin: bool = False,
+                 what: str = "buffer for the prefill's host copies"):
         capacity = max(0, int(nbytes)) // ALIGN * ALIGN
         try:
-            self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
+            self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pin)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory errors are RuntimeErrors
-            logger.warning("VERICACHE: no %.2f GB buffer for the prefill's host copies (%s); each copies "
-                           "from a tensor of its own", capacity / 1e9, exc)
+            logger.warning("VERICACHE: no %.2f GB %s (%s); each piece uses a tensor of its own",
+                           capacity / 1e9, what, exc)
             capacity, self.buffer = 0, torch.empty(0, dtype=torch.uint8, device=device)
         self.capacity = capacity
         self.fences = fences

@@ -206,6 +206,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         if self._staggered is not None:
             self._staggered.forget(rid)
         self.modes.pop(rid, None)
+        self.policy.forget(rid)
         self._faults.pop(rid, None)
         self.commits_nothing.discard(rid)
 
