@@ -36,9 +36,27 @@ LONG_MODULES = ("test_vericache_serving", "test_vericache_in_pool", "test_verica
                 "test_evicpress_tree", "test_speccache_serving", "test_specache_serving", "test_server_basic")
 
 
+# Module-scoped server fixtures parametrized indirectly (one server per value): pytest keeps
+# one value of a fixture at a time, so tests that alternate values start a server again
+# each time they come back to one (two test functions over X = 1, 4, 40 started the X = 1
+# and X = 40 servers twice).
+GROUPED_PARAMS = ("vc_x",)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_MODULES)))  # stable: in-module order kept
+    first: dict[tuple, int] = {}  # (module, fixture, value) -> where the value is first used
+
+    def key(pair):
+        i, item = pair
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for name in GROUPED_PARAMS:
+            if name in params:  # with the first test of its value, in the order collected
+                return rank.get(item.path.stem, len(LONG_MODULES)), first.setdefault(
+                    (item.path, name, params[name]), i), i
+        return rank.get(item.path.stem, len(LONG_MODULES)), i, i
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]  # in-module order kept otherwise
 
 
 def pytest_collection_finish(session):

@@ -1,5 +1,7 @@
 """VeriCache serving: ``--speculative-algorithm VERICACHE`` drafts from the compressed KV
-and verifies against the full KV; greedy output must equal full-KV decoding.
+and verifies against the full KV; greedy output must equal full-KV decoding. At the end,
+under SGLang's overlap scheduler: iterations in which nothing drafts overlap, the others
+run synchronously.
 
 One VERICACHE server per draft length (1, 4, 16, 40; SnapKV at 0.25 by default); the
 other drafters (StreamingLLM, K-norm, KVzip, KIVI 2-bit) are exercised through the lossy
@@ -50,6 +52,8 @@ def _server(tmp_path_factory, x: int, *extra: str) -> ServerProcess:
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO),
          "--vc-schedule-trace", str(folder / "trace.jsonl"), *extra],
         log_path=folder / "server.log",
+        # host syncs and launches per iteration into the trace (the overlap tests read them)
+        env={"SGLANG_VC_COUNT_SYNCS": "sites"},
     )
     proc.trace_path = folder / "trace.jsonl"
     return proc
@@ -723,3 +727,100 @@ def test_structured_output_identical_to_full_kv(server, tokenizer, vc4):
     content = got.json()["choices"][0]["message"]["content"]
     assert content == want.json()["choices"][0]["message"]["content"]
     assert set(json.loads(content)) == {"name", "year"}
+
+
+# ------------------------------------------------- under SGLang's overlap scheduler
+# (vericache/overlapped.py; the units are test_vericache_overlap.py)
+
+def _vc_counters(proc) -> dict:
+    return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]["vericache"]
+
+
+def test_full_kv_iterations_overlap_and_stay_the_plain_servers(server, tokenizer, vc4):
+    """Requests that opt out of lossy KV decode from their full KV, two asking for logprobs
+    (top and chosen ids), two stopping at stop strings: SGLang runs the overlap loop
+    (``disable_overlap_schedule`` false), their iterations are overlapped (the worker's
+    counters and trace) with no read-back of what a forward computed, and the output is
+    the plain server's: tokens, text, finish reasons, logprobs (a request that finished at
+    the previous iteration is still in the batch SGLang launched; its token there is
+    discarded, as on a plain server)."""
+    info = requests.get(vc4.url + "/get_server_info", timeout=60).json()
+    assert info["disable_overlap_schedule"] is False
+    before = _vc_counters(vc4)
+    start = len(_trace(vc4))
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    ids_list = [stream[200 + 700 * i: 400 + 700 * i] for i in range(4)]
+
+    def run(srv, k):
+        params = {"temperature": 0, "max_new_tokens": 24}
+        if srv is vc4:
+            params["custom_params"] = {"vc_compressor": "none"}
+        body = {"input_ids": ids_list[k], "sampling_params": params}
+        if k < 2:
+            params["ignore_eos"] = True
+            body.update(return_logprob=True, top_logprobs_num=3, token_ids_logprob=[13, 264])
+        else:
+            params["stop"] = [" the", "."]
+        r = requests.post(srv.url + "/generate", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    outs = concurrently(lambda k: run(vc4, k), [(k,) for k in range(4)])
+    refs = concurrently(lambda k: run(server, k), [(k,) for k in range(4)])
+    for k, (out, ref) in enumerate(zip(outs, refs)):
+        assert out["text"] == ref["text"] and out["output_ids"] == ref["output_ids"], k
+        assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"], k
+        if k < 2:
+            mo, mr = out["meta_info"], ref["meta_info"]
+            assert [t[1] for t in mo["output_token_logprobs"]] == [t[1] for t in mr["output_token_logprobs"]]
+            assert [t[0] for t in mo["output_token_logprobs"]] == pytest.approx(
+                [t[0] for t in mr["output_token_logprobs"]], abs=2e-3)
+            for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+                for a, b in zip(mo[key], mr[key]):
+                    assert [t[0] for t in a] == pytest.approx([t[0] for t in b], abs=2e-3), (k, key)
+    assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs[2:]), [o["meta_info"] for o in outs]
+
+    after = _vc_counters(vc4)
+    assert after.get("overlap_async", 0) - before.get("overlap_async", 0) >= 20, after
+    records = [r for r in _trace(vc4)[start:] if r["requests"]]
+    overlapped = [r for r in records if r["phases"].get("overlapped")]
+    assert len(overlapped) >= 20, [r["phases"] for r in records]
+    # what the counter sees are reads of host copies (the rows, SGLang's resolved lengths:
+    # on this CPU it cannot tell them from device reads), the same few in every iteration,
+    # and no read-back of what the forward computed (a drafting iteration reads its tokens)
+    project = ("sglang_vc/", "vericache/", "kvruntime/")  # (SGLang's own sites are SGLang's)
+    reads = [site for r in overlapped for site in r["phases"]["host_sync_sites"]
+             if site.split()[0] in ("to", "item", "cpu", "numpy", "h2d") and site.split()[1].startswith(project)]
+    assert not reads, reads
+    assert len({r["phases"]["host_syncs"] for r in overlapped}) == 1, [r["phases"] for r in overlapped]
+    # the operators the worker launches around SGLang's forward (bench.gpu_parity --trace
+    # prices them) do not grow with the batch: no per-request loop over tensors
+    by_batch = {}
+    for r in overlapped:
+        by_batch.setdefault(len(r["requests"]), set()).add(r["phases"]["launches_outside_forward"])
+    assert len(by_batch) >= 2 and len(set().union(*by_batch.values())) == 1, by_batch
+
+
+def test_drafting_iterations_run_synchronously_and_stay_lossless(server, model_dir, tokenizer, vc4):
+    """Compressed requests drafting beside full-KV ones: the drafting iterations run
+    synchronously, and every output (short ones with 1-3 tokens among them: SGLang's
+    overlap loop leaves out of a batch what it counts as finishing) is the plain
+    server's."""
+    before = _vc_counters(vc4)
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    full_ids = [stream[0:120], stream[500:590]]
+    spec_ids = [stream[1000 + 400 * i: 1200 + 450 * i] for i in range(3)]
+    short_ids = [stream[3000:3150 + i] for i in range(3)]
+    jobs = ([(ids, 40, {"vc_compressor": "none"}) for ids in full_ids] + [(ids, 32, None) for ids in spec_ids]
+            + [(ids, n, None) for ids, n in zip(short_ids, (1, 2, 3))])
+    outs = concurrently(lambda ids, n, custom: generate(vc4, ids, n, custom), jobs)
+    refs = concurrently(lambda ids, n, custom: generate(server, ids, n), jobs)
+    for (ids, n, _), out, ref in zip(jobs, outs, refs):
+        assert finish_type(out) == finish_type(ref) and len(out["output_ids"]) == len(ref["output_ids"]) == n
+        if out["output_ids"] != ref["output_ids"]:
+            result = compare(greedy_reference(model_dir, ids, n), out["output_ids"], finish_type(out))
+            assert result.identical, (len(ids), result)
+    after = _vc_counters(vc4)
+    assert after.get("overlap_synced", 0) > before.get("overlap_synced", 0), after
+    assert after["verify_rounds"] > before.get("verify_rounds", 0), after  # the compressed path was taken
+    assert sum(o["meta_info"][META][-1]["drafted"] for o in outs[2:5]) > 0

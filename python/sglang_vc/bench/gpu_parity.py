@@ -16,7 +16,14 @@ read from the project's own code, so the figures move when the code does:
   (``vericache.decode_graphs.verify_graph_widths``), reported (nothing drafts here, so
   they do not enter the ratio);
 * **bytes per verify** under offload: the request's whole full KV (copied layer by layer
-  into the verify's own pool slots), over a ``--link-gb-s`` link.
+  into the verify's own pool slots), over a ``--link-gb-s`` link;
+* **syncs and launches** of an overlapped iteration, read from a VERICACHE server's
+  schedule trace (``--trace``, written under ``SGLANG_VC_COUNT_SYNCS=sites``,
+  :func:`trace_terms`): a read of a device value at the project's own code waits for the
+  forward, so the iteration's host work is no longer hidden; the worker's own host time
+  (timed on the machine that wrote the trace) and the operators it launches around
+  SGLang's forward (``--launch-us`` each) are host work the device step must cover, and
+  what it does not cover is added.
 
 The device iteration is the memory-bound decode step: the weights and every resident
 request's KV read once from HBM. Printed beside the figures a code read gave at d332b8c
@@ -99,6 +106,43 @@ def code_terms(draft_tokens: int = 32) -> dict:
             "verify_graph_widths": verify_graph_widths(draft_tokens + 1)}
 
 
+PROJECT_SITES = ("sglang_vc/", "vericache/", "kvruntime/")  # (SGLang's own sites are a plain server's too)
+DEVICE_READS = ("to", "item", "cpu", "numpy", "h2d")
+
+
+def trace_terms(path: Path) -> dict:
+    """From a schedule trace (``--vc-schedule-trace``) of a VERICACHE server run with
+    ``SGLANG_VC_COUNT_SYNCS=sites``: its overlapped iterations, the most reads of a device
+    value any of them made at the project's own code (on the CPU the counter cannot tell a
+    host copy's read from a device read: an over-count), the median operators launched
+    around SGLang's forward, and the host time of the worker's own work per iteration (the
+    mode check and what runs around the forward, timed on the machine that wrote the trace;
+    counting itself slows it, so it is an over-estimate) as a line in the batch size."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    overlapped = [dict(r["phases"], batch=len(r["requests"])) for r in records
+                  if r.get("phases", {}).get("overlapped")]
+    if not overlapped or "host_sync_sites" not in overlapped[0]:
+        raise SystemExit(f"{path}: no overlapped iteration with sync sites (run the server with "
+                         "SGLANG_VC_COUNT_SYNCS=sites and --vc-schedule-trace)")
+    reads = [sum(n for site, n in p["host_sync_sites"].items()
+                 if site.split()[0] in DEVICE_READS and site.split()[1].startswith(PROJECT_SITES))
+             for p in overlapped]
+    launches = sorted(p.get("launches_outside_forward", 0) for p in overlapped)
+    fixed, per_request = _line([p["batch"] for p in overlapped], [1e3 * p.get("host_s", 0.0) for p in overlapped])
+    return {"overlapped_iterations": len(overlapped), "batch_sizes": sorted({p["batch"] for p in overlapped}),
+            "device_reads_per_iteration": max(reads), "launches_outside_forward": launches[len(launches) // 2],
+            "worker_host_ms_fixed": round(fixed, 4), "worker_host_ms_per_request": round(per_request, 4)}
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` through the means, ``b >= 0`` (host work does not
+    shrink with the batch; a negative slope is noise)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx) if sxx else 0.0
+    return my - b * mx, b
+
+
 @dataclass
 class Row:
     context_tokens: int
@@ -109,22 +153,33 @@ class Row:
     nothing_drafts: float  # tokens/s, VERICACHE on / plain SGLang
     offload_verify_bytes: float
     offload_verify_link_ms: float
+    host_ms: float  # the worker's host work per overlapped iteration (launches; assumed where no trace)
+    host_exposed_ms: float  # the part of it the device step does not hide
 
 
 def predict(terms: dict, *, contexts: list[int], batch: int, mem_fraction: float, host_ms: float,
-            link_gb_s: float, hw: dict = H100, model: dict = MODEL_8B) -> list[Row]:
+            link_gb_s: float, launch_us: float = 5.0, hw: dict = H100, model: dict = MODEL_8B) -> list[Row]:
+    """Tokens/s of VERICACHE with nothing drafting over plain SGLang's. With a trace's terms
+    the host work is the worker's own host time plus its launches at ``launch_us`` each,
+    hidden up to the device step while overlap holds (no device read at the project's
+    code); without one it is ``host_ms``, hidden wherever overlap is on."""
     budget = mem_fraction * hw["gpu_mem_bytes"] - model["weights_bytes"]
     weights_ms = 1e3 * model["weights_bytes"] / hw["hbm_bw"]
+    traced = "launches_outside_forward" in terms
+    overlapped = terms["overlap"] and (not traced or terms["device_reads_per_iteration"] == 0)
     rows = []
     for n in contexts:
         kv = n * kv_bytes_per_token(model)
         plain_b = min(batch, int(budget // kv))
         vc_b = min(batch, int(budget * terms["pool_share"] // kv))
+        work_ms = (terms["worker_host_ms_fixed"] + terms["worker_host_ms_per_request"] * vc_b
+                   + terms["launches_outside_forward"] * launch_us / 1e3) if traced else host_ms
         step = lambda b: weights_ms + 1e3 * b * kv / hw["hbm_bw"]  # noqa: E731
         plain_ms = step(plain_b)
-        vc_ms = step(vc_b) + (0.0 if terms["overlap"] else host_ms)
+        exposed = (max(0.0, work_ms - step(vc_b)) if traced else 0.0) if overlapped else work_ms
+        vc_ms = step(vc_b) + exposed
         rows.append(Row(n, plain_b, vc_b, plain_ms, vc_ms, (vc_b / vc_ms) / (plain_b / plain_ms),
-                        kv, 1e3 * kv / (link_gb_s * GB)))
+                        kv, 1e3 * kv / (link_gb_s * GB), work_ms, exposed))
     return rows
 
 
@@ -137,13 +192,20 @@ def main(argv=None) -> None:
     parser.add_argument("--host-ms", type=float, default=5.0,
                         help="host work per iteration that overlap scheduling would hide (an assumption)")
     parser.add_argument("--link-gb-s", type=float, default=50.0, help="pinned host-to-device copies")
+    parser.add_argument("--trace", type=Path, help="a VERICACHE server's schedule trace written under "
+                        "SGLANG_VC_COUNT_SYNCS=sites: its overlapped iterations' syncs and launches replace --host-ms")
+    parser.add_argument("--launch-us", type=float, default=5.0, help="host time per operator launched (with --trace)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     if not 0 < args.mem_fraction_static < 1 or args.batch < 1 or min(args.contexts) < 1:
         parser.error("--mem-fraction-static in (0, 1), --batch and --contexts >= 1")
+    if args.trace is not None and not args.trace.is_file():
+        parser.error(f"--trace {args.trace}: no such file")
     terms = code_terms()
+    if args.trace is not None:
+        terms.update(trace_terms(args.trace))
     rows = predict(terms, contexts=args.contexts, batch=args.batch, mem_fraction=args.mem_fraction_static,
-                   host_ms=args.host_ms, link_gb_s=args.link_gb_s)
+                   host_ms=args.host_ms, link_gb_s=args.link_gb_s, launch_us=args.launch_us)
     out = {"label": "PREDICTION from the code's terms and nominal H100 figures, not a measurement",
            "device": "H100 (nominal)", "model": "8B (Llama-3-8B shapes)", "terms": terms, "old_code_read": OLD,
            "rows": [asdict(r) for r in rows],
@@ -158,7 +220,14 @@ def main(argv=None) -> None:
         print(f"[gpu_parity] {r.context_tokens} tokens: resident {r.vc_batch} vs plain {r.plain_batch}, iteration "
               f"{r.vc_iter_ms:.1f} vs {r.plain_iter_ms:.1f} ms: nothing drafts x{r.nothing_drafts:.2f} (code read "
               f"at d332b8c: x{OLD['nothing_drafts']:.2f} at 32k); offload verify reloads "
-              f"{r.offload_verify_bytes / GB:.2f} GB ({r.offload_verify_link_ms:.0f} ms of link)", file=sys.stderr)
+              f"{r.offload_verify_bytes / GB:.2f} GB ({r.offload_verify_link_ms:.0f} ms of link); host work "
+              f"{r.host_ms:.2f} ms an iteration, {r.host_exposed_ms:.2f} ms of it exposed", file=sys.stderr)
+    if "launches_outside_forward" in terms:
+        print(f"[gpu_parity] from {args.trace}: {terms['overlapped_iterations']} overlapped iterations, at most "
+              f"{terms['device_reads_per_iteration']} device reads at the project's code in one, median "
+              f"{terms['launches_outside_forward']} operators launched around SGLang's forward; the worker's "
+              f"host time {terms['worker_host_ms_fixed']:.2f} ms + {terms['worker_host_ms_per_request']:.3f} ms a "
+              f"request (batches {terms['batch_sizes']})", file=sys.stderr)
     _plot(out, path.with_suffix(".png"))
 
 

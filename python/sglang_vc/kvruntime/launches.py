@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # operators that launch nothing: allocations and aliasing
-_FREE = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "alias", "_local_scalar_dense"}
+_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh", "alias", "_local_scalar_dense"}
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -33,6 +33,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import syncs
+from sglang_vc.kvruntime.launches import LaunchCounter
 from sglang_vc.spec_worker import committed_lens
 
 from . import flags
@@ -102,18 +103,24 @@ def full_only_iteration(worker, batch):
     both already on their device. Returns the spec-V2 result; with
     ``SGLANG_VC_COUNT_SYNCS`` set, its host synchronisations go into the trace."""
     counter = syncs.SyncCounter() if syncs.enabled() else None
-    with counter if counter is not None else contextlib.nullcontext():
-        result, finish = _full_only(worker, batch)
+    # (and the operators launched around SGLang's forward, not inside it: the worker's own
+    # launches, which a plain server does not make; ``bench.gpu_parity --trace`` prices them)
+    launched, in_forward = (LaunchCounter(), LaunchCounter()) if counter is not None else (None, None)
+    with counter if counter is not None else contextlib.nullcontext(), \
+            launched if launched is not None else contextlib.nullcontext():
+        result, finish = _full_only(worker, batch, in_forward or contextlib.nullcontext())
     if counter is not None:
         finish[-1]["host_syncs"] = counter.total
         finish[-1].update({f"host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
+        finish[-1]["launches_outside_forward"] = launched.total - in_forward.total
         if syncs.with_sites():
             finish[-1]["host_sync_sites"] = dict(counter.by_site)
+            finish[-1]["launches_by_op"] = dict(launched.by_op - in_forward.by_op)
     worker._schedule().finish(*finish)
     return result
 
 
-def _full_only(worker, batch):
+def _full_only(worker, batch, around_forward):
     started = time.perf_counter()
     sched = worker._schedule()
     bs = len(batch.reqs)
@@ -130,7 +137,10 @@ def _full_only(worker, batch):
     sub = worker.sub_batch(batch, list(range(bs)))
     timer = worker.overlap_timer
     mark = timer.start()
-    logits = worker.forward_sub(sub, ForwardMode.DECODE, batch.spec_info.bonus_tokens, committed + 1, slots, None)
+    with around_forward:
+        forward_started = time.perf_counter()
+        logits = worker.forward_sub(sub, ForwardMode.DECODE, batch.spec_info.bonus_tokens, committed + 1, slots, None)
+        forward_wall = time.perf_counter() - forward_started  # SGLang's own work: a plain server's too
     exact = worker.targets_flat(logits, sub, torch.arange(bs), committed)
     accept_tokens = torch.zeros(bs, worker.stride, dtype=torch.int64, device=exact.device)
     accept_tokens[:, 0] = exact
@@ -151,7 +161,10 @@ def _full_only(worker, batch):
     forward_s = timed[-1][0] if timed else None
     worker._count_modes(plan)
     stats.add("vericache", iterations=1, forwards=1, full_kv_steps=bs, decode_forwards=1, overlapped_iterations=1)
-    phases = {"plan_s": 0.0, "forward_s": forward_s or 0.0, "forwards": 1, "overlapped": True,
+    # the worker's host work beyond SGLang's forward: the mode check before it and this
+    # iteration around it (what an overlapped device step must hide; bench.gpu_parity --trace)
+    host_s = worker.sync_check_s + time.perf_counter() - started - forward_wall
+    phases = {"plan_s": 0.0, "forward_s": forward_s or 0.0, "forwards": 1, "overlapped": True, "host_s": host_s,
               "tokens": bs, "rows": rows_read, "query_rows": rows_read, "offload_drafts": 0}
     finish = (plan, forward_s if forward_s is not None else time.perf_counter() - started,
               {s.track.rid: Outcome(drafts=0, tokens=1) for s in plan.slots}, {}, phases)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -138,6 +139,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         # SGLang's overlap scheduler (:mod:`.overlapped`): whether the next decode forward
         # was let overlap; the requests whose last decode forward committed nothing
         self._overlapped = False
+        self.sync_check_s = 0.0  # the last needs_sync call's host time
         self.commits_nothing: set[str] = set()
         self.overlap_timer = LaggedTimer(self.device)
         if schedule is flags.Schedule.STAGGERED:
@@ -336,7 +338,9 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
     def needs_sync(self, batch) -> bool:
         """Whether decode ``batch`` runs synchronously under SGLang's overlap scheduler
         (:mod:`.overlapped`); asked once per iteration by the scheduler hook."""
+        started = time.perf_counter()
         sync = _needs_sync(self, batch)
+        self.sync_check_s = time.perf_counter() - started  # host work, in the overlapped trace
         self._overlapped = not sync
         stats.add("vericache", **{"overlap_synced" if sync else "overlap_async": 1})
         return sync
