@@ -186,3 +186,31 @@ def test_documented_commands_run(module, flags, line):
     known = set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9-]*", text))
     unknown = [f for f in flags if f not in known]
     assert not unknown, f"{module} --help lists none of {unknown}: {line}\n(help tail: {text[-300:]})"
+
+
+def _measured_paragraphs(text: str) -> list[str]:
+    """README.md's "Measured..." paragraphs, each joined into one line."""
+    out, current = [], None
+    for line in text.splitlines() + [""]:
+        if line.startswith("Measured"):
+            current = [line]
+        elif current is not None:
+            if not line.strip():
+                out.append(" ".join(current))
+                current = None
+            else:
+                current.append(line)
+    return out
+
+
+@pytest.mark.parametrize("paragraph", _measured_paragraphs((ROOT / "README.md").read_text()),
+                         ids=lambda p: p[:40])
+def test_readme_figures_are_the_benchmark_pages(paragraph):
+    """Each figure the README says was measured is one of benchmark/README.md's latest
+    runs: a headline left behind by a newer run fails here."""
+    page = (ROOT / "benchmark" / "README.md").read_text()
+    text = paragraph.split("](")[0]  # (not the numbers in a link's target)
+    figures = re.findall(r"\d+\.\d+", text)
+    assert figures, paragraph
+    missing = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?![\d])", page)]
+    assert not missing, f"{missing} of {paragraph!r} are not in benchmark/README.md"
