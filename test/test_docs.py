@@ -1,9 +1,10 @@
 """The docs a newcomer reads first stay short and their commands stay runnable.
 
-No server, no network: the tables and lines of README.md and docs/status.md are measured,
-and every ``python -m sglang_vc.<module>`` / ``make <target>`` line in their fenced code
-blocks is checked against the module (it exists, each ``--flag`` is in its ``--help``) or
-the Makefile (the target exists).
+No server, no network: the tables and lines of README.md, docs/status.md and docs/flags.md
+are measured, and every ``python -m sglang_vc.<module>`` / ``make <target>`` line in their
+fenced code blocks is checked against the module (it exists, each ``--flag`` is in its
+``--help``) or the Makefile (the target exists). docs/flags.md lists every project flag
+the launcher's ``--help`` shows, and names no flag it does not accept.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "docs" / "status.md"]
+FLAGS_MD = ROOT / "docs" / "flags.md"
+DOCS = [ROOT / "README.md", ROOT / "docs" / "status.md", FLAGS_MD]
+LAUNCHER = "sglang_vc.launch_server"
+# The prefixes of the project's own server flags (sglang_vc.config.FLAG_PREFIXES): every
+# flag the launcher's own parser adds begins with one of them (checked below)
+PROJECT_FLAG_PREFIXES = ("--vc-", "--specache-", "--evicpress-", "--speccache-")
 
 MAX_CELL_CHARS = 240   # a table cell, Markdown included
 MAX_LINE_CHARS = 400   # a line of prose outside tables and code blocks
@@ -29,6 +35,10 @@ HELP_TIMEOUT_S = 300   # `python -m <module> --help` (launch_server imports SGLa
 MODULE_RE = re.compile(r"python[0-9.]*\s+-m\s+(sglang_vc(?:\.[A-Za-z_][A-Za-z0-9_]*)*)")
 MAKE_RE = re.compile(r"(?:^|[\s;&|(])make\s+([A-Za-z0-9_.-]+)")
 FLAG_RE = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9-]*")
+# an option line of argparse's help ("  --flag METAVAR, --alias METAVAR   help..."): its names
+OPTION_LINE_RE = re.compile(r"^  (-\S.*?)(?:\s{2,}|$)", re.M)
+# a whole --flag in text (not a wildcard such as --evicpress-*, nor a piece of a word)
+NAMED_FLAG_RE = re.compile(r"(?<![\w-])--[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?![\w*-])")
 
 
 def _split_blocks(text: str):
@@ -214,3 +224,43 @@ def test_readme_figures_are_the_benchmark_pages(paragraph):
     assert figures, paragraph
     missing = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?![\d])", page)]
     assert not missing, f"{missing} of {paragraph!r} are not in benchmark/README.md"
+
+
+def _option_names(help_text: str) -> set[str]:
+    """The --flags an argparse help text defines (its option lines, aliases included)."""
+    return {name for line in OPTION_LINE_RE.findall(help_text) for name in NAMED_FLAG_RE.findall(line)}
+
+
+def _launcher_flags() -> tuple[set[str], set[str]]:
+    """(own, known): the flags the launcher's own parser adds (the first part of its
+    ``--help``, printed before SGLang's), and every flag its ``--help`` defines."""
+    text = _help(LAUNCHER)
+    parts = re.split(r"^usage: ", text, flags=re.M)
+    assert len(parts) >= 3, f"{LAUNCHER} --help printed no two usages (its own, SGLang's):\n{text[-600:]}"
+    return _option_names(parts[1]), _option_names(text)
+
+
+def _flags_md_rows() -> list[list[str]]:
+    prose, _ = _split_blocks(FLAGS_MD.read_text())
+    return [_cells(line) for line in prose if line.lstrip().startswith("|")]
+
+
+def test_flags_md_lists_every_project_flag():
+    """Each project flag ``--help`` shows is the first cell of a docs/flags.md table row,
+    as a code span; each --flag docs/flags.md names in a code span is one ``--help``
+    accepts (no stale flag); and the launcher's own flags all carry a project prefix."""
+    own, known = _launcher_flags()
+    assert own, f"{LAUNCHER} --help shows no project flag"
+    unprefixed = sorted(f for f in own if not f.startswith(PROJECT_FLAG_PREFIXES))
+    assert not unprefixed, f"the launcher adds flags outside PROJECT_FLAG_PREFIXES: {unprefixed}"
+    project = {f for f in known if f.startswith(PROJECT_FLAG_PREFIXES)}
+    assert own <= project
+    listed = {row[0][1:-1] for row in _flags_md_rows()
+              if re.fullmatch(r"`--[A-Za-z0-9-]+`", row[0])}
+    missing = sorted(project - listed)
+    assert not missing, ("docs/flags.md has no table row for these flags of "
+                         f"{LAUNCHER} --help (first cell `--flag`): {missing}")
+    named = {flag for span in re.findall(r"`([^`]+)`", FLAGS_MD.read_text())
+             for flag in NAMED_FLAG_RE.findall(span)}
+    stale = sorted(named - known)
+    assert not stale, f"docs/flags.md names flags {LAUNCHER} --help does not accept: {stale}"
