@@ -264,3 +264,11 @@ def test_flags_md_lists_every_project_flag():
              for flag in NAMED_FLAG_RE.findall(span)}
     stale = sorted(named - known)
     assert not stale, f"docs/flags.md names flags {LAUNCHER} --help does not accept: {stale}"
+
+
+@pytest.mark.parametrize("page, limit", [("README.md", 150), ("benchmark/README.md", 600)])
+def test_the_first_pages_stay_short(page, limit):
+    """The README is a quick start; the benchmark page is each benchmark's latest run (its
+    history is git's)."""
+    lines = (ROOT / page).read_text().count("\n")
+    assert lines < limit, f"{page}: {lines} lines, the limit is {limit}"
