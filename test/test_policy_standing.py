@@ -63,3 +63,17 @@ def test_a_decision_spent_sampling_full_kv_is_counted_each_time():
     decisions = [policy.decide_for("a", 8000, 5, curve) for _ in range(policy_mod.SAMPLE_TRIES * 5)]
     assert all(d.mode is Mode.FULL and "measuring" in d.reason for d in decisions)
     assert policy.decide_for("a", 8000, 5, curve).mode is Mode.IN_POOL  # given up: priced
+
+
+def test_a_request_that_outgrows_the_draft_budget_is_priced_then():
+    """Below the draft budget a request decodes full KV whatever the costs; the decision
+    does not stand once it has grown past the budget (a drafting server's short prompt
+    then never drafted). A flag's forced mode is taken each time too."""
+    policy = ModePolicy(lambda n: 512, 8, None)
+    _record(policy, MIN_ITERATIONS, batch=8)
+    curve = _curve()
+    assert "fit the draft budget" in policy.decide_for("a", 500, 8, curve).reason
+    assert policy.decide_for("a", 8000, 8, curve).mode is Mode.IN_POOL
+    forced = ModePolicy(lambda n: 32, 8, None, forced=Mode.IN_POOL)
+    assert forced.decide_for("a", 30, 1, curve).mode is Mode.FULL
+    assert forced.decide_for("a", 33, 1, curve).reason == "--vc-in-pool always"

@@ -113,16 +113,19 @@ class ModePolicy:
         every X on the scheduler's thread per iteration (~75 us a request on this CPU:
         2.4 ms an iteration at batch 32, host work an overlapped GPU step must hide). Its
         length moves meanwhile by the tokens it committed, which the prediction barely
-        feels. A decision spent sampling full KV for the fit is not kept (it is counted)."""
+        feels. Only a priced decision stands: one forced by a flag, taken because the request
+        fits the draft budget (its length decides that) or spent sampling full KV for the
+        fit (it is counted) is taken again each time, and costs nothing to take."""
         self.costs()  # refit when due, so that a new fit is seen now
+        if self.forced is not None or length <= self.budget_rows(length) or self.needs_full_sample(batch):
+            self._standing.pop(rid, None)
+            return self.decide(length, batch, curve)
         on = (self.fits, batch, id(curve), curve.verifies)
         standing = self._standing.get(rid)
         if standing is not None and standing[0] == on:
             return standing[1]
-        sampling = self.needs_full_sample(batch)
         decision = self.decide(length, batch, curve)
-        if not sampling:
-            self._standing[rid] = (on, decision)
+        self._standing[rid] = (on, decision)
         return decision
 
     def forget(self, rid: str) -> None:
