@@ -67,16 +67,32 @@ def vc4(tmp_path_factory):
     proc.stop()
 
 
+_X_SERVERS: dict[int, ServerProcess] = {}  # X -> its server (X != 4), one at a time
+
+
 @pytest.fixture(scope="module")
-def vc_x(request, tmp_path_factory):
-    """(server, X): one server per X; X = 4 is the shared ``vc4``."""
-    if request.param == 4:
-        yield request.getfixturevalue("vc4"), 4
-        return
-    proc = _server(tmp_path_factory, request.param)
-    release_after_last_use(request, proc)
-    yield proc, request.param
-    proc.stop()
+def x_servers():
+    yield _X_SERVERS
+    for proc in _X_SERVERS.values():
+        proc.stop()
+    _X_SERVERS.clear()
+
+
+@pytest.fixture
+def vc_x(request, tmp_path_factory, x_servers):
+    """(server, X): one server per X, kept by X (pytest's own fixture cache keys a
+    parameter by its index in each test's list, so two tests over the same X restarted
+    it); X = 4 is the shared ``vc4``. One at a time: the tests of one X run together
+    (``conftest.GROUPED_PARAMS``)."""
+    x = request.param
+    if x == 4:
+        return request.getfixturevalue("vc4"), 4
+    if x not in x_servers:
+        for other in list(x_servers):
+            x_servers.pop(other).stop()
+        x_servers[x] = _server(tmp_path_factory, x)
+        release_after_last_use(request, x_servers[x])  # (after the module's last test over X)
+    return x_servers[x], x
 
 
 def prompts(tokenizer, offset: int) -> list[list[int]]:
