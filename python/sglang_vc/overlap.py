@@ -20,10 +20,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from sglang_vc.spec_worker import on
+
+def on(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``: as it is where it is there already (an overlapped iteration's
+    tokens), else a non-blocking copy of the small host tensor (``to_device``)."""
+    return t if t.device == torch.device(device) else to_device(t, device)
 
 
 class RelayInput(NgramVerifyInput):

@@ -21,6 +21,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from sglang_vc.grammar_masks import apply_grammars
+from sglang_vc.overlap import RelayInput, on
 from sglang_vc.penalties import apply_penalties, has_penalties, penalty_rows
 
 
@@ -41,12 +42,6 @@ def chain_mask(starts: list[int], lens: list[int], dev) -> torch.Tensor:
     start, wd, off = per_req[req].unbind(1)
     local = torch.arange(total, device=dev) - off
     return local % wd <= start + local // wd
-
-
-def on(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device``: as it is where it is there already (an overlapped iteration's
-    tokens), else a non-blocking copy of the small host tensor (``to_device``)."""
-    return t if t.device == torch.device(device) else to_device(t, device)
 
 
 def committed_lens(batch) -> torch.Tensor:
@@ -131,8 +126,6 @@ class ChainSpecWorker(BaseSpecWorker):
         )
 
     def draft_input(self, new_seq_lens, accept_tokens, accept_lens):
-        from sglang_vc.overlap import RelayInput
-
         # SGLang's chain/tree verify input carries the per-request accept state between
         # rounds (filter/merge on batch changes); the workers keep nothing else there
         # (under the overlap scheduler, the last tokens it relays: :mod:`sglang_vc.overlap`)
