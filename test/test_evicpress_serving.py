@@ -240,9 +240,9 @@ def _manager(tmp_path, host_bytes, disk_bytes, policy="evicpress", fixed=FULL, *
 
 
 def _ctx(mgr, i, n=200, quality=None):
-    ctx = mgr.register(list(range(1000 * i + 1, 1000 * i + 1 + n)), ctx_id=f"c{i}")
+    ctx = mgr.registry.register(list(range(1000 * i + 1, 1000 * i + 1 + n)), ctx_id=f"c{i}")
     if quality:
-        mgr.set_profile(ctx.ctx_id, quality)
+        mgr.profiling.set_profile(ctx.ctx_id, quality)
     return ctx
 
 
@@ -271,15 +271,15 @@ def test_manager_store_fetch_demote_bytes_equal(tmp_path):
     tiers = [c.placement.tier for c in ctxs]
     assert tiers == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST]
     for i, c in enumerate(ctxs):
-        got = mgr.fetch(c)
+        got = mgr.requests.fetch(c)
         assert got.config == FULL and got.tier == tiers[i]
         assert torch.equal(got.kv.k, kvs[i].k) and torch.equal(got.kv.v, kvs[i].v)
     # a disk hit promotes (LRU) and demotes the least recently used host context
-    mgr.on_request(ctxs[0], Tier.DISK, FULL)
+    mgr.requests.on_request(ctxs[0], Tier.DISK, FULL)
     mgr.after_hit(ctxs[0], Tier.DISK)
     assert ctxs[0].placement.tier == Tier.HOST
     assert mgr.counters["promotions"] == 1 and mgr.counters["demotions"] >= 3
-    got = mgr.fetch(ctxs[0])
+    got = mgr.requests.fetch(ctxs[0])
     assert torch.equal(got.kv.k, kvs[0].k)
 
 
@@ -319,7 +319,7 @@ def test_the_manager_plans_a_request_in_one_call_per_match(tmp_path):
 
     def plan(rid, rows, earlier=None):
         p = earlier or ContextPlan()
-        mgr.plan_match(rid, ids, None, ids, rows, p)
+        mgr.requests.plan_match(rid, ids, None, ids, rows, p)
         return p
 
     hit = plan("device", _Rows(exact=200))
@@ -347,7 +347,7 @@ def test_the_manager_plans_a_request_in_one_call_per_match(tmp_path):
     assert set(mgr.active_requests) == {"device", "stored", "no-room"}
     other = ContextPlan()
     short = list(range(5000, 5100))  # no context, too short for an automatic one
-    mgr.plan_match("other", short, None, short, _Rows(), other)
+    mgr.requests.plan_match("other", short, None, short, _Rows(), other)
     assert (other.origin, other.ctx) == (Origin.NONE, None) and mgr.counters["misses"] == 1
 
 
@@ -374,8 +374,8 @@ def test_a_request_aborted_while_waiting_leaves_no_plan(tmp_path, monkeypatch):
     cache.evicpress, cache._reqs, cache._private, cache._holding_rows = mgr, {}, {}, set()
     rids = ("waiting", "prefilling", "done")
     for rid in rids:
-        assert mgr.match(ids) == (ctx, 200)
-        mgr.note_activity(rid, True)  # as the request's first match does
+        assert mgr.registry.match(ids) == (ctx, 200)
+        mgr.profiling.note_activity(rid, True)  # as the request's first match does
         cache._reqs[rid] = ContextPlan(Origin.HOST, ctx, 200, 200, KIVI4)
         cache._private[rid] = radix._PrivatePrefix("lossy:c0", 200, 200, KIVI4, ctx.ctx_id)
     cache.maybe_hand_to_session(SimpleNamespace(rid="prefilling", kv=SimpleNamespace(req_pool_idx=3)))
@@ -402,7 +402,7 @@ def test_manager_corrupted_and_truncated_disk_entries_are_dropped(tmp_path):
     data[len(data) // 2] ^= 0x01
     pa.write_bytes(bytes(data))
     pb.write_bytes(pb.read_bytes()[:-10])
-    assert mgr.fetch(a) is None and mgr.fetch(b) is None
+    assert mgr.requests.fetch(a) is None and mgr.requests.fetch(b) is None
     assert a.placement == DROPPED and b.placement == DROPPED
     assert mgr.counters["disk_corrupted"] == 2
     assert not pa.exists() and not pb.exists()
@@ -435,7 +435,7 @@ def test_evicpress_compresses_insensitive_context_instead_of_demoting(tmp_path):
     assert fragile.placement == Placement(FULL, Tier.HOST)
     assert robust.placement.tier == Tier.HOST and not robust.placement.config.is_full
     assert mgr.counters["compressions"] == 1
-    got = mgr.fetch(robust)
+    got = mgr.requests.fetch(robust)
     assert got.config == robust.placement.config and got.kv.k.shape == (2, 200, 2, 32)
 
 
@@ -459,17 +459,17 @@ def test_reprofile_fires_when_quality_drifts(tmp_path):
     mgr.store_computed(ctx, _kv(200, 1))
     assert not ctx.placement.config.is_full  # a full copy would not fit the host
     cfg = ctx.placement.config.label
-    mgr.on_request(ctx, Tier.HOST, ctx.placement.config, suffix=[5, 6, 7], prefix_len=200)
-    fired = [mgr.record_observation("c1", cfg, q) for q in (0.9, 0.92, 0.91)]
+    mgr.requests.on_request(ctx, Tier.HOST, ctx.placement.config, suffix=[5, 6, 7], prefix_len=200)
+    fired = [mgr.profiling.record_observation("c1", cfg, q) for q in (0.9, 0.92, 0.91)]
     assert not any(fired) and ctx.profile_reason is None
-    fired = [mgr.record_observation("c1", cfg, 0.2) for _ in range(6)]
+    fired = [mgr.profiling.record_observation("c1", cfg, 0.2) for _ in range(6)]
     assert any(fired) and ctx.profile_reason == "drift"
-    jobs = mgr.profile_work()
+    jobs = mgr.profiling.profile_work()
     assert jobs and jobs[0]["reason"] == "drift"
     assert jobs[0]["prompts"][0][-3:] == [5, 6, 7]  # re-profiled on the online query
     # the new profile says this config is bad now: the lossy copy is dropped (it will
     # be recomputed in full and stored again with the new profile)
-    mgr.set_profile("c1", {"kivi@4b": 0.1, "kivi@2b": 0.05}, reason="drift")
+    mgr.profiling.set_profile("c1", {"kivi@4b": 0.1, "kivi@2b": 0.05}, reason="drift")
     assert mgr.counters["reprofilings"] == 1
     mgr.run_pending()
     assert ctx.placement == DROPPED
@@ -501,16 +501,16 @@ def test_reconfigure_empties_tiers_keeps_profiles(tmp_path):
 
 def test_auto_contexts_are_recycled_at_the_limit(tmp_path):
     mgr = _manager(tmp_path, host_bytes=1 << 30, disk_bytes=1 << 30, max_contexts=3)
-    mgr.register(list(range(1, 40)), ctx_id="api")
-    a1 = mgr.register(list(range(100, 140)), source="auto")
-    a2 = mgr.register(list(range(200, 240)), source="auto")
-    a3 = mgr.register(list(range(300, 340)), source="auto")  # forgets a1 (least recent)
+    mgr.registry.register(list(range(1, 40)), ctx_id="api")
+    a1 = mgr.registry.register(list(range(100, 140)), source="auto")
+    a2 = mgr.registry.register(list(range(200, 240)), source="auto")
+    a3 = mgr.registry.register(list(range(300, 340)), source="auto")  # forgets a1 (least recent)
     assert set(mgr.contexts) == {"api", a2.ctx_id, a3.ctx_id} and a1.ctx_id not in mgr.contexts
     with pytest.raises(ValueError):
-        mgr.register(list(range(400, 440)))  # an API context is refused instead
-    assert mgr.match(list(range(200, 260)))[0] is a2
-    assert mgr.match(list(range(100, 140))) is None
-    assert mgr.match(list(range(1, 30)))[1] == 29  # the longest prefix, >= half of it
+        mgr.registry.register(list(range(400, 440)))  # an API context is refused instead
+    assert mgr.registry.match(list(range(200, 260)))[0] is a2
+    assert mgr.registry.match(list(range(100, 140))) is None
+    assert mgr.registry.match(list(range(1, 30)))[1] == 29  # the longest prefix, >= half of it
 
 
 def test_profiler_job_scores_variants_against_reference():

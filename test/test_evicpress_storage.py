@@ -634,23 +634,23 @@ def test_every_computed_context_leaves_full_and_compressed_copies_for_the_next_s
         return EvicPressManager(s, dims, RamHostStore(64 * MB), disk)
 
     a = server()
-    ctx = a.register(ids, ctx_id="doc")
+    ctx = a.registry.register(ids, ctx_id="doc")
     a.store_computed(ctx, kv)
     assert ctx.placement.tier == Tier.HOST  # the policy's choice ...
     assert ctx.shared == {FULL, kivi4}  # ... and the store's copies beside it
     assert a.counters["storage_copies_written"] == 2
     full_bytes = a.counters["bytes_written_storage_copies"]
     assert full_bytes > 0 and ctx.sizes[kivi4] < ctx.sizes[FULL] / 2.5  # 4-bit codes + group scales of fp32 KV
-    assert a.forget("doc")
+    assert a.registry.forget("doc")
 
     b = server()
-    other = b.register(ids, ctx_id="same-tokens")
-    assert b.find_shared(other) and other.placement.config == FULL and other.placement.tier == Tier.DISK
-    got = b.fetch(other)
+    other = b.registry.register(ids, ctx_id="same-tokens")
+    assert b.storage_copies.find_shared(other) and other.placement.config == FULL and other.placement.tier == Tier.DISK
+    got = b.requests.fetch(other)
     assert torch.equal(got.kv.k, kv.k) and torch.equal(got.kv.v, kv.v)
     assert other.shared == {FULL}
     # B's own copies are not rewritten: A's are already on the store
-    b.write_storage_copies(other, kv)
+    b.storage_copies.write_storage_copies(other, kv)
     assert other.shared == {FULL, kivi4} and b.counters.get("storage_copies_written", 0) == 0
     # the compressed copy is the KIVI 4-bit encoding of the same KV
     key = b.blob_key(other, Tier.DISK, kivi4)

@@ -12,7 +12,7 @@ import torch
 
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
-from sglang_vc.vericache import attention, lockstep, staggered_round, worker
+from sglang_vc.vericache import attention, forward_layout, lockstep, staggered_round, worker
 from sglang_vc.vericache.attention import InPoolDrafts
 from sglang_vc.vericache.forward_plan import NO_PLAN, ForwardPlan, attach, plan_of
 
@@ -35,8 +35,9 @@ def test_nothing_is_parked_on_the_attention_backend_per_forward():
     """The backend declares no per-forward slot for the plan, and no worker code assigns
     one to it (the source of every module that drives a VERICACHE forward)."""
     backend = attention.VeriCacheAttnBackend
-    assert not hasattr(backend, "staging") and not hasattr(backend, "in_pool")
-    for module in (worker, staggered_round, lockstep):
+    for name in ("staging", "in_pool", "selections", "shared_selections"):
+        assert not hasattr(backend, name), name  # the selection stores travel on the plan too
+    for module in (worker, staggered_round, lockstep, forward_layout):
         source = inspect.getsource(module)
-        for name in ("staging", "in_pool"):
+        for name in ("staging", "in_pool", "selections", "shared_selections"):
             assert f"attn_backend.{name} =" not in source, (module.__name__, name)

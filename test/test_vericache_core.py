@@ -19,7 +19,7 @@ except ImportError:  # plain checkout without the editable install
 
 from sglang_vc.vericache import perf_model as pm
 from sglang_vc.vericache.admit import (
-    Mode,
+    AdmitState,
     admit,
     bw_profile,
     candidate_offsets,
@@ -33,7 +33,7 @@ from sglang_vc.vericache.sampling import (
     rejection_verify,
     verify,
 )
-from sglang_vc.vericache.scheduler import ReloadScheduler
+from sglang_vc.vericache.reload_planner import ReloadPlanner
 
 GB = 1e9
 
@@ -170,23 +170,23 @@ def test_admit_respects_hbm_ring():
 
 
 def test_scheduler_defers_when_full_and_falls_back():
-    s = ReloadScheduler(8, iter_time=1.0, bandwidth=1.0, stagger=False, fallback_after=3)
+    s = ReloadPlanner(8, iter_time=1.0, bandwidth=1.0, stagger=False, fallback_after=3)
     # each reload takes a full window; windows 1..7 can hold 7 of them
     assert all(s.admit(i, 1.0, 4) is not None for i in range(7))
     assert s.admit("late", 1.0, 4) is None
-    assert s.mode("late") is Mode.WAITING
+    assert s.mode("late") is AdmitState.WAITING
     assert s.counters() == {"admissions": 7, "deferrals": 1, "fallbacks": 0}
     for _ in range(2):
         s.admit("late", 1.0, 4)
-    assert s.mode("late") is Mode.FALLBACK and s.counters()["fallbacks"] == 1
+    assert s.mode("late") is AdmitState.FALLBACK and s.counters()["fallbacks"] == 1
     assert s.admit("late", 1.0, 4) is None and s.counters()["deferrals"] == 3
     # a span that can never fit (S_r = 8 > W - 1) falls back at once
-    assert s.admit("huge", 8.0, 4) is None and s.mode("huge") is Mode.FALLBACK
+    assert s.admit("huge", 8.0, 4) is None and s.mode("huge") is AdmitState.FALLBACK
 
 
 def test_release_frees_slots():
     m = VeriCacheMetrics()
-    s = ReloadScheduler(16, iter_time=1.0, bandwidth=1.0, hbm_bytes=100, metrics=m)
+    s = ReloadPlanner(16, iter_time=1.0, bandwidth=1.0, hbm_bytes=100, metrics=m)
     a = s.admit("a", 2.5, 8)
     assert (a.reload_iteration, a.verify_iteration, a.draft_len) == (6, 8, 8)
     before = s.snapshot()
@@ -211,7 +211,7 @@ def test_release_frees_slots():
 
 
 def test_release_mid_reload_frees_remaining_windows():
-    s = ReloadScheduler(16, iter_time=1.0, bandwidth=1.0)
+    s = ReloadPlanner(16, iter_time=1.0, bandwidth=1.0)
     s.admit("a", 2.5, 4)  # windows 2, 3, 4
     for _ in range(3):
         s.advance()  # now = 3: reload in flight
@@ -221,7 +221,7 @@ def test_release_mid_reload_frees_remaining_windows():
 
 
 def test_execution_loop_due_lists_and_readmission():
-    s = ReloadScheduler(16, iter_time=1.0, bandwidth=1.0)
+    s = ReloadPlanner(16, iter_time=1.0, bandwidth=1.0)
     s.admit("a", 2.5, 5)  # reload kicks off at 3, verify at 5
     seen = {}
     for t in range(6):
@@ -255,13 +255,13 @@ def _run_loop(sched, n_req, kv_bytes, x, iters):
 def test_staggered_verifies_about_B_over_x_per_iteration():
     B, x = 64, 15
     # fast link, no HBM limit: no resource forces staggering, the verify cap does
-    s = ReloadScheduler(40, iter_time=0.02, bandwidth=1e12)
+    s = ReloadPlanner(40, iter_time=0.02, bandwidth=1e12)
     per_iter, _ = _run_loop(s, B, 1e6, x, 400)
     steady = per_iter[100:]
     assert max(steady) <= math.ceil(B / x)
     assert sum(steady) / len(steady) == pytest.approx(B / (x + 1), rel=0.05)
     # lock-step (no stagger): everyone verifies together every x + 1 iterations
-    s = ReloadScheduler(40, iter_time=0.02, bandwidth=1e12, stagger=False)
+    s = ReloadPlanner(40, iter_time=0.02, bandwidth=1e12, stagger=False)
     per_iter, _ = _run_loop(s, B, 1e6, x, 400)
     assert max(per_iter) == B and Counter(per_iter)[0] > 300
 
@@ -282,7 +282,7 @@ EX_T_ITER = (EX["M"] + EX["B"] * EX["KV_COMP"] + EX["KV_FULL"]) / EX["BW_HBM"]
 
 
 def _example_scheduler():
-    return ReloadScheduler(
+    return ReloadPlanner(
         window=64, iter_time=EX_T_ITER, bandwidth=EX["BW"], hbm_bytes=EX["HBM"],
         weights_bytes=EX["M"], resident_bytes=EX["B"] * EX["KV_COMP"],
     )
@@ -578,9 +578,9 @@ def test_unsupported_parameters_are_named():
 def _run_staggered(n_requests: int, x: int, iterations: int, kv_bytes, hbm_bytes=None):
     """Drive StaggeredSchedule like the worker: drafters append a token, verifiers commit
     one token (every draft rejected) and are re-admitted next iteration."""
-    from sglang_vc.vericache.staggered import Outcome, Role, StaggeredSchedule
+    from sglang_vc.vericache.staggered_schedule import Outcome, Role, StaggeredSchedule
 
-    sched = StaggeredSchedule(ReloadScheduler(window=2 * x, iter_time=1.0, bandwidth=1e9,
+    sched = StaggeredSchedule(ReloadPlanner(window=2 * x, iter_time=1.0, bandwidth=1e9,
                                               hbm_bytes=hbm_bytes, fallback_after=2 * x), x)
     rids = [f"r{i}" for i in range(n_requests)]
     committed = {rid: 100 for rid in rids}
@@ -623,9 +623,9 @@ def test_staggered_schedule_verifies_as_admitted_and_spreads_verifies():
 def _run_in_pool(uniform: bool, x: int, arrivals: dict, iterations: int):
     """In-pool drafters (nothing to reload) arriving at ``arrivals[rid]``, driven like the
     worker drives them (every draft accepted: x + 1 tokens per verify)."""
-    from sglang_vc.vericache.staggered import Outcome, Role, StaggeredSchedule
+    from sglang_vc.vericache.staggered_schedule import Outcome, Role, StaggeredSchedule
 
-    sched = StaggeredSchedule(ReloadScheduler(window=2 * x, iter_time=1.0, bandwidth=1e9, fallback_after=2 * x), x)
+    sched = StaggeredSchedule(ReloadPlanner(window=2 * x, iter_time=1.0, bandwidth=1e9, fallback_after=2 * x), x)
     sched.uniform_in_pool = uniform
     committed, verifies = {}, []  # (iteration, rid, drafts)
     for it in range(iterations):

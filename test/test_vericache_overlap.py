@@ -100,18 +100,19 @@ def test_slots_ahead_counts_the_tokens_sglang_has_not_processed_yet():
     """SGLang allocates decode batch k before it processes the result of k - 1: a request's
     ``kv_committed_len`` lags the worker's own count by what that result committed. The
     reserve must cover the worker's count (else the forward writes past its slots)."""
-    from sglang_vc.vericache.staggered import Track
+    from sglang_vc.vericache.staggered_schedule import Track
     from sglang_vc.vericache.staggered_round import StaggeredRound
 
     track = Track("a", 7, 103)
     track.drafts = [1, 2]
-    worker = types.SimpleNamespace(_staggered=types.SimpleNamespace(tracks={"a": track}))
+    round = StaggeredRound(types.SimpleNamespace())
+    round._schedule = types.SimpleNamespace(tracks={"a": track})
     req = types.SimpleNamespace(rid="a", kv=types.SimpleNamespace(kv_committed_len=100, req_pool_idx=7))
-    assert StaggeredRound._slots_ahead(worker, req) == 3 + 2 + 1  # committed + 6 slots in all
+    assert round.slots_ahead(req) == 3 + 2 + 1  # committed + 6 slots in all
     req.kv.kv_committed_len = 103  # processed
-    assert StaggeredRound._slots_ahead(worker, req) == 3
+    assert round.slots_ahead(req) == 3
     req.kv.req_pool_idx = 8  # prefilled again in another row: its first token
-    assert StaggeredRound._slots_ahead(worker, req) == 1
+    assert round.slots_ahead(req) == 1
 
 
 def test_finishing_requests_that_commit_nothing_stay_in_the_batch():

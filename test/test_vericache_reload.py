@@ -116,7 +116,7 @@ def test_copy_failing_every_retry_raises_not_serves(monkeypatch):
 
 
 def test_copy_failing_every_retry_hands_the_requests_over(monkeypatch):
-    """With ``on_failure`` (the worker restores the full KV on the device) a copy that
+    """With ``on_failure`` (``FullKVRestore`` restores the full KV on the device) a copy that
     fails every retry calls it once with the requests, and nothing lands from then on:
     the verify reads the restored device KV."""
     store, _ = _filled_store()
@@ -124,7 +124,7 @@ def test_copy_failing_every_retry_hands_the_requests_over(monkeypatch):
     monkeypatch.setattr(reload_mod.faults, "whole", 1)
     with ThreadPoolExecutor(1) as executor:
         entries = {0: store.get("a", 5)}
-        rl, pool = _reload(executor, entries, on_failure=taken.append)
+        rl, pool = _reload(executor, entries, on_failure=lambda entries, staging: taken.append(entries))
         for l in LAYERS:
             rl.layer(l)
         rl.close()

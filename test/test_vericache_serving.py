@@ -52,8 +52,9 @@ def _server(tmp_path_factory, x: int, *extra: str) -> ServerProcess:
          "--vc-compressor", "snapkv", "--vc-compression-ratio", str(RATIO),
          "--vc-schedule-trace", str(folder / "trace.jsonl"), *extra],
         log_path=folder / "server.log",
-        # host syncs and launches per iteration into the trace (the overlap tests read them)
-        env={"SGLANG_VC_COUNT_SYNCS": "sites"},
+        # host syncs and launches per iteration into the trace (the overlap tests read
+        # them); outside writes to the runtime and the attention backend counted (the last test)
+        env={"SGLANG_VC_COUNT_SYNCS": "sites", "SGLANG_VC_WATCH_WRITES": "1"},
     )
     proc.trace_path = folder / "trace.jsonl"
     return proc
@@ -840,3 +841,37 @@ def test_drafting_iterations_run_synchronously_and_stay_lossless(server, model_d
     assert after.get("overlap_synced", 0) > before.get("overlap_synced", 0), after
     assert after["verify_rounds"] > before.get("verify_rounds", 0), after  # the compressed path was taken
     assert sum(o["meta_info"][META][-1]["drafted"] for o in outs[2:5]) > 0
+
+
+def test_a_second_turn_reuses_the_offloaded_first_turns_prompt_and_answer(server, tokenizer, vc4):
+    """An offloaded request's full KV goes back into its row when it ends and the radix
+    tree keeps it (#80): the second turn of the chat (first prompt, its answer, a new
+    question) finds the first turn's prompt and answer in ``cached_tokens``, as on a plain
+    server, and its output is the plain server's."""
+    before = _vc_counters(vc4)
+    passages = real_text_passages(12, words=400)
+    first = tokenizer(passages[7])["input_ids"][:900]
+    turn1 = generate(vc4, first, 24)
+    assert turn1["output_ids"] == generate(server, first, 24)["output_ids"]
+    assert turn1["meta_info"][META][-1]["mode"] == "offload", turn1["meta_info"][META]  # compressed, offloaded
+    kept = _vc_counters(vc4)
+    assert kept.get("finished_kv_kept", 0) == before.get("finished_kv_kept", 0) + 1, kept
+    second = first + turn1["output_ids"] + tokenizer(passages[8])["input_ids"][:300]
+    turn2 = generate(vc4, second, 24)
+    # the prompt and the answer (the last answer token's KV is computed by this turn)
+    assert turn2["meta_info"]["cached_tokens"] >= len(first) + len(turn1["output_ids"]) - 1, turn2["meta_info"]
+    ref = generate(server, second, 24)
+    assert turn2["output_ids"] == ref["output_ids"] and finish_type(turn2) == finish_type(ref)
+
+
+def test_nothing_parks_state_on_the_runtime_or_the_attention_backend(vc4):
+    """A forward's plan travels on the forward and the worker's answers to SGLang's
+    scheduler on one registered object: after this module's drafting, verifying, staging,
+    penalised, grammar, logprob and overlapped full-KV iterations on this server, no
+    attribute of the runtime or of the attention backend was written from outside their
+    own methods (``SGLANG_VC_WATCH_WRITES``, :mod:`sglang_vc.kvruntime.writes`)."""
+    counters = vc_counters(vc4)["counters"]
+    vc = counters["vericache"]
+    assert vc["verify_rounds"] > 0 and vc["draft_steps"] > 0 and vc.get("overlap_async", 0) > 0, vc
+    assert vc.get("reloads_ahead", 0) + vc.get("reloads_at_verify", 0) > 0, vc  # staged verifies ran
+    assert "state_writes" not in counters, counters["state_writes"]

@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sglang_vc.kvruntime import NULL_SLOT
+from sglang_vc.kvruntime.scheduler_side import SchedulerSide
 from concurrent.futures import ThreadPoolExecutor
 
 from sglang_vc.vericache.reload import HostEntry, LayerwiseReload, Span
@@ -329,7 +330,7 @@ def test_the_scheduler_hook_gives_the_decode_what_it_lacks(monkeypatch):
     rt = _runtime(size=20)
     headroom = VerifyHeadroom(rt.allocator)
     headroom.fit(8)
-    monkeypatch.setattr(runtime_mod, "_runtime", types.SimpleNamespace(held_back=headroom))
+    monkeypatch.setattr(runtime_mod, "_runtime", types.SimpleNamespace(side=SchedulerSide(held_back=headroom)))
 
     class Batch:
         def __init__(self, need):

@@ -391,11 +391,8 @@ def _report_waiting_demand(result, *args, **kwargs):
     from sglang_vc.kvruntime import current_runtime
 
     runtime = current_runtime()
-    if runtime is not None and runtime.compress_gate is not None:  # nobody else reads it
-        waiting = getattr(args[0], "waiting_queue", ())
-        runtime.waiting_demand = sum(len(req.origin_input_ids) for req in waiting)
-        runtime.waiting_requests = len(waiting)
-        runtime.waiting_prompts = [req.origin_input_ids for req in waiting]  # (references, no copy)
+    if runtime is not None and runtime.side.compress_gate is not None:  # nobody else reads it
+        runtime.side.waiting.see(getattr(args[0], "waiting_queue", ()))
     return None
 
 
@@ -409,7 +406,7 @@ def _headroom_yields_to_decode(*args, **kwargs):
     from sglang_vc.kvruntime import current_runtime
 
     runtime = current_runtime()
-    headroom = runtime.held_back if runtime is not None else None
+    headroom = runtime.side.held_back if runtime is not None else None
     batch = args[1] if len(args) > 1 else kwargs.get("batch")
     if headroom is None or not headroom.size or batch is None or batch.is_empty():
         return None
@@ -424,7 +421,7 @@ def _slots_ahead():
     from sglang_vc.kvruntime import current_runtime
 
     runtime = current_runtime()
-    return runtime.slots_ahead if runtime is not None else None
+    return runtime.side.slots_ahead if runtime is not None else None
 
 
 def _decode_alloc_per_request(original, reqs, *, reserve: int, page_size: int):
@@ -455,7 +452,7 @@ def _decode_need_per_request(original, batch, requests, page_size):
     from sglang_vc.kvruntime import current_runtime
     from sglang_vc.vericache.decode_slots import decode_alloc_lens
 
-    headroom = current_runtime().held_back
+    headroom = current_runtime().side.held_back
     return decode_alloc_lens(requests, ahead, page_size)[2] + (headroom.starved_shortfall if headroom else 0)
 
 

@@ -36,7 +36,7 @@ class ControlError(Exception):
 
 
 def _ctx_or_404(mgr, ctx_id: str):
-    ctx = mgr.get(ctx_id)
+    ctx = mgr.registry.get(ctx_id)
     if ctx is None:
         raise ControlError(404, f"no context {ctx_id!r}")
     return ctx
@@ -98,14 +98,14 @@ class ControlServer:
             if not rest and method == "GET":
                 return self._consistent(lambda: ctx.describe(with_tokens=query.get("tokens") == ["1"]))
             if not rest and method == "DELETE":
-                return {"deleted": mgr.submit(lambda: mgr.forget(ctx.ctx_id))}
+                return {"deleted": mgr.submit(lambda: mgr.registry.forget(ctx.ctx_id))}
             if rest == ["placement"] and method in ("POST", "PUT"):
                 dst = _placement(body or {})
 
                 def move():
                     try:
                         if ctx.placement.dropped:  # another server left it in the shared store
-                            mgr.find_shared(ctx)
+                            mgr.storage_copies.find_shared(ctx)
                         ok = mgr.set_placement(ctx, dst)
                     except ValueError as exc:
                         raise ControlError(400, str(exc)) from None
@@ -113,22 +113,22 @@ class ControlServer:
 
                 return mgr.submit(move)
             if rest == ["profile"] and method == "POST":
-                return {"queued": mgr.request_profile(ctx.ctx_id)}
+                return {"queued": mgr.profiling.request_profile(ctx.ctx_id)}
             if rest == ["quality"] and method == "POST":
                 q = (body or {}).get("quality")
                 if not isinstance(q, dict):
                     raise ControlError(400, "body needs {'quality': {config: quality}}")
                 try:
-                    mgr.set_profile(ctx.ctx_id, q, reason=(body or {}).get("reason", "api"))
+                    mgr.profiling.set_profile(ctx.ctx_id, q, reason=(body or {}).get("reason", "api"))
                 except ValueError as exc:
                     raise ControlError(400, str(exc)) from None
                 return ctx.describe()
             if rest == ["queries"] and method == "POST":
                 b = body or {}
-                mgr.add_queries(ctx.ctx_id, b.get("suffixes", []), b.get("texts", []))
+                mgr.profiling.add_queries(ctx.ctx_id, b.get("suffixes", []), b.get("texts", []))
                 return ctx.describe()
             if rest == ["digest"] and method == "GET":
-                return mgr.submit(lambda: self.cache.device_digest(ctx))
+                return mgr.submit(lambda: self.cache.tree_rows.device_digest(ctx))
         if parts == ["reconfigure"] and method == "POST":
             b = body or {}
 
@@ -139,29 +139,29 @@ class ControlServer:
                                           b.get("profile_metric"))
                 except ValueError as exc:
                     raise ControlError(400, str(exc)) from None
-                out["evicted_tokens"] = self.cache.evict_device_all()
+                out["evicted_tokens"] = self.cache.tree_rows.evict_device_all()
                 return out
 
             return mgr.submit(run)
         if parts == ["evict_device"] and method == "POST":
-            return {"evicted_tokens": mgr.submit(self.cache.evict_device_all)}
+            return {"evicted_tokens": mgr.submit(self.cache.tree_rows.evict_device_all)}
         if parts == ["work"] and method == "GET":
             limit = int(query.get("limit", ["4"])[0])
             return {
-                "profiles": mgr.profile_work(limit),
-                "observations": mgr.take_observations(),
-                "idle_seconds": mgr.idle_for(),
+                "profiles": mgr.profiling.profile_work(limit),
+                "observations": mgr.profiling.take_observations(),
+                "idle_seconds": mgr.profiling.idle_for(),
             }
         if parts == ["work", "profile"] and method == "POST":
             b = body or {}
             if b.get("failed"):
-                mgr.release_profile(b["ctx_id"])
+                mgr.profiling.release_profile(b["ctx_id"])
                 mgr.count(profile_failures=1)
                 return {"ok": True}
-            return {"ok": mgr.set_profile(b["ctx_id"], b["quality"], reason=b.get("reason"))}
+            return {"ok": mgr.profiling.set_profile(b["ctx_id"], b["quality"], reason=b.get("reason"))}
         if parts == ["work", "observation"] and method == "POST":
             b = body or {}
-            return {"reprofile": mgr.record_observation(b["ctx_id"], b["config"], float(b["quality"]))}
+            return {"reprofile": mgr.profiling.record_observation(b["ctx_id"], b["config"], float(b["quality"]))}
         raise ControlError(404, f"no route {method} /{'/'.join(parts)}")
 
     def _register(self, body: dict) -> dict:
@@ -176,7 +176,7 @@ class ControlServer:
         # never sees the context unprofiled
         with self.mgr.lock:
             try:
-                ctx = self.mgr.register(
+                ctx = self.mgr.registry.register(
                     ids,
                     ctx_id=body.get("id"),
                     namespace=tenant.namespace(body.get("extra_key"), body.get("cache_salt")),
@@ -184,7 +184,7 @@ class ControlServer:
                     query_texts=body.get("query_texts") or [],
                 )
                 if quality is not None:
-                    self.mgr.set_profile(ctx.ctx_id, quality, reason="api")
+                    self.mgr.profiling.set_profile(ctx.ctx_id, quality, reason="api")
             except ValueError as exc:
                 raise ControlError(400, str(exc)) from None
             return ctx.describe()

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from . import codec
-from .budget import ByteBudget
+from .tier_store import TierStore
 from .codec import FullKV
 from .config import CompressionConfig
 
@@ -72,11 +72,12 @@ class DeviceCopy:
 class DeviceTierStats:
     puts: int = 0
     put_rejected: int = 0
+    write_errors: int = 0  # always 0: a put into the pool that fails did not fit
     gets: int = 0
     deletes: int = 0
 
 
-class DeviceTierStore(ByteBudget):
+class DeviceTierStore(TierStore):
     """The device tier as a blob store over pinned radix-tree nodes."""
 
     def __init__(self, tree: DeviceTree, capacity_bytes: int,

@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import xxhash
 
-from .budget import ByteBudget
+from .tier_store import TierStore
 
 __all__ = ["DiskTierStore", "DiskTierStats", "Bandwidth", "measure_bandwidth"]
 
@@ -111,7 +111,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class DiskTierStore(ByteBudget):
+class DiskTierStore(TierStore):
     """KV blobs on disk under ``root``, at most ``capacity_bytes`` in total.
 
     ``used_bytes`` counts whole files (header + key + payload). Existing entries are

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from . import codec
-from .budget import ByteBudget
+from .tier_store import TierStore
 from .codec import FullKV
 from .config import FULL
 
@@ -52,9 +52,10 @@ class _Stats:
         self.bytes_read = 0
         self.deletes = 0
         self.backups = 0  # full copies kept as HiCache node backups (HostTierStore)
+        self.write_errors = 0  # host memory refuses nothing: a put that fails did not fit
 
 
-class RamHostStore(ByteBudget):
+class RamHostStore(TierStore):
     """Blobs in a dict, at most ``capacity_bytes`` (counted as blob bytes)."""
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -108,7 +109,7 @@ class RamHostStore(ByteBudget):
             self._used = 0
 
 
-class HostSlotStore(ByteBudget):
+class HostSlotStore(TierStore):
     """Blobs in slots of a HiCache host pool; at most ``capacity_bytes`` of slots
     (default: the whole pool).
 
@@ -255,7 +256,7 @@ class BackedCopy:
     slots: int
 
 
-class HostTierStore(ByteBudget):
+class HostTierStore(TierStore):
     """EvicPress's host tier over SGLang's HiCache host pool.
 
     * A **full** copy of a context whose rows are on the device is SGLang's own backup of

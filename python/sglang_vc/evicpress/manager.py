@@ -19,7 +19,7 @@ is the other): it owns
 * the **storage copies** of every computed context on the shared storage tier
   (:class:`~.storage_copies.StorageCopies`);
 * the **request plan** the radix cache asks for once per match: which context, where its
-  rows come from, the bookkeeping and what is left to do (:class:`~.request_plan.RequestPlan`).
+  rows come from, the bookkeeping and what is left to do (:class:`~.request_plan.RequestPlanner`).
 
 The data model (settings, a context, a fetched copy) is in :mod:`.context`.
 
@@ -52,7 +52,7 @@ from .placement import Move
 from .profile_state import ProfileState
 from .policy import LRUPolicy, Policy, UtilityPolicy
 from .profiler import ProfileMetric, QualityTracker, QueryLog
-from .request_plan import RequestPlan
+from .request_plan import RequestPlanner
 from .storage_copies import StorageCopies
 from .utility import ContextInfo, UtilityModel
 
@@ -61,7 +61,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["EvicPressManager"]
 
 
-class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan):
+class EvicPressManager:
+    """The contexts, their placement across tiers and the moves that realise it; its parts
+    (``registry``, ``storage_copies``, ``profiling``, ``requests``) are composed, each
+    given the manager."""
     def __init__(
         self,
         settings: Settings,
@@ -86,15 +89,10 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
         self.clock = clock
         self.lock = threading.RLock()
         self.contexts: dict[str, Context] = {}
-        self._index: dict[tuple, list[str]] = collections.defaultdict(list)
         self.tracker = QualityTracker(settings.reprofile_threshold)
         self.querylog = QueryLog(maxlen=50)
-        self.observations: collections.deque = collections.deque(maxlen=256)
-        self._obs_counter = itertools.count()
         self._tasks: "queue.Queue[tuple[Callable, concurrent.futures.Future]]" = queue.Queue()
         self.rebalance_pending = False
-        self.active_requests: dict[str, float] = {}
-        self.last_user_activity = clock()
         # the entry find_shared read to check it, kept for the fetch that follows: one read
         # of a shared context over the link, not two (ctx_id -> (config, blob, seconds))
         self._found: dict[str, tuple[CompressionConfig, bytes, float]] = {}
@@ -115,6 +113,11 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
             self.tier_specs[Tier.DEVICE] = TierSpec(int(settings.device_capacity), math.inf,
                                                     compresses_in_place=False)
         self.policy = self._make_policy()
+        # its parts, each a class of its own working on the state above
+        self.registry = ContextRegistry(self)
+        self.storage_copies = StorageCopies(self)
+        self.profiling = ProfileState(self)
+        self.requests = RequestPlanner(self)
 
     def _make_policy(self) -> Policy:
         s = self.settings
@@ -170,7 +173,7 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
                 s.reprofile_threshold = float(reprofile_threshold)
             s.profile_metric = metric
             self.tracker = QualityTracker(s.reprofile_threshold)
-            self.observations.clear()
+            self.profiling.observations.clear()
             self._publish_usage()
             return {"policy": self.policy.name, "alpha": s.alpha, "observe_rate": s.observe_rate,
                     "reprofile_threshold": s.reprofile_threshold, "profile_metric": s.profile_metric.value}
@@ -300,7 +303,7 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
         if tier == Tier.DISK and config in ctx.shared:
             return True  # the storage copy of that config is the placement's entry
         store = self._store(tier)
-        before = getattr(store.stats, "write_errors", 0)
+        before = store.write_errors
         try:
             ok = store.put(self.blob_key(ctx, tier, config), blob)
         except Exception:  # a store refusing the form is a policy bug: say so, place lower
@@ -309,7 +312,7 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
             return False
         if not ok:
             if tier == Tier.DISK:
-                if getattr(store.stats, "write_errors", 0) > before:
+                if store.write_errors > before:
                     self.count(disk_write_errors=1)
                 else:
                     self.count(disk_full=1)
@@ -443,7 +446,7 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
             if not source_config.is_full and source_config not in ctx.quality:
                 ctx.quality[source_config] = ctx.quality.get(source_config, 1.0)
             if source_config.is_full:
-                self.write_storage_copies(ctx, kv)
+                self.storage_copies.write_storage_copies(ctx, kv)
             infos, placements, last = self._state(exclude=ctx)
             new = self.info(ctx)
             cfg = None if source_config.is_full else source_config
@@ -563,9 +566,9 @@ class EvicPressManager(ContextRegistry, StorageCopies, ProfileState, RequestPlan
                 "prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "decompress_bytes_per_s": dict(s.decompress_bytes_per_s),
                 "contexts": len(self.contexts),
-                "idle_seconds": self.idle_for(),
-                "active_requests": len(self.active_requests),
+                "idle_seconds": self.profiling.idle_for(),
+                "active_requests": len(self.profiling.active_requests),
                 "pending_profiles": sum(1 for c in self.contexts.values() if c.profile_reason),
-                "pending_observations": len(self.observations),
+                "pending_observations": len(self.profiling.observations),
                 "counters": self.counters,
             }

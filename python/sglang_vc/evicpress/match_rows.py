@@ -26,10 +26,10 @@ class MatchRows:
         self.exact_idx: Optional[torch.Tensor] = None  # the exact rows, when all are there
 
     def floor(self, n: int) -> int:
-        return self.cache._floor(n)
+        return self.cache.tree_rows.floor(n)
 
     def exact(self, n: int) -> int:
-        have, _, idx = self.cache._device_match(self.cache._key(self.ids[:n], self.key))
+        have, _, idx = self.cache.tree_rows.device_match(self.cache.tree_rows.key(self.ids[:n], self.key))
         if have >= n:
             self.cache._private.pop(self.req.rid, None)  # matched again (waiting): its exact rows now
             self.exact_idx = idx
@@ -40,19 +40,19 @@ class MatchRows:
         return self.cache._private_on_device(self.req, ctx, self.ids, namespace, n, cfg)
 
     def backed_up(self, n: int) -> bool:
-        return self.cache._cached_len(self.cache._key(self.ids[:n], self.key)) >= n
+        return self.cache.tree_rows.cached_len(self.cache.tree_rows.key(self.ids[:n], self.key)) >= n
 
     def load(self, ctx: Context, fetched: Fetched, usable: int, have: int) -> bool:
         cache, ids = self.cache, self.ids
         cfg = fetched.config
         if cfg.is_full:  # exact rows: in the request's own namespace, shared by all
-            n = cache._floor(min(usable, fetched.kv.num_tokens))
-            loaded = n > have and cache._inject(ids, self.key, SAME_NAMESPACE, n, fetched.kv) >= n
+            n = cache.tree_rows.floor(min(usable, fetched.kv.num_tokens))
+            loaded = n > have and cache.tree_rows.inject(ids, self.key, SAME_NAMESPACE, n, fetched.kv) >= n
             start = have
         else:
             # lossy: a private node only this context's requests are sent to (a token-dropped
             # copy's kept rows stand for exactly num_tokens tokens)
-            n = usable if fetched.dropped else cache._floor(min(usable, fetched.kv.num_tokens))
+            n = usable if fetched.dropped else cache.tree_rows.floor(min(usable, fetched.kv.num_tokens))
             loaded = (n > 0 and (not fetched.dropped or n == fetched.num_tokens)
                       and cache._load_private(self.req, ctx, ids,
                                               private_namespace(ctx, cfg, n, salt=self.key.cache_salt),

@@ -81,6 +81,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -176,9 +177,14 @@ def evicpress_factory(ctx):
     return create_unified_radix_cache(ctx, cache_class=EvicPressRadixCache)
 
 
-class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
+class EvicPressRadixCache(UnifiedRadixCache):
     evicpress: Optional[EvicPressManager] = None
     _inserting_key: Optional[RadixKey] = None
+
+    @functools.cached_property
+    def tree_rows(self) -> TreeRows:
+        """The tree's rows as the tiers use them (:mod:`.tree_rows`)."""
+        return TreeRows(self)
 
     # ------------------------------------------------------------------ set-up
     def init_hicache(self, server_args, params) -> None:
@@ -206,7 +212,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             host_pool = host_pool.get_pool(PoolName.KV)
         host_cap = None if ep["host_size_gb"] is None else int(ep["host_size_gb"] * flags.GB)
         self._host_pool = host_pool
-        host = HostTierStore(HostSlotStore(host_pool, host_cap), self,
+        host = HostTierStore(HostSlotStore(host_pool, host_cap), self.tree_rows,
                              lambda key: self.evicpress.context_of_key(key))
         # The storage tier: the HiCache storage backend SGLang built from
         # --hicache-storage-backend (ours for --evicpress-disk-dir). EvicPress decides
@@ -216,7 +222,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         if backend is None:
             raise ValueError("evicpress: no HiCache storage backend (--hicache-storage-backend "
                              "or --evicpress-disk-dir)")
-        self._released = []  # host backups EvicPress released (tree_rows._trim_host_pool)
+        self._released = []  # host backups EvicPress released (tree_rows.trim_host_pool)
         # whose KV it is: the weights themselves (not the served name) and the KV layout
         model_id = f"{tenant.weights_digest(server_args.model_path)}|{pool.dtype}|" \
                    f"{dims.layers}x{dims.heads}x{dims.head_dim}"
@@ -241,7 +247,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         settings.model_id = model_id
         self.evicpress = EvicPressManager(
             settings, dims, host, disk,
-            device_store=DeviceTierStore(self, settings.device_capacity,
+            device_store=DeviceTierStore(self.tree_rows, settings.device_capacity,
                                          lambda key: self.evicpress.context_of_key(key)),
             copies_store=copies,
             counters=lambda **kw: stats.add("evicpress", **kw),
@@ -290,7 +296,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
                     logger.exception("EvicPress: deferred store/promotion failed")
                     self.evicpress.count(deferred_failures=1)  # benchmarks report it
             self.evicpress.run_pending()
-            self._trim_host_pool()
+            self.tree_rows.trim_host_pool()
 
     def served_config(self, rid: str) -> Optional[CompressionConfig]:
         st = self._reqs.get(rid)
@@ -332,16 +338,16 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         such a request fails over as when the copy cannot be read)."""
         if any(p.ctx_id == ctx.ctx_id and p.config.drops_tokens for p in self._private.values()):
             return 0  # a request holds kept rows, which cannot be made exact in place
-        n = self._floor(min(kv.num_tokens, ctx.stored_len or ctx.num_tokens))
+        n = self.tree_rows.floor(min(kv.num_tokens, ctx.stored_len or ctx.num_tokens))
         ids = ctx.token_ids[:n].tolist()
         in_place = 0
         for space in self._lossy_spaces.pop(ctx.ctx_id, ()):  # every quantized copy: any config, any salt
-            have, _, idx = self._device_match(self._key(ids, None, space))
+            have, _, idx = self.tree_rows.device_match(self.tree_rows.key(ids, None, space))
             if have:
-                self._write(idx[:have], kv.prefix(have))
+                self.tree_rows.write(idx[:have], kv.prefix(have))
             self._exact_spaces.add(space)
             in_place = max(in_place, have)
-        rows = max(in_place, self._inject(ids, None, ctx.namespace, n, kv))
+        rows = max(in_place, self.tree_rows.inject(ids, None, ctx.namespace, n, kv))
         if rows == 0:
             return 0
         ctx.device_config = FULL
@@ -361,7 +367,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         if self.evicpress is not None and isinstance(action, BackupKV):
             # the tree's write-through of a node chain (root first) stops before the
             # first node EvicPress stores itself: HiCache keeps a chain contiguous
-            keep = list(itertools.takewhile(lambda n: not self.owned_by_evicpress(n), action.node_ids))
+            keep = list(itertools.takewhile(lambda n: not self.tree_rows.owned_by_evicpress(n), action.node_ids))
             if len(keep) < len(action.node_ids):
                 self.evicpress.count(write_through_left_to_evicpress=len(action.node_ids) - len(keep))
                 if not keep:
@@ -372,7 +378,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
     def write_backup_storage(self, node_id) -> None:
         # lossy and profiler rows are EvicPress's alone (a context's compressed storage
         # copies are its storage_copies); full rows reach storage as HiCache's pages
-        if self.evicpress is not None and self.stored_by_evicpress(node_id):
+        if self.evicpress is not None and self.tree_rows.stored_by_evicpress(node_id):
             return
         super().write_backup_storage(node_id)
 
@@ -387,7 +393,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             if private is not None:
                 key = params.key
                 limit = key.limit if key.limit is not None else len(key)
-                pkey = self._key(key.raw_token_ids()[: private.n_keep], None, private.namespace)
+                pkey = self.tree_rows.key(key.raw_token_ids()[: private.n_keep], None, private.namespace)
                 result = super().match_prefix(dataclasses.replace(params, key=pkey))
                 if result.device_prefix_len == private.n_keep and limit >= private.n:
                     # SGLang counts all n context tokens as cached; a token-dropped
@@ -427,7 +433,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         from sglang_vc.compress import num_kept
 
         n_keep = num_kept(n, cfg.ratio) if cfg.drops_tokens else n
-        if n_keep <= 0 or self._device_match(self._key(ids[:n_keep], None, namespace))[0] < n_keep:
+        if n_keep <= 0 or self.tree_rows.device_match(self.tree_rows.key(ids[:n_keep], None, namespace))[0] < n_keep:
             return False
         self._private[req.rid] = _PrivatePrefix(namespace, n, n_keep, cfg, ctx.ctx_id)
         return True
@@ -442,18 +448,18 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         if not cfg.drops_tokens:  # rows a shorter request left there are this copy's too
             self._lossy_spaces.setdefault(ctx.ctx_id, set()).add(namespace)
             self._exact_spaces.discard(namespace)  # lossy rows again (a partial node topped up)
-            self._inject(ids, None, namespace, n, kv)
+            self.tree_rows.inject(ids, None, namespace, n, kv)
             return self._private_on_device(req, ctx, ids, namespace, n, cfg)
         n_keep = kv.num_tokens
-        key = self._key(ids[:n_keep], None, namespace)
-        if self._device_match(key)[0]:  # a partly evicted node: not a usable prefix
+        key = self.tree_rows.key(ids[:n_keep], None, namespace)
+        if self.tree_rows.device_match(key)[0]:  # a partly evicted node: not a usable prefix
             return False
-        new = self._alloc(n_keep)
+        new = self.tree_rows.alloc(n_keep)
         if new is None:
             logger.info("EvicPress: no device room to load %d kept rows", n_keep)
             return False
         new = new.to(torch.int64)
-        self._write(new, kv)
+        self.tree_rows.write(new, kv)
         self.insert(InsertParams(key=key, value=new, prev_prefix_len=0, inserted_len=0))
         return self._private_on_device(req, ctx, ids, namespace, n, cfg)
 
@@ -485,9 +491,9 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             if ns.startswith(CFG_NAMESPACE):
                 self._inject_variant(req, key, ns)
             elif ns.startswith(REF_NAMESPACE + "/") and req.rid not in self._reqs:
-                m = mgr.match_id(profiled_context_id(ns), key.raw_token_ids())
+                m = mgr.registry.match_id(profiled_context_id(ns), key.raw_token_ids())
                 if m is not None and m[0].ctx_id not in self._profile_kv:
-                    n = self._floor(min(m[1], len(key)))
+                    n = self.tree_rows.floor(min(m[1], len(key)))
                     self._reqs[req.rid] = ContextPlan(Origin.REF, m[0], m[1], n, capture_len=n,
                                                       t0=time.perf_counter())
             return
@@ -495,9 +501,9 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         # failed half-way is not its first
         plan = self._reqs.setdefault(req.rid, ContextPlan())
         rows = MatchRows(self, req, key)
-        mgr.plan_match(req.rid, rows.ids, ns, req.origin_input_ids, rows, plan)
+        mgr.requests.plan_match(req.rid, rows.ids, ns, req.origin_input_ids, rows, plan)
         if plan.store_device_rows:  # another request computed it: store those rows
-            ctx, kv = plan.ctx, self._gather(rows.exact_idx)
+            ctx, kv = plan.ctx, self.tree_rows.gather(rows.exact_idx)
             self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
         if plan.promote is not None:
             self._deferred.append(plan.promote)
@@ -511,15 +517,15 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         mgr = self.evicpress
         cfg = CompressionConfig.parse(variant_label(ns))
         ids = key.raw_token_ids()
-        m = mgr.match_id(profiled_context_id(ns), ids)
+        m = mgr.registry.match_id(profiled_context_id(ns), ids)
         if m is None:
             return
         ctx, lcp = m
-        n = self._floor(min(lcp, len(key)))
+        n = self.tree_rows.floor(min(lcp, len(key)))
         drop_ns = private_namespace(ctx, cfg, n, profile=True) if cfg.drops_tokens else None
         if drop_ns is not None and self._private_on_device(req, ctx, ids, drop_ns, n, cfg):
             return
-        if drop_ns is None and self._device_match(self._key(ids[:n], key))[0] >= n:
+        if drop_ns is None and self.tree_rows.device_match(self.tree_rows.key(ids[:n], key))[0] >= n:
             return
         # The full KV to compress: the profiler's reference copy, the user copy (always
         # exact), or a full stored blob.
@@ -530,12 +536,12 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             src = kept.prefix(n)
             spaces = []
         for space in spaces:
-            have, _, idx = self._device_match(self._key(ids[:n], None, space))
+            have, _, idx = self.tree_rows.device_match(self.tree_rows.key(ids[:n], None, space))
             if have >= n:
-                src = self._gather(idx[:n])
+                src = self.tree_rows.gather(idx[:n])
                 break
         if src is None and ctx.stored and ctx.placement.config.is_full:
-            fetched = mgr.fetch(ctx)
+            fetched = mgr.requests.fetch(ctx)
             if fetched is not None and fetched.kv.num_tokens >= n:
                 src = fetched.kv.prefix(n)
         if src is None:
@@ -546,7 +552,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             if not self._load_private(req, ctx, ids, drop_ns, n, cfg, src):
                 return
         else:
-            self._inject(ids, key, ns, n, src)
+            self.tree_rows.inject(ids, key, ns, n, src)
         mgr.count(profile_loads=1)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
@@ -558,11 +564,11 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             return
         n, st.capture_len = st.capture_len, 0
         if st.origin is Origin.REF:  # the profiler's full-KV copy: keep it for the variants
-            have, _, idx = self._device_match(RadixKey(
+            have, _, idx = self.tree_rows.device_match(RadixKey(
                 array.array("q", [int(t) for t in req.origin_input_ids[:n]]), ref_namespace(st.ctx.ctx_id),
                 is_bigram=self.tree_core.is_eagle))
             if have >= n:
-                self._profile_kv[st.ctx.ctx_id] = self._gather(idx)
+                self._profile_kv[st.ctx.ctx_id] = self.tree_rows.gather(idx)
                 while len(self._profile_kv) > 8:
                     self._profile_kv.popitem(last=False)
             return
@@ -573,13 +579,13 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             ids = req.origin_input_ids[:n]
             key = RadixKey(array.array("q", [int(t) for t in ids]), req.extra_key,
                            is_bigram=self.tree_core.is_eagle, cache_salt=req.cache_salt)
-            have, _, idx = self._device_match(key)
+            have, _, idx = self.tree_rows.device_match(key)
             if have < n:
                 return
             elapsed = time.perf_counter() - st.t0
-            self.evicpress.note_prefill(n - st.prefix_have, elapsed)
+            self.evicpress.profiling.note_prefill(n - st.prefix_have, elapsed)
             ctx.device_config = FULL  # computed in the request's namespace: exact
-            kv, mgr = self._gather(idx), self.evicpress
+            kv, mgr = self.tree_rows.gather(idx), self.evicpress
             self._deferred.append(lambda: mgr.store_computed(ctx, kv, FULL))
             self.evicpress.count(captures=1)
         except Exception:
@@ -597,7 +603,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         st = self._reqs.pop(req.rid, None)
         if st is None or not st.active:
             return
-        self.evicpress.note_activity(req.rid, False)
+        self.evicpress.profiling.note_activity(req.rid, False)
         if st.backed_hit:  # SGLang loaded the backup back: the rows are on the device now
             ctx, mgr = st.ctx, self.evicpress
             self._deferred.append(lambda: mgr.after_hit(ctx, Tier.HOST))
@@ -607,7 +613,7 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
             sp = req.sampling_params
             greedy = getattr(sp, "temperature", 1.0) == 0 or getattr(sp, "top_k", 0) == 1
             if greedy and req.finished() and len(req.output_ids):
-                self.evicpress.observe_served(
+                self.evicpress.profiling.observe_served(
                     st.ctx, st.served, req.origin_input_ids, req.output_ids,
                     getattr(sp, "max_new_tokens", len(req.output_ids)) or len(req.output_ids))
         except Exception:
@@ -624,4 +630,4 @@ class EvicPressRadixCache(TreeRows, UnifiedRadixCache):
         self._private.pop(request.rid, None)
         st = self._reqs.pop(request.rid, None)
         if st is not None and st.active:
-            self.evicpress.note_activity(request.rid, False)
+            self.evicpress.profiling.note_activity(request.rid, False)

@@ -1,6 +1,6 @@
 """One user request's plan for the context its prompt starts with.
 
-The radix cache asks the manager once per match (:meth:`RequestPlan.plan_match`) and
+The radix cache asks the manager once per match (:meth:`RequestPlanner.plan_match`) and
 gets the request's :class:`ContextPlan`: which context, how many of its rows a copy
 supplies, where they come from (the device tree, SGLang's host backup of the tree's
 nodes, a stored copy, or nowhere: the prefill computes them), the form served, and what
@@ -85,10 +85,13 @@ class ContextRows(Protocol):
         """Put ``fetched`` on the device for the request; whether it serves it."""
 
 
-class RequestPlan:
-    """:class:`~.manager.EvicPressManager`'s per-request methods (a mixin: they use the
-    manager's lock, registry, stores and policy): the plan, the accounting of a request
-    and the fetch of a stored copy."""
+class RequestPlanner:
+    """:class:`~.manager.EvicPressManager`'s per-request part (``manager.requests``: it uses
+    the manager's lock, registry, stores and policy, ``self.m``): the plan, the accounting
+    of a request and the fetch of a stored copy."""
+
+    def __init__(self, manager):
+        self.m = manager
 
     def plan_match(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
                    rows: ContextRows, plan: ContextPlan) -> None:
@@ -106,7 +109,7 @@ class RequestPlan:
             plan.usable = rows.floor(min(plan.lcp, len(ids)))
             plan.origin = Origin.MISS
         ctx = plan.ctx
-        if ctx is None or plan.usable <= 0 or ctx.ctx_id not in self.contexts:
+        if ctx is None or plan.usable <= 0 or ctx.ctx_id not in self.m.contexts:
             return
         have = plan.prefix_have = rows.exact(plan.usable)
         dev_cfg = ctx.device_config
@@ -125,7 +128,7 @@ class RequestPlan:
                 if first:
                     plan.origin, plan.served, plan.backed_hit = Origin.HOST, FULL, True
                     ctx.device_config = FULL
-            elif ctx.stored or (first and self.find_shared(ctx)):  # ours, or another server's
+            elif ctx.stored or (first and self.m.storage_copies.find_shared(ctx)):  # ours, or another server's
                 fetched = self.fetch(ctx)
                 if fetched is not None and rows.load(ctx, fetched, plan.usable, have):
                     ctx.device_config = fetched.config
@@ -139,53 +142,53 @@ class RequestPlan:
             # a load-back of SGLang's backup promotes once it is done (on release)
             if tier is not None and not plan.backed_hit:
                 blob = fetched.blob if fetched is not None else None
-                plan.promote = lambda: self.after_hit(ctx, tier, blob)
+                plan.promote = lambda: self.m.after_hit(ctx, tier, blob)
 
     def on_request(self, ctx: Context, tier: Optional[Tier], served: Optional[CompressionConfig],
                    suffix: Sequence[int] = (), prefix_len: int = 0) -> None:
         """Account one user request that matched ``ctx`` (``tier`` None: device hit,
         or miss when ``served`` is None)."""
-        with self.lock:
+        with self.m.lock:
             ctx.frequency += 1
-            ctx.last_access = self.clock()
+            ctx.last_access = self.m.clock()
             name = "miss" if served is None and tier is None else ("device" if tier is None else tier.name.lower())
             ctx.hits[name] += 1
-            self.count(**{("misses" if name == "miss" else f"hits_{name}"): 1})
+            self.m.count(**{("misses" if name == "miss" else f"hits_{name}"): 1})
             if len(suffix):
                 ctx.suffix_tokens = 0.8 * ctx.suffix_tokens + 0.2 * len(suffix)
-                self.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
+                self.m.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
 
     def fetch(self, ctx: Context) -> Optional[Fetched]:
         """Read and decode ``ctx``'s stored blob (for a load onto the device). None when
         it is not stored or its entry is corrupted (then it is dropped)."""
-        with self.lock:
+        with self.m.lock:
             p = ctx.placement
             if p.dropped:
                 return None
-            found = self._found.get(ctx.ctx_id)
+            found = self.m._found.get(ctx.ctx_id)
             t0 = time.perf_counter() - (found[2] if found is not None else 0.0)  # its read time counts
-            blob = self._read_blob(ctx, p)
+            blob = self.m._read_blob(ctx, p)
             if blob is None:
-                self._publish_usage()
+                self.m._publish_usage()
                 return None
             try:
                 cfg, kv, positions = codec.decode(blob)
             except Exception:
                 logger.exception("EvicPress: stored blob of %s does not decode; dropping it", ctx.ctx_id)
-                self._delete_blob(ctx, p)
-                self._set_placement(ctx, DROPPED)
-                self.count(lost=1)
+                self.m._delete_blob(ctx, p)
+                self.m._set_placement(ctx, DROPPED)
+                self.m.count(lost=1)
                 return None
-            if positions is not None and not self.settings.serves_dropped:
+            if positions is not None and not self.m.settings.serves_dropped:
                 return None  # token-dropped KV needs the lossy attention backend
             elapsed = time.perf_counter() - t0
-            if self.settings.throttle:
-                target = self.tier_specs[p.tier].load_seconds(len(blob))
+            if self.m.settings.throttle:
+                target = self.m.tier_specs[p.tier].load_seconds(len(blob))
                 if target > elapsed:
                     time.sleep(target - elapsed)
                     elapsed = target
             tier = p.tier.name.lower()
-            self.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
+            self.m.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
             return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob, positions,
                            ctx.stored_len if positions is not None else None)
 
@@ -194,21 +197,21 @@ class RequestPlan:
         """The context ``ids`` starts with and the shared prefix length: a registered one,
         or a long prompt registered now as an automatic context (its first
         ``floor(len(prompt) - 1)`` tokens); the request counts as activity."""
-        with self.lock:
-            m = self.match(ids, namespace)
-            n_auto = self.settings.auto_context_tokens
+        with self.m.lock:
+            m = self.m.registry.match(ids, namespace)
+            n_auto = self.m.settings.auto_context_tokens
             if m is None and n_auto and len(prompt) - 1 >= n_auto:
                 n = floor(len(prompt) - 1)
                 try:
-                    ctx = self.register(list(prompt[:n]), namespace=namespace, source="auto")
+                    ctx = self.m.registry.register(list(prompt[:n]), namespace=namespace, source="auto")
                     m = (ctx, min(n, len(ids)))
                 except ValueError:
                     m = None
-            self.note_activity(rid, True)
+            self.m.profiling.note_activity(rid, True)
             return m
 
     def _host_backup_in_tree(self, ctx: Context, in_tree: Callable[[], bool]) -> bool:
         """Whether ``ctx``'s host copy is SGLang's backup of its tree nodes and the tree
         still has them all (``in_tree`` is asked only then)."""
-        with self.lock:
-            return ctx.placement.tier == Tier.HOST and self.host_backed(ctx) and in_tree()
+        with self.m.lock:
+            return ctx.placement.tier == Tier.HOST and self.m.host_backed(ctx) and in_tree()

@@ -155,37 +155,11 @@ def install(vc_config, server_args) -> None:
 
     def register(body: dict = Body(...)):
         body = dict(body)
-        if "token_ids" not in body:
-            if not isinstance(body.get("text"), str):
-                raise HTTPException(400, "give 'text' or 'token_ids'")
-            body["token_ids"] = tok.encode(body["text"])
-        ids = body["token_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise HTTPException(400, "token_ids must be a non-empty list of token ids")
-        limit = context_limit(server_args)
-        if len(ids) > limit:
-            raise HTTPException(400, f"a context has at most {limit} tokens (the model's context length), "
-                                f"got {len(ids)}")
-        template = body.get("query_template") or DEFAULT_TEMPLATE
-        if "{query}" not in template:
-            raise HTTPException(400, "query_template must contain {query}")
-        queries = body.get("queries") or []
-        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-            raise HTTPException(400, "queries must be a list of strings")
-        suffixes = list(body.get("query_suffix_ids") or [])
-        suffixes += [tok.encode(template.format(query=q), special=False) for q in queries]
-        payload = {
-            "id": body.get("id"),
-            "token_ids": body["token_ids"],
-            "extra_key": body.get("extra_key"),
-            "cache_salt": body.get("cache_salt"),  # the tenant: only its requests reuse the context
-            "query_suffixes": suffixes,
-            "query_texts": queries,
-            "quality": body.get("quality"),
-        }
+        payload = _context_payload(body, tok, context_limit(server_args))
         info = call("POST", "/contexts", payload)
         if body.get("prefill"):
-            _generate(base_url, body["token_ids"] + (suffixes[0] if suffixes else []),
+            suffixes = payload["query_suffixes"]
+            _generate(base_url, payload["token_ids"] + (suffixes[0] if suffixes else []),
                       max_new_tokens=1, extra_key=body.get("extra_key"), cache_salt=body.get("cache_salt"))
             info = call("GET", f"/contexts/{info['id']}")
         return info
@@ -247,6 +221,40 @@ def install(vc_config, server_args) -> None:
 
     if not ep.get("no_profiler"):
         ProfilerService(client, base_url, tok, float(ep["idle_seconds"])).start()
+
+
+def _context_payload(body: dict, tok, limit: int) -> dict:
+    """A registration's body checked (HTTP 400 with the reason) and made the control
+    process's payload: token ids (from ``text`` if given), the queries' suffixes."""
+    from fastapi import HTTPException
+
+    if "token_ids" not in body:
+        if not isinstance(body.get("text"), str):
+            raise HTTPException(400, "give 'text' or 'token_ids'")
+        body["token_ids"] = tok.encode(body["text"])
+    ids = body["token_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise HTTPException(400, "token_ids must be a non-empty list of token ids")
+    if len(ids) > limit:
+        raise HTTPException(400, f"a context has at most {limit} tokens (the model's context length), "
+                            f"got {len(ids)}")
+    template = body.get("query_template") or DEFAULT_TEMPLATE
+    if "{query}" not in template:
+        raise HTTPException(400, "query_template must contain {query}")
+    queries = body.get("queries") or []
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise HTTPException(400, "queries must be a list of strings")
+    suffixes = list(body.get("query_suffix_ids") or [])
+    suffixes += [tok.encode(template.format(query=q), special=False) for q in queries]
+    return {
+        "id": body.get("id"),
+        "token_ids": ids,
+        "extra_key": body.get("extra_key"),
+        "cache_salt": body.get("cache_salt"),  # the tenant: only its requests reuse the context
+        "query_suffixes": suffixes,
+        "query_texts": queries,
+        "quality": body.get("quality"),
+    }
 
 
 def _admin_key_configured(server_args, what: str) -> None:

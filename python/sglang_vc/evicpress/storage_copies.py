@@ -19,16 +19,19 @@ logger = logging.getLogger(__name__)
 
 
 class StorageCopies:
-    """:class:`~.manager.EvicPressManager`'s storage-copy methods (a mixin: they use the
-    manager's lock, stores, settings and counters)."""
+    """:class:`~.manager.EvicPressManager`'s storage copies (``manager.storage_copies``:
+    they use the manager's lock, stores, settings and counters, ``self.m``)."""
+
+    def __init__(self, manager):
+        self.m = manager
 
     def storage_files(self, ctx: Context) -> list[str]:
         """Local files of ``ctx``'s entry on the storage tier (header, payload), where the
         backend keeps them in files (diagnostics and tests); [] otherwise."""
-        with self.lock:
-            objects = (self.disk.object_keys(self.blob_key(ctx, Tier.DISK, ctx.placement.config))
-                       if hasattr(self.disk, "object_keys") else None)
-            path_of = getattr(getattr(self.disk, "backend", None), "entry_path", None)
+        with self.m.lock:
+            objects = (self.m.disk.object_keys(self.m.blob_key(ctx, Tier.DISK, ctx.placement.config))
+                       if hasattr(self.m.disk, "object_keys") else None)
+            path_of = getattr(getattr(self.m.disk, "backend", None), "entry_path", None)
             if not objects or path_of is None:
                 return []
             return [str(path_of(name)) for name in objects if name is not None]
@@ -37,19 +40,19 @@ class StorageCopies:
         """Whether another server (or an earlier run) left a copy of ``ctx`` on the shared
         storage tier; if so ``ctx`` is now placed there, on the best copy found: the full
         KV first, then the configured storage copies, then the profiler's candidates."""
-        with self.lock:
-            if ctx.stored or not hasattr(self.disk, "probe"):
+        with self.m.lock:
+            if ctx.stored or not hasattr(self.m.disk, "probe"):
                 return False
-            first = [self.settings.load_copy] if self.settings.load_copy is not None else []
-            order = [*first, FULL, *self.settings.storage_copies, *self.settings.candidates]
+            first = [self.m.settings.load_copy] if self.m.settings.load_copy is not None else []
+            order = [*first, FULL, *self.m.settings.storage_copies, *self.m.settings.candidates]
             for cfg in dict.fromkeys(order):
-                if cfg.drops_tokens and not self.settings.serves_dropped:
+                if cfg.drops_tokens and not self.m.settings.serves_dropped:
                     continue
-                key = self.blob_key(ctx, Tier.DISK, cfg)
-                if not self.disk.probe(key):
+                key = self.m.blob_key(ctx, Tier.DISK, cfg)
+                if not self.m.disk.probe(key):
                     continue
                 t0 = time.perf_counter()
-                blob = self.disk.get(key)
+                blob = self.m.disk.get(key)
                 if blob is None:
                     continue
                 try:
@@ -62,9 +65,9 @@ class StorageCopies:
                 ctx.shared.add(cfg)
                 ctx.sizes[cfg] = len(blob)
                 ctx.quality.setdefault(cfg, 1.0 if cfg.is_full else 0.0)
-                self._set_placement(ctx, Placement(cfg, Tier.DISK))
-                self._found[ctx.ctx_id] = (cfg, blob, time.perf_counter() - t0)
-                self.count(shared_found=1)
+                self.m._set_placement(ctx, Placement(cfg, Tier.DISK))
+                self.m._found[ctx.ctx_id] = (cfg, blob, time.perf_counter() - t0)
+                self.m.count(shared_found=1)
                 return True
             return False
 
@@ -73,12 +76,12 @@ class StorageCopies:
         this server's link, or None (absent, corrupted). Changes no placement. Safe off
         the scheduler thread: the manager lock is not held during the read (the store
         has its own), so a long read does not stall the scheduler's lookups."""
-        with self.lock:
-            key = self.blob_key(ctx, Tier.DISK, config)
+        with self.m.lock:
+            key = self.m.blob_key(ctx, Tier.DISK, config)
         t0 = time.perf_counter()
-        blob = self.disk.get(key)
+        blob = self.m.disk.get(key)
         if blob is None:
-            self.count(storage_copy_misses=1)
+            self.m.count(storage_copy_misses=1)
             return None
         try:
             cfg, kv, positions = codec.decode(blob)
@@ -86,9 +89,9 @@ class StorageCopies:
                 raise ValueError(f"entry holds {cfg.label}")
         except Exception:
             logger.warning("EvicPress: storage copy %s of %s does not decode; not used", config.label, ctx.ctx_id)
-            self.count(storage_copy_misses=1)
+            self.m.count(storage_copy_misses=1)
             return None
-        self.count(storage_copies_read=1, bytes_read_storage_copies=len(blob),
+        self.m.count(storage_copies_read=1, bytes_read_storage_copies=len(blob),
                    storage_copy_read_seconds=time.perf_counter() - t0)
         return kv
 
@@ -99,11 +102,11 @@ class StorageCopies:
         (off the TTFT path, not off the scheduler: a store write thread is not built).
         A full or failing store skips the copy (counted); the context stays served."""
         written = 0
-        for cfg in self.settings.storage_copies:
-            if cfg in ctx.shared or (cfg.drops_tokens and not self.settings.serves_dropped):
+        for cfg in self.m.settings.storage_copies:
+            if cfg in ctx.shared or (cfg.drops_tokens and not self.m.settings.serves_dropped):
                 continue
-            key = self.blob_key(ctx, Tier.DISK, cfg)
-            if hasattr(self.copies, "probe") and self.copies.probe(key):
+            key = self.m.blob_key(ctx, Tier.DISK, cfg)
+            if hasattr(self.m.copies, "probe") and self.m.copies.probe(key):
                 ctx.shared.add(cfg)  # another server wrote it already
                 continue
             t0 = time.perf_counter()
@@ -111,14 +114,14 @@ class StorageCopies:
                 blob = codec.encode(kv, cfg)
             except Exception:
                 logger.exception("EvicPress: could not encode the %s storage copy of %s", cfg.label, ctx.ctx_id)
-                self.count(storage_copy_errors=1)
+                self.m.count(storage_copy_errors=1)
                 continue
-            if not self.copies.put(key, blob):
-                self.count(storage_copy_skipped=1)
+            if not self.m.copies.put(key, blob):
+                self.m.count(storage_copy_skipped=1)
                 continue
             ctx.shared.add(cfg)
             ctx.sizes[cfg] = len(blob)
             written += 1
-            self.count(storage_copies_written=1, bytes_written_storage_copies=len(blob),
+            self.m.count(storage_copies_written=1, bytes_written_storage_copies=len(blob),
                        storage_copy_seconds=time.perf_counter() - t0)
         return written

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .budget import ByteBudget
+from .tier_store import TierStore
 
 __all__ = ["StorageTier", "StorageTierStats", "content_key", "HEADER_BYTES"]
 
@@ -131,7 +131,7 @@ class _Damaged(Exception):
     pass
 
 
-class StorageTier(ByteBudget):
+class StorageTier(TierStore):
     """Blobs on ``backend`` (a ``HiCacheStorage``), at most ``capacity_bytes`` put by this
     tier, under ``namespace``. Thread-safe (one lock; backend calls run under it)."""
 

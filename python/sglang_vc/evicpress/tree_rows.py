@@ -5,8 +5,8 @@
 :mod:`.host_tier`): keys in a namespace, matching, gathering and writing KV rows,
 injecting a copy into the tree, pinning it, and the HiCache backups of the host tier.
 The request path (``match_prefix`` and the hooks around a request) stays in
-:mod:`.radix`; both work on the same tree, so this is a mixin of that class, not an
-object of its own.
+:mod:`.radix`; both work on the same tree: this object is given the cache
+(``cache.tree_rows``).
 
 **Who stores which rows.** HiCache writes the tree through to the host pool and the
 storage backend by SGLang's rules (EvicPress always has a storage backend), a context's
@@ -68,136 +68,139 @@ class _Pin:
 
 
 class TreeRows:
-    """Rows of the tree for the tiers (a mixin of ``UnifiedRadixCache`` subclasses: it
-    uses the tree's match, insert, lock and evict methods and ``_kv_pool`` /
-    ``_host_pool``, the device and host KV pools)."""
+    """Rows of the tree for the tiers, composed into the radix cache (``cache.tree_rows``):
+    it uses the tree's match, insert, lock and evict methods and ``_kv_pool`` /
+    ``_host_pool``, the device and host KV pools, of ``self.cache``."""
 
-    def _key(self, ids, like: Optional[RadixKey], namespace=SAME_NAMESPACE) -> RadixKey:
+    def __init__(self, cache):
+        self.cache = cache
+
+    def key(self, ids, like: Optional[RadixKey], namespace=SAME_NAMESPACE) -> RadixKey:
         """A key for ``ids`` in ``like``'s namespace (or in ``namespace``, a context's
         tenant namespace: :mod:`.tenant`)."""
         extra_key, cache_salt = ((like.extra_key, like.cache_salt) if namespace is SAME_NAMESPACE
                                  else tenant.tree_key(namespace))
-        return RadixKey(array.array("q", [int(t) for t in ids]), extra_key, is_bigram=self.tree_core.is_eagle,
+        return RadixKey(array.array("q", [int(t) for t in ids]), extra_key, is_bigram=self.cache.tree_core.is_eagle,
                         cache_salt=cache_salt)
 
-    def _floor(self, n: int) -> int:
-        return n // self.page_size * self.page_size
+    def floor(self, n: int) -> int:
+        return n // self.cache.page_size * self.cache.page_size
 
     def owned_by_evicpress(self, node_id) -> bool:
         """Whether tree node ``node_id``, which SGLang writes through to the host while
         it inserts a key (kept by :meth:`~.radix.EvicPressRadixCache.insert`; the node
         lies on that key's path), holds rows only EvicPress reads (lossy and profiler rows,
         module docstring): a context's full rows are HiCache's to write, as a plain prefix's."""
-        key = self._inserting_key
+        key = self.cache._inserting_key
         return self.stored_by_evicpress(node_id) if key is None else _private(key.extra_key)
 
     def stored_by_evicpress(self, node_id) -> bool:
         """Whether the host backup of ``node_id`` holds lossy or profiler rows: HiCache
         does not write it to storage."""
-        return _private(self.tree_core.prefetch_anchor_info(node_id)[0])
+        return _private(self.cache.tree_core.prefetch_anchor_info(node_id)[0])
 
-    def _device_match(self, key: RadixKey):
+    def device_match(self, key: RadixKey):
         """(device tokens, last device node, their device indices) for ``key``."""
-        r = self._match_tree(MatchPrefixParams(key=key))
+        r = self.cache._match_tree(MatchPrefixParams(key=key))
         have = int(r.device_prefix_len)
         if have == 0:
             return 0, r.last_device_node, torch.empty(0, dtype=torch.int64)
-        idx = self.tree_core.collect_full_device_indices(
-            r.last_device_node, self.root_node_handle(key.extra_key)
+        idx = self.cache.tree_core.collect_full_device_indices(
+            r.last_device_node, self.cache.root_node_handle(key.extra_key)
         )
         return have, r.last_device_node, idx[:have]
 
-    def _cached_len(self, key: RadixKey) -> int:
+    def cached_len(self, key: RadixKey) -> int:
         """Tokens of ``key`` the tree holds on the device or, backed up, on the host."""
-        r = self._match_tree(MatchPrefixParams(key=key))
+        r = self.cache._match_tree(MatchPrefixParams(key=key))
         return int(r.device_prefix_len) + int(r.host_hit_length)
 
-    def _gather(self, indices: torch.Tensor) -> FullKV:
-        pool = self._kv_pool
+    def gather(self, indices: torch.Tensor) -> FullKV:
+        pool = self.cache._kv_pool
         idx = indices.to(torch.int64).to(pool.k_buffer[0].device)
         k = torch.stack([pool.k_buffer[l][idx] for l in range(pool.layer_num)]).cpu()
         v = torch.stack([pool.v_buffer[l][idx] for l in range(pool.layer_num)]).cpu()
         return FullKV(k, v)
 
-    def _write(self, indices: torch.Tensor, kv: FullKV) -> None:
-        pool = self._kv_pool
+    def write(self, indices: torch.Tensor, kv: FullKV) -> None:
+        pool = self.cache._kv_pool
         dev = pool.k_buffer[0].device
         idx = indices.to(torch.int64).to(dev)
         for l in range(pool.layer_num):
             pool.k_buffer[l][idx] = kv.k[l].to(device=dev, dtype=pool.k_buffer[l].dtype)
             pool.v_buffer[l][idx] = kv.v[l].to(device=dev, dtype=pool.v_buffer[l].dtype)
 
-    def _alloc(self, n: int) -> Optional[torch.Tensor]:
-        alloc = self.token_to_kv_pool_allocator
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        alloc = self.cache.token_to_kv_pool_allocator
         idx = alloc.alloc(n)
         if idx is None:
-            self.evict(EvictParams(num_tokens=n))
+            self.cache.evict(EvictParams(num_tokens=n))
             idx = alloc.alloc(n)
         return idx
 
-    def _inject(self, ids, like: RadixKey, namespace, n: int, kv: FullKV) -> int:
+    def inject(self, ids, like: RadixKey, namespace, n: int, kv: FullKV) -> int:
         """Put tokens ``[have, n)`` of ``kv`` on the device under ``ids[:n]`` and insert
         them into the tree. Returns the device-resident length afterwards."""
-        key = self._key(ids[:n], like, namespace)
-        have, node, prefix_idx = self._device_match(key)
+        key = self.key(ids[:n], like, namespace)
+        have, node, prefix_idx = self.device_match(key)
         if have >= n:
             return have
-        lock = self.lock(node) if have > 0 else None
+        lock = self.cache.lock(node) if have > 0 else None
         try:
-            new = self._alloc(n - have)
+            new = self.alloc(n - have)
             if new is None:
                 logger.info("EvicPress: no device room to load %d tokens", n - have)
                 return have
-            self._write(new, FullKV(kv.k[:, have:n], kv.v[:, have:n]))
+            self.write(new, FullKV(kv.k[:, have:n], kv.v[:, have:n]))
             value = torch.cat([prefix_idx.to(torch.int64), new.to(torch.int64)])
-            self.insert(InsertParams(key=key, value=value, prev_prefix_len=have, inserted_len=have))
+            self.cache.insert(InsertParams(key=key, value=value, prev_prefix_len=have, inserted_len=have))
         finally:
-            self.unlock(lock)
-        return self._device_match(key)[0]
+            self.cache.unlock(lock)
+        return self.device_match(key)[0]
 
     # ------------------------------------------------------------------ device tier
     # The DeviceTree protocol of :mod:`.device_tier`: copies the policy keeps on the
     # device are tree nodes EvicPress holds a lock on.
     @property
     def bytes_per_token(self) -> int:
-        return self.evicpress.dims.bytes_per_token if self.evicpress is not None else 0
+        return self.cache.evicpress.dims.bytes_per_token if self.cache.evicpress is not None else 0
 
-    def _pin(self, key: RadixKey) -> Optional[_Pin]:
-        have, node, _ = self._device_match(key)
+    def pin(self, key: RadixKey) -> Optional[_Pin]:
+        have, node, _ = self.device_match(key)
         if have < len(key):
             return None
-        return _Pin(key, self.lock(node))
+        return _Pin(key, self.cache.lock(node))
 
     def place_full(self, ctx: Context, kv: Optional[FullKV]) -> Optional[_Pin]:
         n = kv.num_tokens if kv is not None else (ctx.stored_len or ctx.num_tokens)
         ids = ctx.token_ids[:n].tolist()
-        if kv is not None and self._inject(ids, None, ctx.namespace, n, kv) < n:
+        if kv is not None and self.inject(ids, None, ctx.namespace, n, kv) < n:
             return None
-        return self._pin(self._key(ids, None, ctx.namespace))
+        return self.pin(self.key(ids, None, ctx.namespace))
 
     def place_dropped(self, ctx: Context, config: CompressionConfig, rows: FullKV) -> Optional[_Pin]:
         n = ctx.stored_len or ctx.num_tokens
         n_keep = rows.num_tokens
-        key = self._key(ctx.token_ids[:n_keep].tolist(), None, private_namespace(ctx, config, n))
-        have = self._device_match(key)[0]
+        key = self.key(ctx.token_ids[:n_keep].tolist(), None, private_namespace(ctx, config, n))
+        have = self.device_match(key)[0]
         if have == 0:
-            new = self._alloc(n_keep)
+            new = self.alloc(n_keep)
             if new is None:
                 return None
-            self._write(new.to(torch.int64), rows)
-            self.insert(InsertParams(key=key, value=new.to(torch.int64), prev_prefix_len=0, inserted_len=0))
+            self.write(new.to(torch.int64), rows)
+            self.cache.insert(InsertParams(key=key, value=new.to(torch.int64), prev_prefix_len=0, inserted_len=0))
         elif have < n_keep:  # a partly evicted copy: not usable
             return None
-        return self._pin(key)
+        return self.pin(key)
 
     def read_pinned(self, pin: _Pin) -> FullKV:
-        have, _, idx = self._device_match(pin.key)
+        have, _, idx = self.device_match(pin.key)
         if have < len(pin.key):
             raise RuntimeError("a pinned device copy is missing from the tree")
-        return self._gather(idx)
+        return self.gather(idx)
 
     def unpin(self, pin: _Pin) -> None:
-        self.unlock(pin.lock)
+        self.cache.unlock(pin.lock)
 
     # ------------------------------------------------------------------ host tier
     # The HostTree protocol of :mod:`.host_tier`: a full host copy is SGLang's own
@@ -205,47 +208,47 @@ class TreeRows:
     # it back layer-wise when a request finds the device copy evicted.
     def back_up_full(self, ctx: Context) -> Optional[_Pin]:
         n = ctx.stored_len or ctx.num_tokens
-        key = self._key(ctx.token_ids[:n].tolist(), None, ctx.namespace)
-        have, node, _ = self._device_match(key)
+        key = self.key(ctx.token_ids[:n].tolist(), None, ctx.namespace)
+        have, node, _ = self.device_match(key)
         if have < n:
             return None  # not on the device: the caller stores a blob instead
-        for node_id in self.tree_core.build_backup_kv_action(node).node_ids:
-            if self.tree_core.is_backuped(node_id):
+        for node_id in self.cache.tree_core.build_backup_kv_action(node).node_ids:
+            if self.cache.tree_core.is_backuped(node_id):
                 continue
-            if not self.backup_node_for_write_back(node_id):  # HiCache then writes it to storage too
+            if not self.cache.backup_node_for_write_back(node_id):  # HiCache then writes it to storage too
                 logger.info("EvicPress: HiCache backup of context %s failed (host pool full)", ctx.ctx_id)
                 return None
-        self._released = [p for p in self._released if p.node != node]  # held again
-        return _Pin(key, self.inc_host_lock_ref(node).to_dec_params(), node, n)
+        self.cache._released = [p for p in self.cache._released if p.node != node]  # held again
+        return _Pin(key, self.cache.inc_host_lock_ref(node).to_dec_params(), node, n)
 
     def read_backed(self, pin: _Pin) -> Optional[FullKV]:
-        r = self._match_tree(MatchPrefixParams(key=pin.key))
+        r = self.cache._match_tree(MatchPrefixParams(key=pin.key))
         have = int(r.device_prefix_len)
         if have + int(r.host_hit_length) < len(pin.key):
             return None
         kv = None
         if have:
-            idx = self.tree_core.collect_full_device_indices(
-                r.last_device_node, self.root_node_handle(pin.key.extra_key))[:have]
-            kv = self._gather(idx)
+            idx = self.cache.tree_core.collect_full_device_indices(
+                r.last_device_node, self.cache.root_node_handle(pin.key.extra_key))[:have]
+            kv = self.gather(idx)
         if have < len(pin.key):
-            xfer, _ = self.tree_core.build_load_back_spec(r.best_match_node)
+            xfer, _ = self.cache.tree_core.build_load_back_spec(r.best_match_node)
             host_idx = xfer.host_indices[: len(pin.key) - have].to(torch.int64)
             if len(host_idx) < len(pin.key) - have:
                 return None
-            rows = FullKV(_host_rows(self._host_pool, self._host_pool.k_buffer, host_idx),
-                          _host_rows(self._host_pool, self._host_pool.v_buffer, host_idx))
+            rows = FullKV(_host_rows(self.cache._host_pool, self.cache._host_pool.k_buffer, host_idx),
+                          _host_rows(self.cache._host_pool, self.cache._host_pool.v_buffer, host_idx))
             kv = rows if kv is None else FullKV(torch.cat([kv.k, rows.k], 1), torch.cat([kv.v, rows.v], 1))
         return kv
 
     def release_backed(self, pin: _Pin) -> None:
-        self.dec_host_lock_ref(pin.node, pin.lock)
-        self._released.append(pin)  # evicted by _trim_host_pool
+        self.cache.dec_host_lock_ref(pin.node, pin.lock)
+        self.cache._released.append(pin)  # evicted by _trim_host_pool
 
     def free_host(self, num_slots: int) -> int:
-        return self.evict_host(num_slots)
+        return self.cache.evict_host(num_slots)
 
-    def _trim_host_pool(self) -> None:
+    def trim_host_pool(self) -> None:
         """Evict the HiCache backups of contexts EvicPress released (demoted or dropped):
         such a context must not keep answering from the host pool beyond its placement.
         SGLang's host LRU evicts only rows no longer on the device and has no eviction
@@ -254,19 +257,19 @@ class TreeRows:
         ones; if other rows went, the backup is left to the LRU like a plain prefix's).
         A released backup still on the device waits until SGLang evicts its device rows."""
         excess, keep = 0, []
-        for pin in self._released:
+        for pin in self.cache._released:
             try:
-                if not self.tree_core.is_backuped(pin.node):
+                if not self.cache.tree_core.is_backuped(pin.node):
                     continue  # gone from the host
-                if self.tree_core.is_full_device_evicted(pin.node):
+                if self.cache.tree_core.is_full_device_evicted(pin.node):
                     excess += pin.slots
                 else:
                     keep.append(pin)
             except (KeyError, ValueError, IndexError):  # the node left the tree (the interface's
                 continue  # missing handles raise KeyError; tolerant of a core that says otherwise)
-        self._released = keep
+        self.cache._released = keep
         if excess:
-            self.evict_host(excess)
+            self.cache.evict_host(excess)
 
     # ------------------------------------------------------------------ tests and admin
     def device_digest(self, ctx: Context) -> dict:
@@ -284,23 +287,23 @@ class TreeRows:
         ns = private_namespace(ctx, dev_cfg, n) if lossy else ctx.namespace
         length = num_kept(n, dev_cfg.ratio) if dropped else n
         key = RadixKey(array.array("q", ctx.token_ids[:length].tolist()), ns,
-                       is_bigram=self.tree_core.is_eagle)
-        have, _, idx = self._device_match(key)
+                       is_bigram=self.cache.tree_core.is_eagle)
+        have, _, idx = self.device_match(key)
         out = {"device_tokens": have, "device": None, "stored": None, "stored_config": None}
         if dropped and have >= length:
             out["device_slots"] = have  # the kept rows only: n_keep of the n tokens
             out["device_tokens"] = n
-            out["device"] = _digest(self._gather(idx[:length]))
+            out["device"] = _digest(self.gather(idx[:length]))
             out["device_config"] = dev_cfg.label
         elif have and not dropped:
-            kv = self._gather(idx)
+            kv = self.gather(idx)
             out["device"] = _digest(kv)
             if lossy:
                 out["device_config"] = dev_cfg.label
         if ctx.placement.tier == Tier.DISK:
-            out["storage_files"] = self.evicpress.storage_files(ctx)
+            out["storage_files"] = self.cache.evicpress.storage_copies.storage_files(ctx)
         if ctx.stored:
-            blob = self.evicpress.stored_blob(ctx)
+            blob = self.cache.evicpress.stored_blob(ctx)
             if blob is not None:
                 cfg, kv, _ = codec.decode(blob)
                 out["stored"] = _digest(kv)
@@ -310,10 +313,10 @@ class TreeRows:
 
     def evict_device_all(self) -> int:
         """Evict every evictable node from the device tree (admin / tests)."""
-        n = self.evictable_size()
+        n = self.cache.evictable_size()
         if n:
-            self.evict(EvictParams(num_tokens=n))
-        self._trim_host_pool()  # evicted backed-up nodes went to the host: drop released ones
+            self.cache.evict(EvictParams(num_tokens=n))
+        self.trim_host_pool()  # evicted backed-up nodes went to the host: drop released ones
         return n
 
 

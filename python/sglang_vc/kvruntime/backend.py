@@ -141,7 +141,7 @@ class VCTorchAttnBackend(TorchNativeAttnBackend):
         """A graph's capture or replay (eager forwards go through
         :meth:`init_forward_metadata`): only batches without compressed requests get
         here, and they are the full-KV backend's."""
-        self.runtime.batch = None
+        self.runtime.no_forward()
         self.decode_index = None
         self.delegated = True
         self._graph_backend().init_forward_metadata_out_graph(forward_batch, in_capture)

@@ -47,6 +47,9 @@ class RequestPlan:
     prefill_len: int
     error: Optional[str] = None  # a rejected per-request override (the server default ran)
     tree_prefix_len: Optional[int] = None  # row [0, here) borrowed from the radix tree
+    # its full KV was put back in its row when it finished (VERICACHE's host copy): the
+    # tree takes it as any full request's
+    full_again: bool = False
 
     def min_own_rows(self) -> int:
         """Rows of its prefill the request must own itself (not borrowed from the tree):

@@ -11,6 +11,9 @@ requests.
   its row and not freed twice.
 * Full-KV requests (no compressor, or ``custom_params.vc_compressor = "none"``) use the
   tree exactly like SGLang's ``RadixCache``.
+* A VERICACHE request offloaded with its full KV on the host enters the tree when it
+  finishes: the worker puts its full KV back in its row first (``KVRuntime.full_again``),
+  where the pool has room.
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ class LossyRadixCache(RadixCache):
                 req.customized_info = {}
             req.customized_info[META_INFO_KEY] = [meta]
         if not self.runtime.is_lossy(req):
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        if req.finished() and self.runtime.full_again(req):
+            # VERICACHE put its full KV back in its row: the next request with this prefix
+            # (a second turn, a shared document) finds its prompt and its answer
             return super().checkpoint(req, up_to=up_to, **kwargs)
         # never insert a lossy request's KV
 

@@ -35,6 +35,8 @@ from .payload_store import PayloadHome, PayloadStore
 from .names import NULL_SLOT
 from .warmup import warm_up_kernels
 from .plan import CompressionSpec, RequestPlan, make_spec, resolve_spec
+from .scheduler_side import SchedulerSide
+from . import writes
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ def get_runtime(model_runner=None) -> "KVRuntime":
     if _runtime is None:
         if model_runner is None:
             raise RuntimeError("compressed-KV runtime not initialised: no model runner yet")
+        writes.watch(KVRuntime)  # (SGLANG_VC_WATCH_WRITES: nobody parks state on it)
         _runtime = KVRuntime(model_runner)
     return _runtime
 
@@ -151,16 +154,11 @@ class KVRuntime:
         # KV: ``admit(rid, req_pool_idx, p, n) -> bool``; a refused request keeps its
         # full KV on the device (decodes uncompressed).
         self.full_kv_admit = None
-        # ... and may decide that a request need not be compressed at all:
-        # ``gate(rid, own_rows, spec) -> reason or None``; with a reason it keeps its full KV
-        # on the device (VERICACHE where compressing it does not pay).
-        self.compress_gate = None
+        # ... and may decide that a request need not be compressed at all, and answers
+        # SGLang's scheduler (its decode reserve, pool room held back): the worker's one
+        # seam with the scheduler (:mod:`.scheduler_side`), registered once
+        self.side = SchedulerSide()
         self.tree_cache = None  # the radix cache (set by it): its evictable rows count as room
-        # prompt rows of the scheduler's waiting queue after its last batch choice, kept
-        # (by hooks.py) only while a compress gate reads it
-        self.waiting_demand = 0
-        self.waiting_requests = 0
-        self.waiting_prompts: list = []
         # ... and, for a token-dropping method, learns which rows stayed on the device:
         # ``kept(rid, req_pool_idx, layer_id, kept_positions [H, n_keep])`` after each
         # layer's selection (the kept rows need no reload).
@@ -176,14 +174,6 @@ class KVRuntime:
         # slots given back to the allocator by compression, not yet reported to the
         # scheduler's admission (take_returned_slots)
         self._returned_slots = 0
-        # pool slots a user holds back while compressed requests live (VeriCache's verify
-        # headroom): an object with ``size`` (tokens) and ``fit(n)``; fitted to 0 when the
-        # last compressed request is released, so an idle pool holds nothing back
-        self.held_back = None
-        # KV slots each running request needs past its committed length at the next decode
-        # (``ahead(req) -> int``, VERICACHE's staggered schedule); None: SGLang's uniform
-        # speculative reserve (hooks.py)
-        self.slots_ahead = None
         # called with a request's rid when SGLang releases it (finished, aborted, retracted):
         # what a user holds for it (VERICACHE's host entry, reload, staging) goes at once
         self.release_listeners: list = []
@@ -239,10 +229,23 @@ class KVRuntime:
     def is_lossy(self, req) -> bool:
         """Whether ``req``'s KV is (or is to be) compressed: it must not enter the tree."""
         plan = self.plans.get(req.rid)
+        if plan is not None and plan.full_again:
+            return False
         if plan is not None and plan.spec is not None:
             return True
         entry = self.index.get(req.kv.req_pool_idx)
         return entry is not None and entry.rid == req.rid
+
+    def full_again(self, req) -> bool:
+        """A finished compressed request whose full KV the worker put back in its row
+        (``side.full_kv_for_tree``): from now on it is a full request, which the tree
+        takes. False where nobody can (lossy serving) or the pool has no room."""
+        plan = self.plans.get(req.rid)
+        restore = self.side.full_kv_for_tree
+        if plan is None or restore is None or not restore(req):
+            return False
+        plan.full_again = True
+        return True
 
     def register_index(self, entry: CompressedKVIndex) -> None:
         """Serve the request in row ``entry.req_pool_idx`` from a compressed prefix that
@@ -308,7 +311,8 @@ class KVRuntime:
         p = plan.tree_prefix_len
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
-        if self.compress_gate is not None and (reason := self.compress_gate(plan.rid, n - p, spec)) is not None:
+        gate = self.side.compress_gate
+        if gate is not None and (reason := gate(plan.rid, n - p, spec)) is not None:
             plan.spec = None
             self.meta[plan.rid] = {"compressor": "none", "full_kv_reason": reason}
             return None
@@ -380,6 +384,11 @@ class KVRuntime:
             if pend.home is not None:  # room compression gives back is net of the lease
                 self._returned_slots -= pend.home.lease.size
         return pend.home.put(q) if pend.home is not None else q
+
+    def no_forward(self) -> None:
+        """A forward the full-KV backend runs alone (a CUDA graph's capture or replay): no
+        view of the batch."""
+        self.batch = None
 
     def end_forward(self) -> None:
         """After the last layer: register compressed requests, free their spare slots,
@@ -460,7 +469,7 @@ class KVRuntime:
                 # the pinned slabs its rows are views of, pinned when first needed (VERICACHE)
                 **(self.host_store.slabs.stats() if self.host_store is not None else
                    {"host_slabs": 0, "host_slab_bytes": 0, "host_slab_in_use_bytes": 0, "host_rows_outside_slabs": 0}),
-                "verify_headroom_tokens": self.held_back.size if self.held_back is not None else 0}
+                "verify_headroom_tokens": self.side.held_back.size if self.side.held_back is not None else 0}
 
     def _host_copy_bytes(self) -> int:
         copy_out = getattr(self.host_store, "copy_out", None)
@@ -725,8 +734,8 @@ class KVRuntime:
             del self.index[req_pool_idx]
             if entry.payload is not None:
                 self.payloads.release(entry.payload.home)
-            if not self.index and self.held_back is not None:
-                self.held_back.fit(0)
+            if not self.index and self.side.held_back is not None:  # an idle pool holds nothing back
+                self.side.held_back.fit(0)
         plan = self.plans.pop(rid, None)
         if plan is not None and plan.spec is not None:
             self.compressor(plan.spec.compressor).release(rid)

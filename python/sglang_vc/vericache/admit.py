@@ -24,7 +24,7 @@ from enum import Enum
 from sglang_vc.vericache.rings import BwRing, HbmRing, Ring
 
 
-class Mode(str, Enum):
+class AdmitState(str, Enum):
     """``mode[r]`` of Algorithm 1, plus FALLBACK (ours): speculation abandoned and the
     request decodes from full KV (it can never fit, or was deferred too often)."""
 

@@ -30,7 +30,6 @@ from .chain_attention import verify_lens
 from .forward_plan import NO_PLAN, ForwardPlan, InPoolDrafts, plan_of  # noqa: F401  (InPoolDrafts: the workers' import)
 
 if TYPE_CHECKING:
-    from .view_rows import SharedSelections
     from .specache_drafter import SpeCacheBatch, SpeCacheDrafter
 
 
@@ -148,10 +147,6 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         return VerifyForward(starts, lens, offsets, entries, drafting, view, exact_q, draft_index,
                              slots, positions, indptr, rows, views, specache, plan)
 
-    # the re-selected view's positions per request: rid -> [layers, Hkv, K], from its last verify
-    selections: "Optional[dict[str, torch.Tensor]]" = None
-    shared_selections: "Optional[SharedSelections]" = None  # the shared view's (set by the worker)
-
     def _in_pool_views(self, forward_batch, ip: "InPoolDrafts", in_pool: list[int],
                        offsets: list[int]) -> "InPoolViews":
         """The re-selected view's drafters (per layer and KV head: no single row list a
@@ -165,7 +160,7 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         lengths = forward_batch.seq_lens[idx].to(torch.int64) + 1
         rows = forward_batch.req_pool_indices[idx]
         # per request: its last verify's selection, or (none yet) the window view
-        sels = [(self.selections or {}).get(ip.rids[i]) for i in in_pool]
+        sels = [ip.selections.get(ip.rids[i]) for i in in_pool]  # the worker's store
         k_max = max([s.shape[-1] for s in sels if s is not None], default=0)
         layers, heads = self.runtime.kv_pool.layer_num, self.token_to_kv_pool.head_num
         selected = torch.zeros(len(in_pool), layers, heads, k_max, dtype=torch.int64, device=dev)
@@ -280,9 +275,8 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
         lid = layer.layer_id
         layer_idx = lid - self.runtime.kv_pool.start_layer
         req_to_token = self.req_to_token_pool.req_to_token
-        if self.selections is None:
-            self.selections = {}
-        shared = vf.plan.in_pool.view is draft_view.View.SHARED
+        ip = vf.plan.in_pool  # the worker's selection stores travel on the forward's plan
+        shared = ip.view is draft_view.View.SHARED
         for i, (rid, count, recent) in vf.plan.in_pool.verifiers.items():
             first, last = draft_view.SINKS, vf.starts[i] - recent
             if last - first < count:
@@ -291,16 +285,16 @@ class VeriCacheAttnBackend(VCTorchAttnBackend):
             k_rows = k_buf[req_to_token[vf.rows[i], first:last].to(torch.int64)]
             q_i = q[lo:hi].reshape(hi - lo, layer.tp_q_head_num, layer.qk_head_dim)
             if shared:  # one selection for every layer and KV head: scores summed over them
-                self.shared_selections.score(i, draft_view.pillar_scores(q_i, k_rows, layer.scaling))
+                ip.shared.score(i, draft_view.pillar_scores(q_i, k_rows, layer.scaling))
                 if lid == self.runtime.last_layer:
-                    self.shared_selections.select(i, rid, vf.rows[i], first, count, req_to_token.shape[0])
+                    ip.shared.select(i, rid, vf.rows[i], first, count, req_to_token.shape[0])
                     stats.add("vericache", in_pool_reselections=1)
                 continue
             top = draft_view.select_positions(q_i, k_rows, first, count, layer.scaling)
-            sel = self.selections.get(rid)
+            sel = ip.selections.get(rid)
             if sel is None or sel.shape[-1] != count:
-                sel = self.selections[rid] = torch.zeros(self.runtime.kv_pool.layer_num, *top.shape,
-                                                         dtype=torch.int64, device=top.device)
+                sel = ip.selections[rid] = torch.zeros(self.runtime.kv_pool.layer_num, *top.shape,
+                                                     dtype=torch.int64, device=top.device)
             sel[layer_idx] = top
             if layer_idx == 0:
                 stats.add("vericache", in_pool_reselections=1)

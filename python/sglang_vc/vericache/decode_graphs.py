@@ -27,7 +27,7 @@ under VERICACHE (NGRAM's convention, :mod:`.worker_spec`), so its shared logits 
 holds the widest verify, and FA3 sizes each width's metadata for ``W`` query tokens. A
 runner replays only the verifies the worker marked (:func:`mark_replayable`): every
 request of the forward verifies ``W`` tokens over its full KV resident in the pool
-(in-pool drafters aligned by ``--vc-in-pool-verify uniform``, :mod:`.staggered`, their
+(in-pool drafters aligned by ``--vc-in-pool-verify uniform``, :mod:`.staggered_schedule`, their
 cohort's X capped at the widest captured), nothing staged, nothing compressed, no
 re-selection scored in the forward. Ragged verifies (drafters, full-KV requests or
 offload verifiers beside them) stay eager.

@@ -44,7 +44,7 @@ class InPool(str, enum.Enum):
 
 
 class InPoolVerify(str, enum.Enum):
-    """When in-pool drafters verify under the staggered schedule (:mod:`.staggered`)."""
+    """When in-pool drafters verify under the staggered schedule (:mod:`.staggered_schedule`)."""
 
     AUTO = "auto"  # uniform where SGLang captured VERICACHE's verify graphs (a GPU), else staggered
     UNIFORM = "uniform"  # together, one TARGET_VERIFY at one width: a captured verify graph replays it
@@ -53,6 +53,13 @@ class InPoolVerify(str, enum.Enum):
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("VeriCache (--speculative-algorithm VERICACHE)")
+    _add_offload_args(g)
+    _add_in_pool_args(g)
+    _add_remote_args(g)
+
+
+def _add_offload_args(g) -> None:
+    """Where the full KV lives, and when a request is compressed and offloaded."""
     g.add_argument(
         "--vc-host-kv-gb",
         type=float,
@@ -93,6 +100,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "drafting, --vc-in-pool) and waiting requests wait, as on a plain server. 'always' compresses every "
         "request.",
     )
+
+
+def _add_in_pool_args(g) -> None:
+    """In-pool drafting, grammars and the schedule trace."""
     g.add_argument(
         "--vc-in-pool",
         choices=[c.value for c in InPool],
@@ -147,6 +158,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="VERICACHE staggered schedule: write one JSON line per decode iteration (each "
         "request's role, drafts, commits and ADMIT's reservation) to PATH.",
     )
+
+
+def _add_remote_args(g) -> None:
+    """VERICACHE_REMOTE and lossless tiering."""
     g.add_argument(
         "--vc-remote-verifier",
         default=None,
@@ -183,7 +198,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="VERICACHE_REMOTE, --vc-remote-path tiering: the most tokens a request drafts from "
         "the compressed copy while its full copy loads (default 32; 0 waits without drafting).",
     )
-
 
 def from_cli_args(args: argparse.Namespace) -> Optional[dict]:
     host = args.vc_host_kv_gb

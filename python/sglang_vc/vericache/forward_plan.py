@@ -10,12 +10,16 @@ batch. A forward without one (SGLang's own, a decode) has the empty plan.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import TYPE_CHECKING, Optional
 
 from . import draft_view
 
 if TYPE_CHECKING:
+    import torch
+
     from .staging import PoolStaging
+    from .view_rows import SharedSelections, Views
 
 PLAN_ATTR = "vc_plan"
 
@@ -30,16 +34,57 @@ class InPoolDrafts:
     recent: dict = dataclasses.field(default_factory=dict)  # drafter index -> recent rows (re-selected view)
     # in-pool verifiers whose verify re-selects their view: index -> (rid, selected rows, recent rows)
     verifiers: dict = dataclasses.field(default_factory=dict)
+    # the worker's stores the verifies re-select into and the drafts read: the per-head view's
+    # rid -> positions [layers, Hkv, K]; the shared view's :class:`.view_rows.SharedSelections`
+    selections: dict = dataclasses.field(default_factory=dict)
+    shared: "Optional[SharedSelections]" = None
+
+
+class Shape(enum.Enum):
+    """Which of SGLang's forward layouts an iteration runs."""
+
+    DECODE = "decode"  # one query each: every request decodes full KV or drafts over a view row
+    UNIFORM_VERIFY = "uniform"  # every request verifies W tokens over resident full KV (graphs replay it)
+    RAGGED_VERIFY = "ragged"  # per-request query lengths (drafts, full-KV tokens and verifies together)
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardPlan:
-    """``staging``: the verifying requests whose full KV lands in pool slots during the
-    forward (each layer waits for its copy); ``in_pool``: the requests drafting over a
-    re-selected view of their own rows, and the in-pool verifiers that re-select it."""
+    """One forward of a VERICACHE iteration, planned before it runs.
+
+    Per request of the forward (``index``: its place in SGLang's batch, in batch order):
+    its ``roles`` (draft, full, verify), the ``lens`` query tokens it forwards from
+    ``starts`` (its committed length, plus the drafts before a draft), and the
+    ``req_to_token`` row it forwards over (``rows``; a window-view drafter's view row,
+    :mod:`.view_rows`, whose committed length is ``row_starts``). ``ids`` and
+    ``positions`` are the forward's tokens request after request (host tensors).
+
+    What its attention reads: ``staging``, the verifying requests whose full KV lands in
+    pool slots during the forward (each layer waits for its copy); ``in_pool``, the
+    requests drafting over a re-selected view of their own rows, and the in-pool
+    verifiers that re-select it. A plan built for a forward SGLang runs on its own (a
+    decode) is the empty one."""
 
     staging: "Optional[PoolStaging]" = None
     in_pool: "Optional[InPoolDrafts]" = None
+    shape: Shape = Shape.RAGGED_VERIFY
+    index: tuple = ()
+    roles: tuple = ()
+    starts: tuple = ()
+    lens: tuple = ()
+    rows: tuple = ()
+    row_starts: tuple = ()
+    ids: "Optional[torch.Tensor]" = None
+    positions: "Optional[torch.Tensor]" = None
+    views: "Optional[Views]" = None  # the window and shared views' rows, given back after the forward
+
+    @property
+    def offsets(self) -> list[int]:
+        """Each request's first query row in the forward, and the total."""
+        out = [0]
+        for n in self.lens:
+            out.append(out[-1] + n)
+        return out
 
     @property
     def in_pool_set(self) -> frozenset:

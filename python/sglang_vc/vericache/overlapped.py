@@ -38,7 +38,7 @@ from sglang_vc.spec_worker import committed_lens
 
 from . import flags
 from .policy import IterationRows, Mode
-from .staggered import Outcome, Role
+from .staggered_schedule import Outcome, Role
 
 
 def needs_sync(worker, batch) -> bool:
@@ -48,7 +48,7 @@ def needs_sync(worker, batch) -> bool:
     boundary, with the lengths the worker committed."""
     if worker.schedule is not flags.Schedule.STAGGERED or worker.constrained(batch.reqs):
         return True
-    runtime, tracks = worker.runtime, worker._schedule().tracks
+    runtime, tracks = worker.runtime, worker.staggered.schedule.tracks
     rows, lengths = [], []
     for req in batch.reqs:
         row = req.kv.req_pool_idx
@@ -61,7 +61,7 @@ def needs_sync(worker, batch) -> bool:
         rows.append(row)
         # (SGLang's own count lags by the queued result's token; the worker's does not)
         lengths.append(track.committed if track is not None and track.row == row else req.kv.kv_committed_len)
-    worker._decide_modes(batch, rows, lengths)
+    worker.staggered.modes.decide(batch, rows, lengths)
     return any(worker.modes[req.rid].mode is not Mode.FULL for req in batch.reqs)
 
 
@@ -116,19 +116,19 @@ def full_only_iteration(worker, batch):
         if syncs.with_sites():
             finish[-1]["host_sync_sites"] = dict(counter.by_site)
             finish[-1]["launches_by_op"] = dict(launched.by_op - in_forward.by_op)
-    worker._schedule().finish(*finish)
+    worker.staggered.schedule.finish(*finish)
     return result
 
 
 def _full_only(worker, batch, around_forward):
     started = time.perf_counter()
-    sched = worker._schedule()
+    sched = worker.staggered.schedule
     bs = len(batch.reqs)
     committed = committed_lens(batch)
     row_list = [req.kv.req_pool_idx for req in batch.reqs]
     committed_list = committed.tolist()  # (a host copy: SGLang resolved it from the publish)
     plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
-                      lambda i: worker._reload_bytes(batch.reqs[i].rid, row_list[i]))
+                      lambda i: worker.staggered.staging.reload_bytes(batch.reqs[i].rid, row_list[i]))
     if any(s.role is not Role.FULL for s in plan.slots):  # needs_sync and the plan read the same state
         raise RuntimeError("an overlapped iteration was planned with a request that drafts")
     req_to_token = worker.req_to_token_pool.req_to_token
@@ -159,7 +159,7 @@ def _full_only(worker, batch, around_forward):
         worker.draft_length.record_iteration(seconds, 0, n, 0, 0)
         worker.policy.record(seconds, IterationRows(n, rows, rows, 0), batch=n, full_only=True)
     forward_s = timed[-1][0] if timed else None
-    worker._count_modes(plan)
+    worker.staggered.modes.count(plan)
     stats.add("vericache", iterations=1, forwards=1, full_kv_steps=bs, decode_forwards=1, overlapped_iterations=1)
     # the worker's host work beyond SGLang's forward: the mode check before it and this
     # iteration around it (what an overlapped device step must hide; bench.gpu_parity --trace)

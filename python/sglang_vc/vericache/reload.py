@@ -19,9 +19,11 @@ into pool slots from the device), so ``depth`` bounds that transient, not the re
 Layer ``l + 1`` lands while the verify computes layer ``l``, and layer 0 while the
 batch drafts; the verify's stream waits for each layer's copy event before reading it.
 A failed copy is retried synchronously on the scheduler thread (counted as a reload
-failure). A copy that fails every retry hands its requests to ``on_failure`` (the worker
-writes their full KV into device slots, and they verify and decode from it: the slower
-correct path); without one it raises :class:`ReloadFailed`.
+failure). A copy that fails every retry hands its requests to ``on_failure``
+(:class:`~.restore.FullKVRestore` writes their full KV into device slots, and they verify
+and decode from it: the slower correct path); the requests it finds no room for are the
+reload's :attr:`LayerwiseReload.lost`, a result the iteration reads after the forward. Without ``on_failure`` it raises
+:class:`ReloadFailed`.
 """
 
 from __future__ import annotations
@@ -372,8 +374,8 @@ class LayerwiseReload:
 
     def __init__(self, executor: ThreadPoolExecutor, entries: dict[int, HostEntry], dest: dict[int, torch.Tensor],
                  pool, req_to_token: torch.Tensor, layer_ids: list[int], device, depth: int = 2,
-                 on_failure: Optional[Callable[[dict[int, HostEntry]], None]] = None,
-                 copy_stream: Optional[CopyStream] = None, release=None):
+                 on_failure: Optional[Callable[[dict[int, HostEntry], object], dict[str, str]]] = None,
+                 copy_stream: Optional[CopyStream] = None, release=None, staging=None):
         self.entries = entries
         self.dest = dest
         self.pool = pool
@@ -395,6 +397,8 @@ class LayerwiseReload:
         self.failures = 0
         self.on_failure = on_failure
         self.gave_up = False  # every retry failed: on_failure took the requests over
+        self.lost: dict[str, str] = {}  # rid -> why: on_failure could not restore its full KV
+        self.staging = staging  # the verify forward's PoolStaging, once it holds the slots
         self.staged_bytes = 0
         self._lock = threading.Lock()
         self._doomed = faults.doom_next_reload()
@@ -413,9 +417,10 @@ class LayerwiseReload:
         """The requests (batch indices) whose KV this reload stages."""
         return set(self.entries)
 
-    def hand_over(self) -> dict[int, torch.Tensor]:
-        """The destination slots, now the verify's (its staging frees them after the
+    def hand_over(self, staging=None) -> dict[int, torch.Tensor]:
+        """The destination slots, now the verify's (``staging`` frees them after the
         forward): this reload no longer gives them back."""
+        self.staging = staging
         if self._release is not None:
             self._release.handed_over(sum(s.numel() for s in self.dest.values()))
         self._release = None
@@ -477,7 +482,7 @@ class LayerwiseReload:
                 if not self.gave_up:
                     self.gave_up = True
                     self._cancelled = True  # the copy thread stops staging later layers
-                    self.on_failure(self.entries)
+                    self.lost.update(self.on_failure(self.entries, self.staging) or {})
                 staged = None
         self._next()
         if not self.gave_up and staged is not None:

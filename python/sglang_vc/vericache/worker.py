@@ -1,7 +1,7 @@
 """The VERICACHE speculative worker (SGLang spec-V2 schema, synchronous).
 
 Two schedules (``--vc-schedule``). **staggered** (the default, VeriCache §4.2 and §5.2,
-:mod:`.staggered`): at each iteration every speculating request drafts one token from
+:mod:`.staggered_schedule`): at each iteration every speculating request drafts one token from
 its compressed KV, while the few whose verify ADMIT reserved for this iteration verify
 their drafts against the full KV instead; reloads start at their reserved window and
 stage the whole request over the drafting iterations in between. **lockstep** (the
@@ -52,21 +52,22 @@ from sglang.srt.mem_cache.common import evict_from_tree_cache
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import CopyStream, get_runtime
+from sglang_vc.kvruntime import writes
+from sglang_vc.kvruntime.scheduler_side import SchedulerSide
 from sglang_vc.overlap import relay, widen
 from sglang_vc.spec_worker import ChainSpecWorker
 
 from . import flags
 from .draft_length import DraftLength
 from .names import DEFAULT_DRAFT_TOKENS, META_INFO_KEY
-from .reload import HostKVStore, LayerwiseReload, measure_bandwidth
-from .reload import faults as reload_faults
-from .staging import AheadSlots, PoolStaging, VerifyHeadroom
+from .reload import HostKVStore, measure_bandwidth
+from .staging import AheadSlots, VerifyHeadroom
 from .policy import Decision, Mode, ModePolicy
+from .restore import FullKVRestore
 from .lockstep import LockstepRound
 from .overlapped import LaggedTimer, full_only_iteration
 from .overlapped import needs_sync as _needs_sync
 from .staggered_round import StaggeredRound
-from .staggered import StaggeredSchedule
 from .view_rows import SharedSelections, ViewRows
 from .worker_spec import draft_tokens_of
 
@@ -84,7 +85,10 @@ def shared_by(prompt, waiting: list) -> int:
 # ----------------------------------------------------------------------------- worker
 
 
-class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
+class VeriCacheWorker(ChainSpecWorker):
+    """SGLang's spec worker for VERICACHE: its schedule's iteration (``staggered`` or
+    ``lockstep``, composed), the host store, the mode policy and per-request bookkeeping."""
+
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         from sglang.srt.runtime_context import get_device, get_spec
 
@@ -112,7 +116,6 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
                     "--vc-host-kv-gb" if settings and settings.get("host_kv_gb") is not None
                     else f"{flags.DEFAULT_HOST_FRACTION:.0%} of the machine's memory; --vc-host-kv-gb sets it")
         self.per_request: dict[str, dict] = {}
-        self._faults = {}
         self._prefill_prompts: dict = {}  # rid -> prompt of the prefill forward running now
         self.compress_when = flags.compress_when(settings)
         # X fixed by --speculative-num-draft-tokens, or chosen from data up to it
@@ -133,8 +136,12 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         self.modes: dict[str, Decision] = {}  # rid -> the mode of its current cycle
         self._runtime = None
         self.headroom: Optional[VerifyHeadroom] = None  # set with the runtime
-        self._staggered: Optional[StaggeredSchedule] = None
-        self._stalled_verifies = 0  # verifies that waited for pool room, nothing committed since
+        # the iteration of its schedule (plan -> forward -> commit)
+        self.staggered = StaggeredRound(self) if schedule is flags.Schedule.STAGGERED else None
+        self.lockstep = LockstepRound(self) if schedule is flags.Schedule.LOCKSTEP else None
+        # the re-selected per-head view's positions, rid -> [layers, Hkv, K], from its last
+        # verify (the attention backend writes them through the forward's plan)
+        self.selections: dict = {}
         self._bandwidth: Optional[float] = None
         # SGLang's overlap scheduler (:mod:`.overlapped`): whether the next decode forward
         # was let overlap; the requests whose last decode forward committed nothing
@@ -152,9 +159,10 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
 
     @property
     def shared_selections(self) -> SharedSelections:
-        """The shared view's selections, scored by the attention backend in verifies."""
+        """The shared view's selections, scored by the attention backend in verifies
+        (through the forward's plan)."""
         if self._shared_selections is None:
-            self._shared_selections = self.model_runner.attn_backend.shared_selections = SharedSelections()
+            self._shared_selections = SharedSelections()
         return self._shared_selections
 
     @property
@@ -171,16 +179,23 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
             self._runtime.full_kv_sink = self.host.sink
             self._runtime.payload_tail_headroom = 0.0  # its rows stay full: no decode tail is quantized
             self._runtime.full_kv_admit = self._admit_host
-            if self.compress_when is flags.CompressWhen.MEMORY_BINDS:
-                self._runtime.compress_gate = self._full_kv_while_memory_free
             self._runtime.full_kv_kept = self.host.kept
-            self.headroom = self._runtime.held_back = VerifyHeadroom(
-                self._runtime.allocator, lambda n: evict_from_tree_cache(self._runtime.tree_cache, n))
-            if self.schedule is flags.Schedule.STAGGERED:  # SGLang allocates what an iteration writes
-                self._runtime.slots_ahead = self._slots_ahead
+            self.headroom = VerifyHeadroom(self._runtime.allocator,
+                                           lambda n: evict_from_tree_cache(self._runtime.tree_cache, n))
+            # what SGLang's scheduler asks of this worker (through hooks.py), once
+            self._runtime.side = SchedulerSide(
+                # SGLang allocates what a staggered iteration writes
+                slots_ahead=self.staggered.slots_ahead if self.staggered is not None else None,
+                held_back=self.headroom,
+                compress_gate=self._full_kv_while_memory_free
+                if self.compress_when is flags.CompressWhen.MEMORY_BINDS else None,
+                full_kv_for_tree=self._full_kv_for_tree)
             self._runtime.release_listeners.append(self._released)
             self._runtime.host_store = self.host
             self._install_specache_drafter(self._runtime)
+            # a reload that fails every retry restores its requests' full KV (:mod:`.restore`)
+            self.restore = FullKVRestore(self.host, self._runtime, self.req_to_token_pool.req_to_token)
+            writes.watch(type(self.model_runner.attn_backend))  # (SGLANG_VC_WATCH_WRITES)
             self._runtime.reload_ahead = self._ahead_slots()  # (its counts in /server_info)
         return self._runtime
 
@@ -205,12 +220,33 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         its reload in flight (and the pool slots it lands in) and its place in the
         schedule go now, not at the next forward (a batch that empties has none)."""
         self.host.drop(rid)
-        if self._staggered is not None:
-            self._staggered.forget(rid)
+        if self.staggered is not None:
+            self.staggered.forget(rid)
         self.modes.pop(rid, None)
         self.policy.forget(rid)
-        self._faults.pop(rid, None)
         self.commits_nothing.discard(rid)
+
+    def _full_kv_for_tree(self, req) -> bool:
+        """A compressed request finished: its full KV (the host copy of its compressed span,
+        the exact KV of its committed tokens in its row) goes back into its row, so the radix
+        tree keeps it as a plain server keeps a finished request's; the next request with
+        this prefix reuses it. Pool slots come from free ones, else from evicting the tree's
+        least recently used nodes, as a plain server's allocation would; False (counted)
+        where there are none. A host-to-device copy of the span at the request's end."""
+        row = req.kv.req_pool_idx
+        entry = self.host.get(req.rid, row)
+        if entry is None or not entry.num_tokens or self.runtime.entry_for_row(row) is None:
+            return False
+        k, v = self.restore.full_rows(entry)
+        runtime = self.runtime
+        if not runtime.restore_full_kv(row, entry.p, k, v):
+            evict_from_tree_cache(runtime.tree_cache, entry.num_tokens)
+            if not runtime.restore_full_kv(row, entry.p, k, v):
+                stats.add("vericache", finished_kv_not_kept=1)
+                return False
+        self.host.drop(req.rid)
+        stats.add("vericache", finished_kv_kept=1, finished_kv_kept_tokens=entry.num_tokens)
+        return True
 
     def _full_kv_while_memory_free(self, rid: str, own_rows: int, spec) -> Optional[str]:
         """``--vc-compress-when memory-binds``: whether a request whose prefill just ended
@@ -221,9 +257,10 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         (:meth:`.policy.ModePolicy.offload`); the waiting requests then wait, as on a plain
         server."""
         runtime = self.runtime
-        room, waiting = runtime.free_room(), runtime.waiting_demand
+        queue = runtime.side.waiting
+        room, waiting = runtime.free_room(), queue.demand
         prompt = self._prefill_prompts.get(rid)
-        if prompt is not None and (sharing := shared_by(prompt, runtime.waiting_prompts)):
+        if prompt is not None and (sharing := shared_by(prompt, queue.prompts)):
             # compressed, its KV would not enter the tree: they would compute it again
             stats.add("vericache", full_kv_shared_prefix=1)
             return (f"{sharing} waiting request(s) share at least half of its prompt: the radix tree serves them "
@@ -235,10 +272,10 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         if self.schedule is not flags.Schedule.STAGGERED:
             return None
         kept = spec.rows_kept(own_rows) if spec.scenario == "token_dropping" else 0
-        per_waiting = waiting / max(1, runtime.waiting_requests)
+        per_waiting = waiting / max(1, queue.requests)
         # waiting requests the freed rows hold, as a fraction: compressing several requests
         # admits whole ones (appendix B.1's batch grows with the compressed footprint)
-        admitted = min(runtime.waiting_requests, max(0, room + own_rows - kept) / max(1, per_waiting))
+        admitted = min(queue.requests, max(0, room + own_rows - kept) / max(1, per_waiting))
         # compressed already, or chosen for it earlier in this prefill forward
         offloaded = len(runtime.compressed_rids() | {r for r, d in self.modes.items() if d.mode is Mode.OFFLOAD})
         held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
@@ -297,6 +334,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
                     self._fail(req, f"its decode iteration failed ({type(exc).__name__}: {exc})")
                 result = self.result(batch, torch.zeros(len(batch.reqs), self.stride, dtype=torch.int64),
                                      torch.zeros(len(batch.reqs), dtype=torch.int64))
+            writes.seal()  # start-up is over: what is written from here on is per forward
             for req in batch.reqs:  # read back in order as SGLang processes each result (hooks.py)
                 if overlapped:
                     req.vc_verified = False
@@ -318,18 +356,17 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         # prefill the running batch decodes next, not only this batch; one slot each under
         # the staggered schedule, :mod:`.decode_slots`), unless a verify has waited too long
         rows_held = self.req_to_token_pool.size - self.req_to_token_pool.available_size()
-        per_decode = 1 if runtime.slots_ahead is not None else get_alloc_reserve_per_decode()
+        per_decode = 1 if runtime.side.slots_ahead is not None else get_alloc_reserve_per_decode()
         self.headroom.fit(max((e.num_tokens for e in self.host.entries.values()), default=0),
                           keep_free=max(rows_held, len(batch.reqs)) * per_decode,
-                          stalled=self._stalled_verifies)
+                          stalled=self.staggered.stalled_verifies if self.staggered is not None else 0)
         live = {r.rid for r in batch.reqs} | set(runtime.plans)
         for rid in [r for r in self.per_request if r not in live]:
             del self.per_request[rid]
         for rid in [r for r in self.modes if r not in live]:
             del self.modes[rid]
-        selections = self.model_runner.attn_backend.selections
-        for rid in [r for r in (selections or {}) if r not in live]:
-            del selections[rid]
+        for rid in [r for r in self.selections if r not in live]:
+            del self.selections[rid]
         self.shared_selections.forget(live)
         self.drafter.forget(live)
         self.draft_length.forget(live)
@@ -359,9 +396,7 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         return widen(self._decode(self.sub_batch(batch, live)), live, batch)
 
     def _decode(self, batch):
-        if self.schedule is flags.Schedule.STAGGERED:
-            return self._staggered_round(batch)
-        return self._decode_round(batch)
+        return (self.staggered or self.lockstep).run(batch)
 
     # ------------------------------------------------------------------ one round
 
@@ -420,42 +455,6 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         kv_pool = self.runtime.kv_pool
         return list(range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num))
 
-    def _start_reload(self, batch, rows, staging: PoolStaging) -> Optional[LayerwiseReload]:
-        """Kick off the reload of every request of the batch that is compressed and has its
-        full KV on the host, into pool slots ``staging`` reserves for its verify; None when
-        no request needs one (or the pool has no room for any: their verify then fails)."""
-        entries = {}
-        for i, req in enumerate(batch.reqs):
-            row = int(rows[i])
-            entry = self.host.get(req.rid, row)
-            if entry is not None and entry.num_tokens and self.runtime.entry_for_row(row) is not None \
-                    and staging.reserve(i, entry):
-                entries[i] = entry
-        if not entries:
-            return None
-        reload = LayerwiseReload(self.copy_thread, entries, {i: staging.requests[i].slots for i in entries},
-                                 self.runtime.kv_pool, self.req_to_token_pool.req_to_token, self._layer_ids(),
-                                 self.device, on_failure=self._restore_full_kv, copy_stream=self.copy_stream)
-        staging.layer_ready = reload.layer
-        return reload
-
-    _staging: Optional[PoolStaging] = None  # the verify forward's, while it runs
-
-    def _verify_forward_with(self, staging: PoolStaging) -> None:
-        """Point the verifying requests' rows at their staged slots (before the forward
-        builds its metadata: SGLang's backends read ``req_to_token`` then); the staging
-        reaches the attention backend on the forward's plan (:mod:`.forward_plan`), and is
-        kept here for a reload that fails inside the forward (:meth:`_restore_full_kv`)."""
-        staging.point()
-        self._staging = staging
-
-    def _verify_forward_done(self) -> None:
-        staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.restore()
-
-    _faults: dict  # rid -> what went wrong inside a forward (set in __init__)
-
     def _fail(self, req, message: str) -> None:
         """One request's fault ends that request, not the server: it finishes with an
         error reply (HTTP 500 and the message; nothing after the fault is committed), its
@@ -468,52 +467,5 @@ class VeriCacheWorker(StaggeredRound, LockstepRound, ChainSpecWorker):
         req.to_finish = FINISH_ABORT(f"VERICACHE: {message}", status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
         stats.add("vericache", request_faults=1)
         self.host.drop(req.rid)
-        if self._staggered is not None:
-            self._staggered.forget(req.rid)
-
-    def _failed(self, req) -> bool:
-        """Whether a fault inside the forward (:meth:`_restore_full_kv`) hit this request:
-        then it is failed now (:meth:`_fail`) and commits nothing."""
-        message = self._faults.pop(req.rid, None)
-        if message is not None:
-            self._fail(req, message)
-        return message is not None
-
-    def _restore_full_kv(self, entries) -> None:
-        """A staged reload failed every retry (called from the verify forward, before the
-        failed layer is attended): the slower correct path. Each request's full KV goes
-        from the host store back into device slots and its compressed index is dropped,
-        so it verifies -- from this layer on -- and decodes from its full device KV, like a
-        request the host store never admitted. Its output stays the full-KV output."""
-        for entry in entries.values():
-            # its staged slots hold its full KV for good, else new pool slots do (the testing
-            # hook: neither has room)
-            restored = not reload_faults.take("no_room") and (
-                (self._staging is not None and self._staging.adopt(entry, self._full_rows))
-                or self.runtime.restore_full_kv(entry.req_pool_idx, entry.p, *self._full_rows(entry)))
-            if not restored:
-                # nothing correct is left to serve it: the forward goes on for the others, and
-                # the request ends after it (:meth:`_failed`)
-                self._faults[entry.rid] = ("its reload failed every retry and the KV pool has no free slots to "
-                                           "restore its full KV")
-                continue
-            self.host.drop(entry.rid)
-            logger.warning("VERICACHE: reload of request %s failed every retry; it decodes from its "
-                           "full KV, restored on the device", entry.rid)
-            stats.add("vericache", reload_fallbacks=1, fallbacks=1)
-
-    def _full_rows(self, entry, span_slots: Optional[torch.Tensor] = None) -> tuple[dict, dict]:
-        """The full KV of the entry's span per layer: the host rows, merged with the kept
-        rows still in the pool where the host holds only the dropped ones (``span_slots``:
-        the request's own slots of ``[p, n)``; by default its row's)."""
-        pool = self.runtime.kv_pool
-        entry.wait()  # its copies to the host have landed
-        if span_slots is None:
-            span_slots = self.req_to_token_pool.req_to_token[entry.req_pool_idx, entry.p : entry.n]
-        span_slots = span_slots.to(torch.int64)
-        k, v = {}, {}
-        for layer_id in entry.k:
-            k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-            k[layer_id], v[layer_id] = entry.span(layer_id).to(k_buf.device).full(k_buf, v_buf, span_slots.to(k_buf.device))
-        return k, v
-
+        if self.staggered is not None:
+            self.staggered.forget(req.rid)

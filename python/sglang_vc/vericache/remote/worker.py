@@ -159,7 +159,7 @@ class RemoteVerifyWorker(ChainSpecWorker):
     def copies(self) -> FullCopies:
         if self._copies is None:
             mgr = evicpress_radix.active_cache().evicpress
-            self._copies = FullCopies(lambda ctx: mgr.read_storage_copy(ctx, FULL))
+            self._copies = FullCopies(lambda ctx: mgr.storage_copies.read_storage_copy(ctx, FULL))
         return self._copies
 
     def _choose(self, req, ctx) -> RemotePath:

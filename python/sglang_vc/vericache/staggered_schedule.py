@@ -1,4 +1,4 @@
-"""The staggered schedule of VeriCache §4.2 and §5.2, driven by :class:`ReloadScheduler`.
+"""The staggered schedule of VeriCache §4.2 and §5.2, driven by :class:`ReloadPlanner`.
 
 One SGLang decode iteration under ``--vc-schedule staggered`` (the default):
 
@@ -39,8 +39,8 @@ import json
 import time
 from typing import Callable, Optional
 
-from .scheduler import Admission, ReloadScheduler
-from .admit import Mode
+from .reload_planner import Admission, ReloadPlanner
+from .admit import AdmitState
 
 
 class Role(enum.Enum):
@@ -100,7 +100,7 @@ class StaggeredSchedule:
     request whose KV is not compressed (it decodes as FULL).
     """
 
-    def __init__(self, scheduler: ReloadScheduler, draft_len: int,
+    def __init__(self, scheduler: ReloadPlanner, draft_len: int,
                  trace_path: Optional[str] = None, ema: float = 0.2):
         self.sched = scheduler
         self.draft_len = draft_len
@@ -179,7 +179,7 @@ class StaggeredSchedule:
                                                    hbm_bytes=hbm_bytes(i) if hbm_bytes is not None else None,
                                                    max_draft_len=cap)
             if track.admission is None:
-                if self.sched.mode(rid) is Mode.FALLBACK:
+                if self.sched.mode(rid) is AdmitState.FALLBACK:
                     slots.append(Slot(i, Role.FULL, track))  # the worker restores its full KV
                 else:
                     slots.append(Slot(i, Role.WAIT, track))

@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Hashable
 
-from sglang_vc.vericache.admit import Mode, Placement, admit, load_span
+from sglang_vc.vericache.admit import AdmitState, Placement, admit, load_span
 from sglang_vc.vericache.metrics import VeriCacheMetrics
 from sglang_vc.vericache.rings import BwRing, HbmRing, Ring
 
@@ -46,7 +46,7 @@ class Admission:
     hbm_bytes: int
 
 
-class ReloadScheduler:
+class ReloadPlanner:
     """Admission control and staggering of verify reloads (VeriCache §5).
 
     Args:
@@ -95,7 +95,7 @@ class ReloadScheduler:
         self._pending: dict[Hashable, tuple[Admission, Placement]] = {}
         self._reload_at: dict[int, list[Hashable]] = defaultdict(list)
         self._verify_at: dict[int, list[Hashable]] = defaultdict(list)
-        self._mode: dict[Hashable, Mode] = {}
+        self._mode: dict[Hashable, AdmitState] = {}
         self._deferred_in_row: dict[Hashable, int] = {}
         self.admissions = 0
         self.deferrals = 0
@@ -130,7 +130,7 @@ class ReloadScheduler:
         ``hbm_bytes`` the transient device memory of the reload (default ``kv_bytes``),
         ``max_draft_len`` the most drafts before the verify (None: the window's);
         ``stagger=False`` exempts this verify from the per-window verify cap (in-pool
-        drafters aligned to verify together, :mod:`.staggered`).
+        drafters aligned to verify together, :mod:`.staggered_schedule`).
         Returns the Admission, or None when the request is deferred (back to waiting;
         call again in a later iteration) or in FALLBACK mode (see ``mode``).
         """
@@ -141,7 +141,7 @@ class ReloadScheduler:
             )
         if preferred_draft_len < 1:
             raise ValueError("preferred_draft_len must be >= 1")
-        if self._mode.get(request_id) is Mode.FALLBACK:
+        if self._mode.get(request_id) is AdmitState.FALLBACK:
             return None
         _, span = load_span(kv_bytes, self.bandwidth, self.bw_ring.iter_time)
         if span > self.window - 1:  # can never fit: no point waiting
@@ -182,7 +182,7 @@ class ReloadScheduler:
         self._pending[request_id] = (adm, placement)
         self._reload_at[adm.reload_iteration].append(request_id)
         self._verify_at[adm.verify_iteration].append(request_id)
-        self._mode[request_id] = Mode.SPECULATIVE
+        self._mode[request_id] = AdmitState.SPECULATIVE
         self._deferred_in_row.pop(request_id, None)
         self.admissions += 1
         if self.metrics is not None:
@@ -195,16 +195,16 @@ class ReloadScheduler:
             self.metrics.add(admissions_deferred=1)
         n = self._deferred_in_row.get(request_id, 0) + 1
         self._deferred_in_row[request_id] = n
-        self._mode[request_id] = Mode.WAITING
+        self._mode[request_id] = AdmitState.WAITING
         if self.fallback_after is not None and n >= self.fallback_after:
             self._fall_back(request_id)
 
     def _fall_back(self, request_id: Hashable) -> None:
-        if self._mode.get(request_id) is not Mode.FALLBACK:
+        if self._mode.get(request_id) is not AdmitState.FALLBACK:
             self.fallbacks += 1
             if self.metrics is not None:
                 self.metrics.add(fallbacks=1)
-        self._mode[request_id] = Mode.FALLBACK
+        self._mode[request_id] = AdmitState.FALLBACK
 
     # -- execution loop -------------------------------------------------------------
     def due_reloads(self, iteration: int | None = None) -> list[Hashable]:
@@ -253,7 +253,7 @@ class ReloadScheduler:
         entry = self._pending.get(request_id)
         return entry[0] if entry else None
 
-    def mode(self, request_id: Hashable) -> Mode | None:
+    def mode(self, request_id: Hashable) -> AdmitState | None:
         """``mode[r]``: SPECULATIVE (holds a verify), WAITING (deferred), FALLBACK, or
         None for an unknown / released request."""
         return self._mode.get(request_id)

@@ -1,0 +1,62 @@
+"""An offloaded request's KV stays reusable (#80): SGLang's own logprob-consistency
+helpers (``sglang/test/kl_test_utils.py``: the prefill cache hit and the decode cache hit)
+against VERICACHE servers that offload every request, with real-text prompts in place of
+the helpers' dataset (no hub here).
+
+Slow (two servers, each helper flushes the cache and prefills everything twice): run with
+``pytest -m slow test/test_vericache_prefix_reuse.py``. The default run's check is
+``test_vericache_serving::test_a_second_turn_reuses_the_offloaded_first_turns_prompt_and_answer``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import real_text_passages, release_after_last_use
+from sglang_vc.testing.server import ServerProcess
+from test_vericache_serving import ALWAYS, META
+
+pytestmark = pytest.mark.slow
+
+# the helpers' average-KL bound (#80 asks < 1e-3)
+KL = 1e-3
+
+
+@pytest.fixture(scope="module", params=["snapkv", "specache"])
+def offloading(request, tmp_path_factory):
+    """A server that offloads every request: a token-dropping drafter (SnapKV 0.25) and
+    the default one (SpeCache 2-bit)."""
+    drafter = (["--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25"] if request.param == "snapkv" else [])
+    proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", "40000", "--speculative-algorithm", "VERICACHE",
+                          "--speculative-num-draft-tokens", "4", *ALWAYS, *drafter],
+                         log_path=tmp_path_factory.mktemp(f"prefix_reuse_{request.param}") / "server.log")
+    release_after_last_use(request, proc)
+    yield proc, request.param
+    proc.stop()
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """8 prompts of 1.5k-3k tokens of real text."""
+    text = " ".join(real_text_passages(40, words=400))
+    ids = tokenizer(text)["input_ids"]
+    return [ids[4000 * i: 4000 * i + 1500 + 200 * i] for i in range(8)]
+
+
+def _counters(proc) -> dict:
+    return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]["vericache"]
+
+
+@pytest.mark.parametrize("helper", ["prefill_cache_hit", "decode_cache_hit"])
+def test_sglangs_cache_hit_helpers_pass_under_offload(offloading, tokenizer, model_dir, monkeypatch, helper):
+    from sglang.test import kl_test_utils
+
+    proc, drafter = offloading
+    monkeypatch.setattr(kl_test_utils, "get_input_ids", lambda **kw: _prompts(tokenizer))
+    before = _counters(proc)
+    fn = getattr(kl_test_utils, f"test_input_output_logprobs_match_{helper}_helper")
+    fn(proc.url, {str(model_dir): {"kl_div": KL}}, str(model_dir), max_samples=8, max_new_tokens=64)
+    after = _counters(proc)
+    # the compressed path was taken and the finished requests' full KV went to the tree
+    assert after["verify_rounds"] > before.get("verify_rounds", 0), after
+    assert after["finished_kv_kept"] > before.get("finished_kv_kept", 0), after
