@@ -734,8 +734,10 @@ class KVRuntime:
             del self.index[req_pool_idx]
             if entry.payload is not None:
                 self.payloads.release(entry.payload.home)
-            if not self.index and self.side.held_back is not None:  # an idle pool holds nothing back
-                self.side.held_back.fit(0)
+        # an idle pool holds nothing back (also when the request's index went earlier: a
+        # finished request whose full KV was put back for the tree, KVRuntime.full_again)
+        if not self.index and self.side.held_back is not None:
+            self.side.held_back.fit(0)
         plan = self.plans.pop(rid, None)
         if plan is not None and plan.spec is not None:
             self.compressor(plan.spec.compressor).release(rid)
