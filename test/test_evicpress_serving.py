@@ -344,7 +344,7 @@ def test_the_manager_plans_a_request_in_one_call_per_match(tmp_path):
     again = plan("no-room", _Rows(), earlier=miss)  # waiting, matched again: loaded now
     assert again is miss and miss.origin is Origin.MISS and ctx.device_config == FULL
     assert (mgr.counters["misses"], mgr.counters["hits_disk"], ctx.frequency) == (1, 1, counted[1])
-    assert set(mgr.active_requests) == {"device", "stored", "no-room"}
+    assert set(mgr.profiling.active_requests) == {"device", "stored", "no-room"}
     other = ContextPlan()
     short = list(range(5000, 5100))  # no context, too short for an automatic one
     mgr.requests.plan_match("other", short, None, short, _Rows(), other)
@@ -379,12 +379,12 @@ def test_a_request_aborted_while_waiting_leaves_no_plan(tmp_path, monkeypatch):
         cache._reqs[rid] = ContextPlan(Origin.HOST, ctx, 200, 200, KIVI4)
         cache._private[rid] = radix._PrivatePrefix("lossy:c0", 200, 200, KIVI4, ctx.ctx_id)
     cache.maybe_hand_to_session(SimpleNamespace(rid="prefilling", kv=SimpleNamespace(req_pool_idx=3)))
-    assert set(mgr.active_requests) == set(rids)
+    assert set(mgr.profiling.active_requests) == set(rids)
     for rid in ("waiting", "prefilling"):
         cache.finish(CacheRequestHandle(rid=rid, attempt_id=0), CacheRequestOutcome.ABORT)
     cache.finish(CacheRequestHandle(rid="done", attempt_id=0), CacheRequestOutcome.SUCCESS)
     # the waiting one is forgotten; the one holding a row and the success wait for on_release
-    assert set(cache._reqs) == set(cache._private) == set(mgr.active_requests) == {"prefilling", "done"}
+    assert set(cache._reqs) == set(cache._private) == set(mgr.profiling.active_requests) == {"prefilling", "done"}
 
 
 def test_manager_corrupted_and_truncated_disk_entries_are_dropped(tmp_path):

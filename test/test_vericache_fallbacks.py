@@ -208,13 +208,15 @@ def test_full_kv_until_memory_binds(server, model_dir, tokenizer, tmp_path_facto
         ids_list = [stream[i * 600 : (i + 1) * 600] for i in range(4)]
         assert all(len(ids) == 600 for ids in ids_list), len(stream)
         before = vc_counters(proc)["counters"].get("vericache", {})
-        alone = generate(proc, ids_list[0], 24)
+        # (a prompt of its own: the four below would find it cached, and keep their full KV)
+        alone_ids = stream[4 * 600 : 5 * 600]
+        alone = generate(proc, alone_ids, 24)
         mid = vc_counters(proc)["counters"].get("vericache", {})
         info = alone["meta_info"]["sglang_vc_compression"][0]
         assert info["compressor"] == "none" and "room for its full KV" in info["full_kv_reason"], info
         assert mid.get("drafted", 0) == before.get("drafted", 0), "a request with room drafted"
         assert mid.get("full_kv_memory_free", 0) == before.get("full_kv_memory_free", 0) + 1
-        _assert_identical(server, model_dir, ids_list[:1], [alone], 24)
+        _assert_identical(server, model_dir, [alone_ids], [alone], 24)
         # one batch request: the four reach the scheduler together, so the pool's room is
         # judged with the others waiting (four HTTP requests could reach it apart: the first
         # two then kept their full KV, and SGLang's admission, which does not count a

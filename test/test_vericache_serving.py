@@ -421,6 +421,7 @@ def test_greedy_identical_to_full_kv(server, model_dir, tokenizer, vc_x, drafter
     """A concurrent batch of mixed-length prompts: VERICACHE's tokens == the plain
     server's (full KV), for each drafter and draft length."""
     vc, x = vc_x
+    flush_cache(vc)  # (an earlier test's same prompts would be cached: nothing to compress)
     outs = _check_identical(server, vc, model_dir, prompts(tokenizer, 0), 24, DRAFTERS[drafter])
     for out in outs:
         info = out["meta_info"][META][-1]
@@ -451,6 +452,7 @@ def test_batch_of_16_mixed_lengths_identical(server, model_dir, tokenizer, vc4):
 def test_counters_in_server_info(server, tokenizer, vc_x):
     vc, x = vc_x
     ids = prompts(tokenizer, 3)[1]
+    flush_cache(vc)  # (an earlier test's same prompt would be cached: nothing to compress)
     before = vc_counters(vc)["counters"].get("vericache", {})
     out = generate(vc, ids, 16)
     assert out["output_ids"] == generate(server, ids, 16)["output_ids"]
@@ -580,6 +582,7 @@ def test_penalties_and_min_new_tokens_identical_to_full_kv(server, tokenizer, vc
 
     for order in (range(len(cases)), reversed(range(len(cases)))):
         order = list(order)
+        flush_cache(vc4)  # (the first order's prompts would be cached: nothing to compress)
         outs = dict(zip(order, concurrently(lambda k: run(vc4, k), [(k,) for k in order])))
         refs = dict(zip(order, concurrently(lambda k: run(server, k), [(k,) for k in order])))
         for k in order:
@@ -723,6 +726,7 @@ def test_structured_output_identical_to_full_kv(server, tokenizer, vc4):
         return generate(srv, ids_list[k], 48, custom if srv is vc4 else None, ignore_eos=False, **params)
 
     for order in (list(range(len(cases))), list(reversed(range(len(cases))))):
+        flush_cache(vc4)  # (the first order's prompts would be cached: nothing to compress)
         outs = dict(zip(order, concurrently(lambda k: run(vc4, k), [(k,) for k in order])))
         refs = dict(zip(order, concurrently(lambda k: run(server, k), [(k,) for k in order])))
         for k in order:

@@ -5,7 +5,9 @@ requests.
   request is ever handed a compressed prefix.
 * It may still *reuse* a full-KV prefix cached by an earlier full request. The match is
   capped so that it owns at least the rows its compressed KV needs; the compressed rows go
-  into its own slots only, the shared prefix nodes are never written.
+  into its own slots only, the shared prefix nodes are never written. Under VERICACHE
+  (lossless) the match is whole, and a request whose own rows cannot hold its compressed
+  rows keeps its full KV instead.
 * ``free_kv_row`` frees exactly the slots a compressed request still owns (the live
   slots of its own row positions); the slots it gave back at compression time are null in
   its row and not freed twice.
@@ -59,8 +61,9 @@ class LossyRadixCache(RadixCache):
         plan = self.runtime.plan(req.rid, getattr(req.sampling_params, "custom_params", None), prefill_len)
         cap = prefill_len - plan.min_own_rows()
         key = params.key
-        if plan.spec is not None and len(key) > cap:
-            # The compressed rows go into the request's own slots: borrow at most `cap`.
+        if plan.spec is not None and len(key) > cap and not self.runtime.side.lossless:
+            # The compressed rows go into the request's own slots: borrow at most `cap`
+            # (VERICACHE borrows the whole match instead: KVRuntime._own_rows_hold_it).
             params.key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram,
                                   limit=max(cap, 0), cache_salt=key.cache_salt)
         return super().match_prefix(params)

@@ -236,6 +236,16 @@ class KVRuntime:
         entry = self.index.get(req.kv.req_pool_idx)
         return entry is not None and entry.rid == req.rid
 
+    def _own_rows_hold_it(self, spec, n: int, p: int) -> Optional[str]:
+        """Under a lossless worker a request borrows the tree's whole match (``side.lossless``);
+        where its own rows cannot hold a token-dropping spec's kept rows, it keeps its full KV
+        (the reason): its prompt is mostly the tree's, which compressing would not free."""
+        if not self.side.lossless or spec.scenario != "token_dropping" or n - p >= spec.rows_kept(n):
+            return None
+        stats.add("compression", full_kv_mostly_cached=1)
+        return (f"{p} of its {n} prompt tokens are the radix tree's: compressing it would free nothing "
+                f"(its {spec.rows_kept(n)} kept rows need slots of its own)")
+
     def full_again(self, req) -> bool:
         """A finished compressed request whose full KV the worker put back in its row
         (``side.full_kv_for_tree``): from now on it is a full request, which the tree
@@ -312,7 +322,10 @@ class KVRuntime:
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
         gate = self.side.compress_gate
-        if gate is not None and (reason := gate(plan.rid, n - p, spec)) is not None:
+        reason = self._own_rows_hold_it(spec, n, p)
+        if reason is None and gate is not None:
+            reason = gate(plan.rid, n - p, spec)
+        if reason is not None:
             plan.spec = None
             self.meta[plan.rid] = {"compressor": "none", "full_kv_reason": reason}
             return None

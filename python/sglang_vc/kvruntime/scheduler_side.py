@@ -41,10 +41,14 @@ class SchedulerSide:
     -> reason or None``: whether a request whose prefill ends is compressed (None) or
     keeps its full KV (the reason), reading ``waiting``. ``full_kv_for_tree(req) ->
     bool``: a compressed request finished; put its full KV back in its row (True) so that
-    the radix tree keeps it, as it keeps a plain server's finished requests."""
+    the radix tree keeps it, as it keeps a plain server's finished requests. ``lossless``:
+    the worker verifies every token against the full KV (VERICACHE): a request borrows the
+    tree's whole match, and one whose own rows cannot hold its compressed rows keeps its
+    full KV (compressing a prompt the tree holds frees nothing)."""
 
     slots_ahead: Optional[Callable] = None
     held_back: Optional[object] = None
     compress_gate: Optional[Callable] = None
     full_kv_for_tree: Optional[Callable] = None
+    lossless: bool = False
     waiting: Waiting = dataclasses.field(default_factory=Waiting)

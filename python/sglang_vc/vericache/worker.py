@@ -189,7 +189,7 @@ class VeriCacheWorker(ChainSpecWorker):
                 held_back=self.headroom,
                 compress_gate=self._full_kv_while_memory_free
                 if self.compress_when is flags.CompressWhen.MEMORY_BINDS else None,
-                full_kv_for_tree=self._full_kv_for_tree)
+                full_kv_for_tree=self._full_kv_for_tree, lossless=True)
             self._runtime.release_listeners.append(self._released)
             self._runtime.host_store = self.host
             self._install_specache_drafter(self._runtime)
