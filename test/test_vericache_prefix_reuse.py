@@ -37,10 +37,11 @@ def offloading(request, tmp_path_factory):
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    """8 prompts of 1.5k-3k tokens of real text."""
-    text = " ".join(real_text_passages(40, words=400))
-    ids = tokenizer(text)["input_ids"]
-    return [ids[4000 * i: 4000 * i + 1500 + 200 * i] for i in range(8)]
+    """8 prompts of 1.5k-2.9k tokens of real text, each from its own place in it (no two
+    share a prefix)."""
+    ids = tokenizer(" ".join(real_text_passages(40, words=400)))["input_ids"]
+    ids = ids * (1 + 8 * 3000 // len(ids))
+    return [ids[600 * i: 600 * i + 1500 + 200 * i] for i in range(8)]
 
 
 def _counters(proc) -> dict:

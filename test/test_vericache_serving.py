@@ -868,6 +868,18 @@ def test_a_second_turn_reuses_the_offloaded_first_turns_prompt_and_answer(server
     assert turn2["output_ids"] == ref["output_ids"] and finish_type(turn2) == finish_type(ref)
 
 
+def test_an_empty_prompt_in_a_batch_does_not_take_the_server_down(server, vc4):
+    """SGLang refuses one empty prompt (HTTP 400) but passes one inside a batch to the
+    scheduler; the compressed path once compressed its 0 tokens and the scheduler died.
+    The batch gets the plain server's answer and the server goes on serving."""
+    body = {"input_ids": [[5, 6, 7, 8], []], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    got, want = (requests.post(srv.url + "/generate", json=body, timeout=300) for srv in (vc4, server))
+    assert got.status_code == want.status_code, (got.text, want.text)
+    if got.status_code == 200:
+        assert [o["output_ids"] for o in got.json()] == [o["output_ids"] for o in want.json()]
+    assert generate(vc4, [5, 6, 7, 8], 4)["output_ids"] == generate(server, [5, 6, 7, 8], 4)["output_ids"]
+
+
 def test_nothing_parks_state_on_the_runtime_or_the_attention_backend(vc4):
     """A forward's plan travels on the forward and the worker's answers to SGLang's
     scheduler on one registered object: after this module's drafting, verifying, staging,

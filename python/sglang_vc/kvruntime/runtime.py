@@ -321,6 +321,9 @@ class KVRuntime:
         p = plan.tree_prefix_len
         pend = _Pending(plan, req_pool_idx, n, p, q_lo, q_hi)
         spec = plan.spec
+        if n - p < 1:  # an empty prompt: nothing to compress (SGLang serves it)
+            plan.spec = None
+            return None
         gate = self.side.compress_gate
         reason = self._own_rows_hold_it(spec, n, p)
         if reason is None and gate is not None:
