@@ -58,6 +58,7 @@ def test_sglangs_cache_hit_helpers_pass_under_offload(offloading, tokenizer, mod
     fn = getattr(kl_test_utils, f"test_input_output_logprobs_match_{helper}_helper")
     fn(proc.url, {str(model_dir): {"kl_div": KL}}, str(model_dir), max_samples=8, max_new_tokens=64)
     after = _counters(proc)
-    # the compressed path was taken and the finished requests' full KV went to the tree
-    assert after["verify_rounds"] > before.get("verify_rounds", 0), after
+    # the requests were compressed and their full KV went to the tree when they finished
     assert after["finished_kv_kept"] > before.get("finished_kv_kept", 0), after
+    if helper == "decode_cache_hit":  # the first turn drafted (a prefill-only request drafts nothing)
+        assert after["verify_rounds"] > before.get("verify_rounds", 0), after
