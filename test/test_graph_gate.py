@@ -44,6 +44,9 @@ class Runtime:
     def compressed_rids(self):
         return set(self.compressed)
 
+    def no_forward(self):
+        self.batch = None
+
     def begin_forward(self, forward_batch):
         entries = ["compressed" if rid in self.compressed else None for rid in forward_batch.rids]
         self.batch = BatchView(entries, [], {})
