@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from sgl_kernel_ext.dispatch import on_device
 from torch import Tensor
 
 
@@ -49,7 +50,7 @@ class Rows:
 
 def gather_rows(k_full: Tensor, v_full: Tensor, positions: Tensor) -> Rows:
     """The rows ``positions [H, k]`` of full-precision ``k_full/v_full [N, H, D]``."""
-    idx = positions.t().to(k_full.device)  # [k, H]
+    idx = on_device(positions.t(), k_full.device)  # [k, H]
     k = k_full.gather(0, idx.unsqueeze(-1).expand(-1, -1, k_full.shape[2]))
     v = v_full.gather(0, idx.unsqueeze(-1).expand(-1, -1, v_full.shape[2]))
     return Rows(positions, k, v)
@@ -60,7 +61,7 @@ def substitute(kq: Tensor, vq: Tensor, rows: Optional[Rows]) -> tuple[Tensor, Te
     precision (a copy; ``kq``/``vq`` are not modified)."""
     if rows is None or rows.num_rows == 0:
         return kq, vq
-    idx = rows.positions.t().to(kq.device)  # [k, H]
+    idx = on_device(rows.positions.t(), kq.device)  # [k, H]
     k = kq.clone()
     v = vq.clone()
     k.scatter_(0, idx.unsqueeze(-1).expand(-1, -1, k.shape[2]), rows.k.to(k.dtype))
