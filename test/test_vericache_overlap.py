@@ -51,6 +51,9 @@ def test_registered_vericache_supports_overlap():
 
     register()
     assert get_spec("VERICACHE").supports_overlap is True
+    # its overlapped iterations take SGLang's grammar barrier: grammar batches overlap too
+    assert get_spec("VERICACHE").supports_grammar_overlap() is True
+    assert get_spec("SPECACHE") is None or get_spec("SPECACHE").supports_grammar_overlap() is False
 
 
 def test_last_tokens_relays_the_last_committed_or_the_previous():

@@ -822,6 +822,36 @@ def test_full_kv_iterations_overlap_and_stay_the_plain_servers(server, tokenizer
     assert len(by_batch) >= 2 and len(set().union(*by_batch.values())) == 1, by_batch
 
 
+def test_grammar_iterations_with_nothing_drafting_overlap_and_stay_the_plain_servers(server, tokenizer, vc4):
+    """Structured output where nothing drafts (full-KV requests): the iterations run
+    overlapped, as a plain server's do (the grammars accept the previous tokens through
+    the scheduler's grammar barrier while the forward runs), and each output is the plain
+    server's, inside its grammar."""
+    import re
+
+    before = _vc_counters(vc4)
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    question = tokenizer("\nThe person above as JSON with a name and a year:", add_special_tokens=False)["input_ids"]
+    ids_list = [stream[700 + 900 * i: 900 + 900 * i] + question for i in range(3)]
+    regex = r"(19|20)[0-9]{2}, [A-Z][a-z]+"
+    cases = [{"json_schema": json.dumps(SCHEMA)}, {"regex": regex}, {"ebnf": 'root ::= "maybe, " [a-z]+'}]
+
+    def run(srv, k):
+        custom = {"vc_compressor": "none"} if srv is vc4 else None
+        return generate(srv, ids_list[k], 40, custom, ignore_eos=False, **cases[k])
+
+    outs = concurrently(lambda k: run(vc4, k), [(k,) for k in range(3)])
+    refs = concurrently(lambda k: run(server, k), [(k,) for k in range(3)])
+    for k, (out, ref) in enumerate(zip(outs, refs)):
+        assert out["output_ids"] == ref["output_ids"], (k, out["text"], ref["text"])
+        assert finish_type(out) == finish_type(ref), (k, out["meta_info"])
+    assert set(json.loads(outs[0]["text"])) == {"name", "year"}, outs[0]["text"]
+    assert re.fullmatch(regex, outs[1]["text"]) and outs[2]["text"].startswith("maybe, "), [o["text"] for o in outs]
+    after = _vc_counters(vc4)
+    # (the regex and EBNF runs go on to the token limit: tens of iterations with a grammar)
+    assert after.get("overlap_async", 0) - before.get("overlap_async", 0) >= 20, after
+
+
 def test_drafting_iterations_run_synchronously_and_stay_lossless(server, model_dir, tokenizer, vc4):
     """Compressed requests drafting beside full-KV ones: the drafting iterations run
     synchronously, and every output (short ones with 1-3 tokens among them: SGLang's

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from sgl_kernel_ext.payload_batch import to_device
 
 __all__ = ["apply_grammars"]
 
@@ -58,7 +59,7 @@ def apply_grammars(logits: torch.Tensor, reqs: Sequence, last_tokens: Sequence[i
         return logits
     bitmask = torch.stack([masks[row_req[j]][row_drafts[j]] for j in rows])
     grammar = reqs[constrained[0]].grammar
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    index = to_device(torch.tensor(rows, dtype=torch.int64), logits.device)  # (pinned, no wait)
     sub = logits.index_select(0, index).contiguous()
     grammar.apply_vocab_mask(sub, grammar.move_vocab_mask(bitmask, logits.device))
     out = logits.clone()

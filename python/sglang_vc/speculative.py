@@ -28,12 +28,13 @@ PROJECT_ALGORITHMS: set[str] = set()  # the names registered below
 
 def register_algorithm(name: str, attention_backend: Optional[str], create_backend: Optional[Callable],
                        validate_server_args: Callable, handle_server_args: Callable,
-                       supports_overlap: bool = False) -> None:
+                       supports_overlap: bool = False, grammar_overlap: bool = False) -> None:
     """Register algorithm ``name`` and the attention backend its worker forwards with
     (None: SGLang's own), unless already registered. ``supports_overlap``: its worker
     keeps SGLang's overlap contract (publishes each forward's lengths, relays its last
-    tokens through the future map). The worker class is imported only when SGLang
-    builds it."""
+    tokens through the future map). ``grammar_overlap``: its worker advances the grammars
+    itself with the scheduler's grammar barrier (SGLang then leaves grammar batches
+    overlapped). The worker class is imported only when SGLang builds it."""
     PROJECT_ALGORITHMS.add(name.upper())
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
@@ -49,7 +50,7 @@ def register_algorithm(name: str, attention_backend: Optional[str], create_backe
             name,
             supports_overlap=supports_overlap,
             validate_server_args=validate_server_args,
-            spec_class=_spec_class(name, handle_server_args),
+            spec_class=_spec_class(name, handle_server_args, grammar_overlap),
         )(lambda server_args: worker_cls_for(name))
 
 
@@ -103,12 +104,15 @@ def resolve_flags(server_args, attention_backend: str, overlap: bool = False) ->
     server_args.page_size = 1
 
 
-def _spec_class(name: str, handle: Callable):
+def _spec_class(name: str, handle: Callable, grammar_overlap: bool):
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
     class SpecAlgo(CustomSpecAlgo):
         def handle_server_args(self, server_args) -> None:
             handle(server_args)
+
+        def supports_grammar_overlap(self) -> bool:
+            return grammar_overlap
 
         # Methods of SGLang's SpeculativeAlgorithm enum that CustomSpecAlgo lacks in
         # 0.5.23 but the scheduler calls on any algorithm.

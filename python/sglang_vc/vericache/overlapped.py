@@ -7,10 +7,13 @@ result of ``k - 1``, unless ``Scheduler.is_disable_overlap_for_batch`` says othe
 :func:`needs_sync` for each decode batch:
 
 - **overlapped** (every request decodes its next token from its full KV, resident in the
-  pool: nothing compressed, nothing drafted, admitted or reloading, no penalty or grammar
-  that reads the output so far, full-KV decoding chosen by the mode policy): the forward
-  reads the batch's committed lengths and last tokens from SGLang's future map, on the
-  device (:func:`full_only_iteration`), and nothing is read back to the host;
+  pool: nothing compressed, nothing drafted, admitted or reloading, no penalty that reads
+  the output so far, full-KV decoding chosen by the mode policy): the forward reads the
+  batch's committed lengths and last tokens from SGLang's future map, on the device
+  (:func:`full_only_iteration`), and nothing is read back to the host. A grammar does
+  not stop it: as SGLang's EAGLE v2 worker does, the iteration calls the scheduler's
+  grammar barrier after launching its forward (the grammars accept the previous
+  iteration's tokens while the device runs), then masks the logits;
 - **synchronous** otherwise: the worker's staggered or lock-step iteration, over the
   requests still running (:mod:`sglang_vc.overlap`).
 
@@ -33,7 +36,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
 from sglang_vc.kvruntime import syncs
+from sglang_vc.grammar_masks import apply_grammars
 from sglang_vc.kvruntime.launches import LaunchCounter
+from sglang_vc.penalties import has_penalties
 from sglang_vc.spec_worker import committed_lens
 
 from . import flags
@@ -46,8 +51,8 @@ def needs_sync(worker, batch) -> bool:
     (a request drafts, verifies, reloads or is compressed; a penalty or grammar reads the
     committed output; lock-step schedule). Decides the mode of every request at a cycle
     boundary, with the lengths the worker committed."""
-    if worker.schedule is not flags.Schedule.STAGGERED or worker.constrained(batch.reqs):
-        return True
+    if worker.schedule is not flags.Schedule.STAGGERED or any(has_penalties(r.sampling_params) for r in batch.reqs):
+        return True  # (a penalty counts the output so far, which the host has not seen yet)
     runtime, tracks = worker.runtime, worker.staggered.schedule.tracks
     rows, lengths = [], []
     for req in batch.reqs:
@@ -96,19 +101,20 @@ class LaggedTimer:
         return done
 
 
-def full_only_iteration(worker, batch):
+def full_only_iteration(worker, batch, grammar_barrier=None):
     """One overlapped iteration: every request decodes one token from its full KV
     (:func:`needs_sync` said so), with the committed lengths SGLang resolved from the
     previous forward's publish and the last tokens it relayed (``spec_info.bonus_tokens``),
-    both already on their device. Returns the spec-V2 result; with
-    ``SGLANG_VC_COUNT_SYNCS`` set, its host synchronisations go into the trace."""
+    both already on their device; ``grammar_barrier`` (the scheduler's) brings the
+    grammars up to those tokens. Returns the spec-V2 result; with ``SGLANG_VC_COUNT_SYNCS``
+    set, its host synchronisations go into the trace."""
     counter = syncs.SyncCounter() if syncs.enabled() else None
     # (and the operators launched around SGLang's forward, not inside it: the worker's own
     # launches, which a plain server does not make; ``bench.gpu_parity --trace`` prices them)
     launched, in_forward = (LaunchCounter(), LaunchCounter()) if counter is not None else (None, None)
     with counter if counter is not None else contextlib.nullcontext(), \
             launched if launched is not None else contextlib.nullcontext():
-        result, finish = _full_only(worker, batch, in_forward or contextlib.nullcontext())
+        result, finish = _full_only(worker, batch, in_forward or contextlib.nullcontext(), grammar_barrier)
     if counter is not None:
         finish[-1]["host_syncs"] = counter.total
         finish[-1].update({f"host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
@@ -120,7 +126,21 @@ def full_only_iteration(worker, batch):
     return result
 
 
-def _full_only(worker, batch, around_forward):
+def _grammar_masked(logits, batch, grammar_barrier):
+    """``logits`` with each live grammar's mask: the grammars first accept the tokens of
+    the result SGLang has not processed yet (its barrier, run while this forward is on the
+    device), so each stands after its request's last token."""
+    if not batch.has_grammar:
+        return logits
+    if grammar_barrier is None:  # (SGLang passes it to every worker that says it can take it)
+        raise RuntimeError("an overlapped iteration with a grammar got no grammar barrier")
+    grammar_barrier()
+    bs = len(batch.reqs)
+    # (one row per request, no drafts: the chain is the last token alone, never accepted)
+    return apply_grammars(logits, batch.reqs, [0] * bs, [()] * bs, range(bs), [0] * bs)
+
+
+def _full_only(worker, batch, around_forward, grammar_barrier):
     started = time.perf_counter()
     sched = worker.staggered.schedule
     bs = len(batch.reqs)
@@ -141,6 +161,7 @@ def _full_only(worker, batch, around_forward):
         forward_started = time.perf_counter()
         logits = worker.forward_sub(sub, ForwardMode.DECODE, batch.spec_info.bonus_tokens, committed + 1, slots, None)
         forward_wall = time.perf_counter() - forward_started  # SGLang's own work: a plain server's too
+    logits = _grammar_masked(logits, batch, grammar_barrier)
     exact = worker.targets_flat(logits, sub, torch.arange(bs), committed)
     accept_tokens = torch.zeros(bs, worker.stride, dtype=torch.int64, device=exact.device)
     accept_tokens[:, 0] = exact

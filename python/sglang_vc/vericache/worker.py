@@ -319,14 +319,15 @@ class VeriCacheWorker(ChainSpecWorker):
 
     # ------------------------------------------------------------------ entry point
 
-    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None):
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None, grammar_barrier=None):
         runtime = self.runtime  # installs the host sink before the first prefill
         for req in batch.reqs:
             self.drafter.set_request(req.rid, getattr(req.sampling_params, "custom_params", None))
         overlapped, self._overlapped = self._overlapped, False
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
             try:
-                result = full_only_iteration(self, batch) if overlapped else self._decode_running(batch)
+                result = (full_only_iteration(self, batch, grammar_barrier) if overlapped
+                          else self._decode_running(batch))
             except Exception as exc:  # a fault of this batch's forward ends its requests, not the server
                 logger.exception("VERICACHE: a decode iteration failed; its %d requests end with an error",
                                  len(batch.reqs))

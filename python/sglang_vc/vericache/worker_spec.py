@@ -32,7 +32,8 @@ def register() -> None:
     from sglang_vc.speculative import register_algorithm
 
     register_algorithm(ALGORITHM, ATTENTION_BACKEND, _create_attention_backend, validate_server_args,
-                       handle_server_args, supports_overlap=True)
+                       handle_server_args, supports_overlap=True,
+                       grammar_overlap=True)
 
 
 def _create_attention_backend(model_runner):
