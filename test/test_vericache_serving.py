@@ -852,6 +852,41 @@ def test_grammar_iterations_with_nothing_drafting_overlap_and_stay_the_plain_ser
     assert after.get("overlap_async", 0) - before.get("overlap_async", 0) >= 20, after
 
 
+def test_penalised_iterations_with_nothing_drafting_overlap_and_apply_the_penalties(server, tokenizer, vc4,
+                                                                                    model_dir):
+    """Frequency, presence and repetition penalties and ``min_new_tokens`` where nothing
+    drafts (full-KV requests): the iterations run overlapped, as a plain server's do, the
+    token SGLang has not processed yet counted from the device, and each output is the
+    plain server's (where the two part, the float32 reference with the same penalties
+    sides with VERICACHE, as in the synchronous test above). The penalties changed the
+    output and ``min_new_tokens`` held back an early stop token."""
+    before = _vc_counters(vc4)
+    stream = [t for text in real_text_passages(12, words=400) for t in tokenizer(text)["input_ids"]]
+    ids_list = [stream[500 + 1000 * i: 800 + 1000 * i] for i in range(3)]  # (the penalties change these)
+    unpenalised = generate(vc4, ids_list[0], 24, {"vc_compressor": "none"})["output_ids"]
+    stop = {"stop_token_ids": [generate(server, ids_list[2], 24)["output_ids"][2]], "ignore_eos": False}
+    cases = [{"frequency_penalty": 0.6}, {"presence_penalty": 0.8, "repetition_penalty": 1.3},
+             {**stop, "min_new_tokens": 12}]
+    mid = _vc_counters(vc4)
+
+    def run(srv, k):
+        return generate(srv, ids_list[k], 24, {"vc_compressor": "none"} if srv is vc4 else None, **cases[k])
+
+    outs = concurrently(lambda k: run(vc4, k), [(k,) for k in range(3)])
+    refs = concurrently(lambda k: run(server, k), [(k,) for k in range(3)])
+    for k, (out, ref) in enumerate(zip(outs, refs)):
+        if out["output_ids"] != ref["output_ids"]:
+            _left_the_reference(model_dir, ids_list[k], out["output_ids"], ref["output_ids"], cases[k])
+            continue
+        assert finish_type(out) == finish_type(ref), (k, out["meta_info"])
+    assert outs[0]["output_ids"] != unpenalised  # the frequency penalty was applied
+    assert len(outs[2]["output_ids"]) >= 12  # min_new_tokens held back the stop token
+    after = _vc_counters(vc4)
+    assert mid.get("overlap_async", 0) > before.get("overlap_async", 0)
+    assert after.get("overlap_async", 0) - mid.get("overlap_async", 0) >= 20, after
+    assert after.get("verify_rounds", 0) == before.get("verify_rounds", 0), after  # nothing drafted
+
+
 def test_drafting_iterations_run_synchronously_and_stay_lossless(server, model_dir, tokenizer, vc4):
     """Compressed requests drafting beside full-KV ones: the drafting iterations run
     synchronously, and every output (short ones with 1-3 tokens among them: SGLang's

@@ -7,13 +7,15 @@ result of ``k - 1``, unless ``Scheduler.is_disable_overlap_for_batch`` says othe
 :func:`needs_sync` for each decode batch:
 
 - **overlapped** (every request decodes its next token from its full KV, resident in the
-  pool: nothing compressed, nothing drafted, admitted or reloading, no penalty that reads
-  the output so far, full-KV decoding chosen by the mode policy): the forward reads the
-  batch's committed lengths and last tokens from SGLang's future map, on the device
-  (:func:`full_only_iteration`), and nothing is read back to the host. A grammar does
-  not stop it: as SGLang's EAGLE v2 worker does, the iteration calls the scheduler's
-  grammar barrier after launching its forward (the grammars accept the previous
-  iteration's tokens while the device runs), then masks the logits;
+  pool: nothing compressed, nothing drafted, admitted or reloading, full-KV decoding
+  chosen by the mode policy): the forward reads the batch's committed lengths and last
+  tokens from SGLang's future map, on the device (:func:`full_only_iteration`), and
+  nothing is read back to the host. A grammar does not stop it: as SGLang's EAGLE v2
+  worker does, the iteration calls the scheduler's grammar barrier after launching its
+  forward (the grammars accept the previous iteration's tokens while the device runs),
+  then masks the logits. Nor does a penalty, where the previous iteration left at most
+  one token of the request unprocessed: that token is the one relayed on the device, and
+  the penalty's history takes it there (:func:`_penalised`);
 - **synchronous** otherwise: the worker's staggered or lock-step iteration, over the
   requests still running (:mod:`sglang_vc.overlap`).
 
@@ -38,7 +40,7 @@ from sglang_vc import stats
 from sglang_vc.kvruntime import syncs
 from sglang_vc.grammar_masks import apply_grammars
 from sglang_vc.kvruntime.launches import LaunchCounter
-from sglang_vc.penalties import has_penalties
+from sglang_vc.penalties import apply_penalties, has_penalties, penalty_rows
 from sglang_vc.spec_worker import committed_lens
 
 from . import flags
@@ -51,8 +53,8 @@ def needs_sync(worker, batch) -> bool:
     (a request drafts, verifies, reloads or is compressed; a penalty or grammar reads the
     committed output; lock-step schedule). Decides the mode of every request at a cycle
     boundary, with the lengths the worker committed."""
-    if worker.schedule is not flags.Schedule.STAGGERED or any(has_penalties(r.sampling_params) for r in batch.reqs):
-        return True  # (a penalty counts the output so far, which the host has not seen yet)
+    if worker.schedule is not flags.Schedule.STAGGERED:
+        return True
     runtime, tracks = worker.runtime, worker.staggered.schedule.tracks
     rows, lengths = [], []
     for req in batch.reqs:
@@ -66,8 +68,17 @@ def needs_sync(worker, batch) -> bool:
         rows.append(row)
         # (SGLang's own count lags by the queued result's token; the worker's does not)
         lengths.append(track.committed if track is not None and track.row == row else req.kv.kv_committed_len)
+        if has_penalties(req.sampling_params) and unseen(req, lengths[-1]) > 1:
+            return True  # (a penalty counts the output so far: the device holds only the last token)
     worker.staggered.modes.decide(batch, rows, lengths)
     return any(worker.modes[req.rid].mode is not Mode.FULL for req in batch.reqs)
+
+
+def unseen(req, committed: int) -> int:
+    """The output tokens of ``req`` not in its ``output_ids`` yet (SGLang has not processed
+    the result that committed them), given its committed KV length: the token after the
+    committed rows is the forward's input, so ``committed + 1`` tokens are known."""
+    return committed + 1 - len(req.origin_input_ids) - len(req.output_ids)
 
 
 class LaggedTimer:
@@ -140,6 +151,29 @@ def _grammar_masked(logits, batch, grammar_barrier):
     return apply_grammars(logits, batch.reqs, [0] * bs, [()] * bs, range(bs), [0] * bs)
 
 
+def _penalised(logits, batch, committed_list, last_tokens):
+    """``logits`` with each penalised request's penalties: its history is its
+    ``output_ids`` and, where SGLang has not processed the previous result yet, that
+    result's token, which is the forward's input (``last_tokens``, on the device)."""
+    reqs = batch.reqs
+    if not any(has_penalties(req.sampling_params) for req in reqs):
+        return logits
+    bs = len(reqs)
+    missing = [unseen(req, n) for req, n in zip(reqs, committed_list)]
+    if any(m not in (0, 1) for m in missing):  # (needs_sync sends those synchronously)
+        raise RuntimeError(f"an overlapped penalised iteration misses {max(missing)} tokens of a request")
+    # the unseen token as a one-token run, a placeholder filled on the device below
+    pen = penalty_rows(reqs, [[0] * m for m in missing], range(bs), missing, logits.shape[-1], logits.device)
+    if pen is None:
+        return logits
+    penalised = [i for i in range(bs) if has_penalties(reqs[i].sampling_params)]
+    at = [(k, len(reqs[i].output_ids), i) for k, i in enumerate(penalised) if missing[i]]
+    if at:
+        k_idx, col, src = (to_device(torch.tensor(v, dtype=torch.int64), logits.device) for v in zip(*at))
+        pen.history[k_idx, col] = last_tokens.to(torch.int64)[src]
+    return apply_penalties(logits, pen)
+
+
 def _full_only(worker, batch, around_forward, grammar_barrier):
     started = time.perf_counter()
     sched = worker.staggered.schedule
@@ -161,7 +195,9 @@ def _full_only(worker, batch, around_forward, grammar_barrier):
         forward_started = time.perf_counter()
         logits = worker.forward_sub(sub, ForwardMode.DECODE, batch.spec_info.bonus_tokens, committed + 1, slots, None)
         forward_wall = time.perf_counter() - forward_started  # SGLang's own work: a plain server's too
-    logits = _grammar_masked(logits, batch, grammar_barrier)
+    # SGLang's sampler order: penalties, the grammar's mask, then logit_bias
+    logits = _grammar_masked(_penalised(logits, batch, committed_list, batch.spec_info.bonus_tokens), batch,
+                             grammar_barrier)
     exact = worker.targets_flat(logits, sub, torch.arange(bs), committed)
     accept_tokens = torch.zeros(bs, worker.stride, dtype=torch.int64, device=exact.device)
     accept_tokens[:, 0] = exact
