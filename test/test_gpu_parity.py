@@ -18,6 +18,7 @@ def test_terms_are_the_codes():
     terms = gp.code_terms()
     assert terms["pool_share"] == 1.0  # payloads and reloads take pool slots when a request is compressed
     assert terms["overlap"] is True  # VERICACHE keeps SGLang's overlap scheduler (test_vericache_overlap.py)
+    assert terms["grammar_overlap"] is True  # and SGLang does not sync its grammar batches
     assert terms["verify_graph_widths"] == list(range(2, MAX_VERIFY_GRAPH_WIDTH + 1))
 
 

@@ -11,7 +11,8 @@ read from the project's own code, so the figures move when the code does:
 * **overlap**: whether VERICACHE's flag resolution leaves SGLang's overlap scheduler on
   (``speculative.resolve_flags``); where it is off, the iteration's host work
   (``--host-ms``, an assumption: the issue priced it at 4-6 ms for 32 requests) is added
-  to every iteration instead of hidden behind the device;
+  to every iteration instead of hidden behind the device; and whether SGLang leaves its
+  grammar batches overlapped (``supports_grammar_overlap``);
 * **verify graphs**: the widths a uniform in-pool verify replays from a graph
   (``vericache.decode_graphs.verify_graph_widths``), reported (nothing drafts here, so
   they do not enter the ratio);
@@ -103,6 +104,9 @@ def code_terms(draft_tokens: int = 32) -> dict:
     # as VERICACHE's handler resolves it: overlap stays on where its worker keeps the contract
     resolve_flags(args, ATTENTION_BACKEND, overlap=get_spec("VERICACHE").supports_overlap)
     return {"pool_share": share, "overlap": not args.disable_overlap_schedule,
+            # whether SGLang leaves a grammar batch overlapped (it syncs those of algorithms
+            # that do not take its grammar barrier); penalised batches: test_vericache_serving
+            "grammar_overlap": get_spec("VERICACHE").supports_grammar_overlap(),
             "verify_graph_widths": verify_graph_widths(draft_tokens + 1)}
 
 
@@ -214,7 +218,9 @@ def main(argv=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"[gpu_parity] {out['label']}; pool share {terms['pool_share']:.3f} of the KV budget, overlap "
-          f"{'on' if terms['overlap'] else 'off'}, verify graphs at widths {terms['verify_graph_widths']}",
+          f"{'on' if terms['overlap'] else 'off'} (grammar batches "
+          f"{'overlapped' if terms['grammar_overlap'] else 'synchronous'}), verify graphs at widths "
+          f"{terms['verify_graph_widths']}",
           file=sys.stderr)
     for r in rows:
         print(f"[gpu_parity] {r.context_tokens} tokens: resident {r.vc_batch} vs plain {r.plain_batch}, iteration "
