@@ -170,3 +170,45 @@ def test_lagged_timer_pairs_each_forward_time_with_its_own_iteration(monkeypatch
     Event.done.update({4})
     assert timer.stop(timer.start(), "k3") == [(1.0, "k2")]
     assert LaggedTimer("cpu").stop(0.0, "x")[0][1] == "x"  # the CPU: this forward, now
+
+
+def _penalised_req(prompt: int, output: list[int], **penalties):
+    sp = types.SimpleNamespace(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=None,
+                               min_new_tokens=0, stop_token_ids=None)
+    for k, v in penalties.items():
+        setattr(sp, k, v)
+    return types.SimpleNamespace(origin_input_ids=list(range(prompt)), output_ids=list(output), sampling_params=sp,
+                                 eos_token_ids=None, tokenizer=None)
+
+
+def test_an_overlapped_penalty_counts_the_token_sglang_has_not_processed():
+    """Under overlap, the previous result's token is in no ``output_ids`` yet: the
+    penalised logits of an overlapped iteration are those of the full history, with that
+    token taken from the forward's input on the device (``bonus_tokens``); a request
+    that misses more than that one token is refused (``needs_sync`` runs it
+    synchronously)."""
+    from sglang_vc.penalties import apply_penalties, penalty_rows
+    from sglang_vc.vericache.overlapped import _penalised, unseen
+
+    vocab = 16
+    reqs = [_penalised_req(5, [3, 4], frequency_penalty=0.7),  # SGLang processed up to 4; 9 unseen
+            _penalised_req(4, [2, 2, 6], presence_penalty=0.5, repetition_penalty=1.3),  # nothing unseen
+            _penalised_req(3, [])]  # unpenalised, its first token unseen
+    committed = [5 + 2, 4 + 3 - 1, 3]  # the KV rows: prompt and output, less the input token
+    assert [unseen(r, n) for r, n in zip(reqs, committed)] == [1, 0, 1]
+    bonus = torch.tensor([9, 6, 1])
+    logits = torch.randn(3, vocab)
+    got = _penalised(logits, types.SimpleNamespace(reqs=reqs), committed, bonus)
+    # the same request with the unseen token processed, penalised synchronously
+    full = [_penalised_req(5, [3, 4, 9], frequency_penalty=0.7), reqs[1], reqs[2]]
+    want = apply_penalties(logits, penalty_rows(full, [[], [], []], range(3), [0, 0, 0], vocab, logits.device))
+    assert torch.equal(got, want)
+    # without the device token the penalty differs (token 9's count): the test sees it
+    stale = apply_penalties(logits, penalty_rows(reqs, [[], [], []], range(3), [0, 0, 0], vocab, logits.device))
+    assert not torch.equal(got, stale)
+    try:
+        _penalised(logits, types.SimpleNamespace(reqs=reqs), [committed[0] + 1, *committed[1:]], bonus)
+    except RuntimeError as exc:
+        assert "misses 2 tokens" in str(exc)
+    else:
+        raise AssertionError("a request missing two tokens was penalised from one")
