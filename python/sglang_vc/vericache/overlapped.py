@@ -37,8 +37,8 @@ from sgl_kernel_ext.payload_batch import to_device
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_vc import stats
-from sglang_vc.kvruntime import syncs
 from sglang_vc.grammar_masks import apply_grammars
+from sglang_vc.kvruntime import syncs
 from sglang_vc.kvruntime.launches import LaunchCounter
 from sglang_vc.penalties import apply_penalties, has_penalties, penalty_rows
 from sglang_vc.spec_worker import committed_lens
@@ -50,8 +50,8 @@ from .staggered_schedule import Outcome, Role
 
 def needs_sync(worker, batch) -> bool:
     """Whether decode ``batch`` must see the previous result processed before its forward
-    (a request drafts, verifies, reloads or is compressed; a penalty or grammar reads the
-    committed output; lock-step schedule). Decides the mode of every request at a cycle
+    (a request drafts, verifies, reloads or is compressed; a penalised request misses
+    more than the one token the device relays; lock-step schedule). Decides the mode of every request at a cycle
     boundary, with the lengths the worker committed."""
     if worker.schedule is not flags.Schedule.STAGGERED:
         return True
