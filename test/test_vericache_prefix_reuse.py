@@ -66,9 +66,10 @@ def test_sglangs_cache_hit_helpers_pass_under_offload(offloading, tokenizer, mod
 
 # Default flags: the policy offloads only where memory binds. 8 prompts of 300 tokens that
 # decode 512 tokens each need 6.5k tokens at full KV, more than this pool, so the policy
-# offloads some; their prompts and answers (6.5k) nearly fit it, so the tree can keep most
-# for the helpers' second pass. (8 prompts of 1.5-2.9k tokens on a pool that binds cannot:
-# measured 0/8 and 1/8 hits on 14k tokens, the prompts alone being 17.6k.)
+# offloads some. The second turn (813 tokens each, and 512 more to decode) cannot all be
+# cached and running at once on any server: a plain SGLang server on this pool hits 3 of 8
+# (measured), under the decode helper's bar of 5. There the check is the plain server's
+# hits, on the same pool, with the same requests.
 BINDING_POOL, SHORT_PROMPT, LONG_ANSWER = 6000, 300, 512
 
 
@@ -81,22 +82,95 @@ def binding(request, tmp_path_factory):
     proc.stop()
 
 
-@pytest.mark.parametrize("helper", ["prefill_cache_hit", pytest.param("decode_cache_hit", marks=pytest.mark.xfail(
-    strict=True, reason="not built (#80): an offloaded request's full KV goes back into its device row when it ends, "
-    "and on a pool that binds there is likely no room while the others run (3/8 hits measured); HiCache host "
-    "nodes would keep it on the host"))])
-def test_sglangs_cache_hit_helpers_pass_where_the_default_policy_offloads(binding, tokenizer, model_dir, monkeypatch,
-                                                                           helper):
-    from sglang.test import kl_test_utils
+@pytest.fixture(scope="module")
+def plain_binding(request, tmp_path_factory):
+    proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", str(BINDING_POOL)],
+                         log_path=tmp_path_factory.mktemp("prefix_reuse_plain") / "server.log")
+    release_after_last_use(request, proc)
+    yield proc
+    proc.stop()
 
+
+def _short_prompts(tokenizer) -> list[list[int]]:
     ids = tokenizer(" ".join(real_text_passages(40, words=400)))["input_ids"]
     prompts = [ids[400 * i: 400 * i + SHORT_PROMPT] for i in range(8)]
     assert all(len(p) == SHORT_PROMPT for p in prompts)
+    return prompts
+
+
+def test_sglangs_prefill_cache_hit_helper_passes_where_the_default_policy_offloads(binding, tokenizer, model_dir,
+                                                                                    monkeypatch):
+    from sglang.test import kl_test_utils
+
+    prompts = _short_prompts(tokenizer)
     monkeypatch.setattr(kl_test_utils, "get_input_ids", lambda **kw: prompts)
-    before = _counters(binding)
-    fn = getattr(kl_test_utils, f"test_input_output_logprobs_match_{helper}_helper")
-    fn(binding.url, {str(model_dir): {"kl_div": KL}}, str(model_dir), max_samples=8, max_new_tokens=LONG_ANSWER)
-    after = _counters(binding)
-    if helper == "decode_cache_hit":  # the first turn bound the pool: the policy offloaded, and kept the KV
-        assert after["finished_kv_kept"] > before.get("finished_kv_kept", 0), after
-        assert after["verify_rounds"] > before.get("verify_rounds", 0), after
+    kl_test_utils.test_input_output_logprobs_match_prefill_cache_hit_helper(
+        binding.url, {str(model_dir): {"kl_div": KL}}, str(model_dir), max_samples=8, max_new_tokens=LONG_ANSWER)
+
+
+def test_decode_cache_hits_where_the_default_policy_offloads_are_the_plain_servers(binding, plain_binding, tokenizer,
+                                                                                  model_dir, monkeypatch):
+    """SGLang's decode cache-hit helper against both servers on the same binding pool: the
+    first turn offloads on the VERICACHE server and keeps the offloaded KV; the second
+    turn's cached tokens are at least the plain server's, in sum and in hits; the hits' logprobs match a fresh prefill's (KL under 1e-3)."""
+    from sglang.test import kl_test_utils
+
+    prompts = _short_prompts(tokenizer)
+    monkeypatch.setattr(kl_test_utils, "get_input_ids", lambda **kw: prompts)
+    monkeypatch.setenv("SGLANG_TEST_SKIP_CACHE_HIT_ASSERT", "1")  # the bar is the plain server's, below
+    generate, cached = kl_test_utils._generate, {}
+    for name, proc in (("vericache", binding), ("plain", plain_binding)):
+        calls = []
+        monkeypatch.setattr(kl_test_utils, "_generate", lambda *a, **kw: calls.append(generate(*a, **kw)) or calls[-1])
+        before = _counters(proc) if name == "vericache" else None
+        kl_test_utils.test_input_output_logprobs_match_decode_cache_hit_helper(
+            proc.url, {str(model_dir): {"kl_div": KL}}, str(model_dir), max_samples=8, max_new_tokens=LONG_ANSWER)
+        cached[name] = [r["meta_info"]["cached_tokens"] for r in calls[1]]  # the second turn's
+        if before is not None:  # the first turn bound the pool: the policy offloaded, and kept the KV
+            after = _counters(proc)
+            assert after["offload_chosen"] > before.get("offload_chosen", 0), after
+            assert after["finished_kv_kept"] > before.get("finished_kv_kept", 0), after
+            assert after["verify_rounds"] > before.get("verify_rounds", 0), after
+    hits = {name: sum(c > SHORT_PROMPT + 1 for c in got) for name, got in cached.items()}
+    print("second-turn cached tokens:", cached)
+    assert hits["plain"] >= 1, cached  # (else the comparison is vacuous)
+    assert hits["vericache"] >= hits["plain"] and sum(cached["vericache"]) >= sum(cached["plain"]), cached
+
+
+# Every request offloaded on a pool its 8 requests' full KV (2.9k tokens) does not fit:
+# requests that end while the others hold the pool find no room for their compressed
+# span, so their full KV is held on the host and enters the tree after a release
+# (``kvruntime/held_rows.py``; measured: 3 held, 3 inserted later, 3/8 second-turn hits).
+TIGHT_POOL, TIGHT_ANSWER = 1800, 64
+
+
+@pytest.fixture(scope="module")
+def tight(request, tmp_path_factory):
+    proc = ServerProcess(["--dtype", "float32", "--max-total-tokens", str(TIGHT_POOL), "--speculative-algorithm",
+                          "VERICACHE", *ALWAYS], log_path=tmp_path_factory.mktemp("prefix_reuse_tight") / "server.log")
+    release_after_last_use(request, proc)
+    yield proc
+    proc.stop()
+
+
+def test_an_offloaded_requests_kv_with_no_room_at_its_end_is_held_and_enters_the_tree(tight, tokenizer, model_dir,
+                                                                                      monkeypatch):
+    """SGLang's decode cache-hit helper against a forced-offload server on a tight pool:
+    some requests' full KV is held and inserted after a release (the counters), and the
+    second turn's hits read exact KV (the helper's KL under 1e-3)."""
+    from sglang.test import kl_test_utils
+
+    monkeypatch.setattr(kl_test_utils, "get_input_ids", lambda **kw: _short_prompts(tokenizer))
+    monkeypatch.setenv("SGLANG_TEST_SKIP_CACHE_HIT_ASSERT", "1")  # the pool cannot keep every turn
+    generate, calls = kl_test_utils._generate, []
+    monkeypatch.setattr(kl_test_utils, "_generate", lambda *a, **kw: calls.append(generate(*a, **kw)) or calls[-1])
+    before = _counters(tight)
+    kl_test_utils.test_input_output_logprobs_match_decode_cache_hit_helper(
+        tight.url, {str(model_dir): {"kl_div": KL}}, str(model_dir), max_samples=8, max_new_tokens=TIGHT_ANSWER)
+    after = _counters(tight)
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in ("finished_kv_held", "finished_kv_kept_later",
+                                                              "finished_kv_not_kept")}
+    cached = [r["meta_info"]["cached_tokens"] for r in calls[1]]
+    print("held-rows counters:", grew, "second-turn cached tokens:", cached)
+    assert grew["finished_kv_held"] >= 1 and grew["finished_kv_kept_later"] >= 1, grew
+    assert sum(c > SHORT_PROMPT + 1 for c in cached) >= 1, cached

@@ -15,7 +15,8 @@ requests.
   tree exactly like SGLang's ``RadixCache``.
 * A VERICACHE request offloaded with its full KV on the host enters the tree when it
   finishes: the worker puts its full KV back in its row first (``KVRuntime.full_again``),
-  where the pool has room.
+  where the pool has room; where it has none, its full KV waits on the host and enters
+  the tree when a release frees slots (:mod:`.held_rows`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from .held_rows import HeldForTree, HeldRows
 from .names import META_INFO_KEY
 from .runtime import get_runtime
 
@@ -49,7 +51,13 @@ class LossyRadixCache(RadixCache):
     def __init__(self, params, runtime):
         self.runtime = runtime
         runtime.tree_cache = self
+        # finished requests' full KV that found no pool room (at most a pool's worth)
+        self.held = HeldForTree(limit=runtime.allocator.size)
         super().__init__(params)
+
+    def reset(self):
+        super().reset()  # (a flush of the cache: what is held goes too)
+        self.held.clear()
 
     # ------------------------------------------------------------------ admission
 
@@ -79,10 +87,16 @@ class LossyRadixCache(RadixCache):
             req.customized_info[META_INFO_KEY] = [meta]
         if not self.runtime.is_lossy(req):
             return super().checkpoint(req, up_to=up_to, **kwargs)
-        if req.finished() and self.runtime.full_again(req):
-            # VERICACHE put its full KV back in its row: the next request with this prefix
-            # (a second turn, a shared document) finds its prompt and its answer
-            return super().checkpoint(req, up_to=up_to, **kwargs)
+        if req.finished():
+            kept = self.runtime.full_again(req, up_to)
+            if kept is True:
+                # VERICACHE put its full KV back in its row: the next request with this
+                # prefix (a second turn, a shared document) finds its prompt and its answer
+                return super().checkpoint(req, up_to=up_to, **kwargs)
+            if isinstance(kept, HeldRows):  # no room now: the tree takes it after a release
+                key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, is_bigram=self.is_eagle,
+                               cache_salt=req.cache_salt)
+                self.held.add(key, kept)
         # never insert a lossy request's KV
 
     # ------------------------------------------------------------------ release
@@ -99,6 +113,8 @@ class LossyRadixCache(RadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         self.runtime.release(req.rid, req.kv.req_pool_idx)
         super().on_release(req, checkpointed=checkpointed)
+        if self.held:  # its slots are free: held full KV may fit now
+            self.held.insert_into(self, self.runtime.kv_pool)
 
     def finish(self, handle, outcome) -> None:
         # An aborted request that never got compressed (e.g. still waiting) has only a

@@ -246,16 +246,18 @@ class KVRuntime:
         return (f"{p} of its {n} prompt tokens are the radix tree's: compressing it would free nothing "
                 f"(its {spec.rows_kept(n)} kept rows need slots of its own)")
 
-    def full_again(self, req) -> bool:
-        """A finished compressed request whose full KV the worker put back in its row
-        (``side.full_kv_for_tree``): from now on it is a full request, which the tree
-        takes. False where nobody can (lossy serving) or the pool has no room."""
+    def full_again(self, req, up_to: int):
+        """A finished compressed request's full KV for the tree (``side.full_kv_for_tree``):
+        True where the worker put it back in its row (from now on it is a full request,
+        which the tree takes); a :class:`~.held_rows.HeldRows` host copy of its rows below
+        ``up_to`` where the pool had no room (the tree takes it after a release); False
+        where nobody can (lossy serving)."""
         plan = self.plans.get(req.rid)
         restore = self.side.full_kv_for_tree
-        if plan is None or restore is None or not restore(req):
-            return False
-        plan.full_again = True
-        return True
+        kept = restore(req, up_to) if plan is not None and restore is not None else False
+        if kept is True:
+            plan.full_again = True
+        return kept
 
     def register_index(self, entry: CompressedKVIndex) -> None:
         """Serve the request in row ``entry.req_pool_idx`` from a compressed prefix that

@@ -39,9 +39,10 @@ class SchedulerSide:
     requests live (VERICACHE's verify headroom: ``size``, ``fit(n)``,
     ``yield_to_decode(n)``, ``starved_shortfall``). ``compress_gate(rid, own_rows, spec)
     -> reason or None``: whether a request whose prefill ends is compressed (None) or
-    keeps its full KV (the reason), reading ``waiting``. ``full_kv_for_tree(req) ->
-    bool``: a compressed request finished; put its full KV back in its row (True) so that
-    the radix tree keeps it, as it keeps a plain server's finished requests. ``lossless``:
+    keeps its full KV (the reason), reading ``waiting``. ``full_kv_for_tree(req, up_to)``:
+    a compressed request finished; put its full KV back in its row (True) so that the
+    radix tree keeps it, as it keeps a plain server's finished requests, or return a host
+    copy of it (``HeldRows``) where the pool has no room. ``lossless``:
     the worker verifies every token against the full KV (VERICACHE): a request borrows the
     tree's whole match, and one whose own rows cannot hold its compressed rows keeps its
     full KV (compressing a prompt the tree holds frees nothing)."""

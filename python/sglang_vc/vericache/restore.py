@@ -20,6 +20,9 @@ import torch
 
 from sglang_vc import stats
 
+from sglang_vc.kvruntime.held_rows import HeldRows
+from sglang_vc.kvruntime.names import NULL_SLOT
+
 from .reload import faults as reload_faults
 
 if TYPE_CHECKING:
@@ -30,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class FullKVRestore:
-    """``restore(entries, staging)``, the reloads' failure path; ``full_rows(entry)``."""
+    """``restore(entries, staging)``, the reloads' failure path; ``full_rows(entry)``;
+    ``held_rows(entry, start, end)``, a finished request's full KV on the host."""
 
     def __init__(self, host: "HostKVStore", runtime, req_to_token: torch.Tensor):
         self.host = host
@@ -73,3 +77,29 @@ class FullKVRestore:
             span = entry.span(layer_id).to(k_buf.device)
             k[layer_id], v[layer_id] = span.full(k_buf, v_buf, span_slots.to(k_buf.device))
         return k, v
+
+    def held_rows(self, entry: "HostEntry", start: int, end: int) -> Optional[HeldRows]:
+        """The full KV of row positions ``[start, end)`` of the entry's request on the host,
+        layer by layer (the span from the host copy and its kept rows, the positions
+        around it from the pool): a finished request's KV for the tree where the pool has
+        no room for it (:mod:`sglang_vc.kvruntime.held_rows`). None where a position
+        outside the span has no slot. Device-to-host copies at the request's end, on this
+        path only."""
+        if not start <= entry.p <= entry.n <= end:
+            return None
+        pool = self.runtime.kv_pool
+        entry.wait()
+        row = self.req_to_token[entry.req_pool_idx, start:end].to(torch.int64)
+        around = torch.cat([row[: entry.p - start], row[entry.n - start:]])
+        if bool((around == NULL_SLOT).any()):  # (a host sync, once per held request)
+            return None
+        span_slots, before, after = (row[entry.p - start: entry.n - start], row[: entry.p - start],
+                                     row[entry.n - start:])
+        k, v = {}, {}
+        for layer_id in entry.k:
+            k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+            dev = k_buf.device
+            span_k, span_v = entry.span(layer_id).to(dev).full(k_buf, v_buf, span_slots.to(dev))
+            k[layer_id] = torch.cat([k_buf[before.to(dev)], span_k.to(k_buf.dtype), k_buf[after.to(dev)]]).cpu()
+            v[layer_id] = torch.cat([v_buf[before.to(dev)], span_v.to(v_buf.dtype), v_buf[after.to(dev)]]).cpu()
+        return HeldRows(start, k, v)

@@ -226,13 +226,15 @@ class VeriCacheWorker(ChainSpecWorker):
         self.policy.forget(rid)
         self.commits_nothing.discard(rid)
 
-    def _full_kv_for_tree(self, req) -> bool:
+    def _full_kv_for_tree(self, req, up_to: int):
         """A compressed request finished: its full KV (the host copy of its compressed span,
         the exact KV of its committed tokens in its row) goes back into its row, so the radix
         tree keeps it as a plain server keeps a finished request's; the next request with
         this prefix reuses it. Pool slots come from free ones, else from evicting the tree's
-        least recently used nodes, as a plain server's allocation would; False (counted)
-        where there are none. A host-to-device copy of the span at the request's end."""
+        least recently used nodes, as a plain server's allocation would. Where there are
+        none (the running requests hold the pool), a host copy of its own rows below
+        ``up_to`` (:class:`~sglang_vc.kvruntime.held_rows.HeldRows`), which the tree takes
+        after a release; False where there is nothing to keep."""
         row = req.kv.req_pool_idx
         entry = self.host.get(req.rid, row)
         if entry is None or not entry.num_tokens or self.runtime.entry_for_row(row) is None:
@@ -242,8 +244,12 @@ class VeriCacheWorker(ChainSpecWorker):
         if not runtime.restore_full_kv(row, entry.p, k, v):
             evict_from_tree_cache(runtime.tree_cache, entry.num_tokens)
             if not runtime.restore_full_kv(row, entry.p, k, v):
-                stats.add("vericache", finished_kv_not_kept=1)
-                return False
+                del k, v
+                held = self.restore.held_rows(entry, req.kv.cache_protected_len, up_to)
+                if held is None:
+                    stats.add("vericache", finished_kv_not_kept=1)
+                    return False
+                return held
         self.host.drop(req.rid)
         stats.add("vericache", finished_kv_kept=1, finished_kv_kept_tokens=entry.num_tokens)
         return True
