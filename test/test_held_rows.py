@@ -115,7 +115,8 @@ def test_a_finished_requests_held_rows_are_its_full_kv_around_and_inside_the_dro
         rt.kv_pool.k[l][decoded] = torch.randn(tail, *rt.kv_pool.k[l].shape[1:])
         rt.kv_pool.v[l][decoded] = torch.randn(tail, *rt.kv_pool.v[l].shape[1:])
     restore = FullKVRestore(types.SimpleNamespace(), rt, rt.req_to_token)
-    held = restore.held_rows(host, 1, n + tail)  # position 0 is a borrowed prefix
+    span_k, span_v = restore.full_rows(host)
+    held = restore.held_rows(host, 1, n + tail, span_k, span_v)  # position 0 is a borrowed prefix
     assert held is not None and held.start == 1 and held.num_tokens == n + tail - 1
     before = rt.req_to_token[1, 1:p].to(torch.int64)
     for l in SLAYERS:
@@ -123,4 +124,4 @@ def test_a_finished_requests_held_rows_are_its_full_kv_around_and_inside_the_dro
         want_v = torch.cat([rt.kv_pool.v[l][before], full[l][1], rt.kv_pool.v[l][decoded]])
         assert torch.equal(held.k[l], want_k) and torch.equal(held.v[l], want_v)
     rt.req_to_token[1, n + 2] = NULL_SLOT  # a decoded position without a slot: nothing exact to hold
-    assert restore.held_rows(host, 1, n + tail) is None
+    assert restore.held_rows(host, 1, n + tail, span_k, span_v) is None

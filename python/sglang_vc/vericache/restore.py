@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 class FullKVRestore:
     """``restore(entries, staging)``, the reloads' failure path; ``full_rows(entry)``;
-    ``held_rows(entry, start, end)``, a finished request's full KV on the host."""
+    ``held_rows(entry, start, end, span_k, span_v)``, a finished request's full KV on the host."""
 
     def __init__(self, host: "HostKVStore", runtime, req_to_token: torch.Tensor):
         self.host = host
@@ -78,28 +78,23 @@ class FullKVRestore:
             k[layer_id], v[layer_id] = span.full(k_buf, v_buf, span_slots.to(k_buf.device))
         return k, v
 
-    def held_rows(self, entry: "HostEntry", start: int, end: int) -> Optional[HeldRows]:
-        """The full KV of row positions ``[start, end)`` of the entry's request on the host,
-        layer by layer (the span from the host copy and its kept rows, the positions
-        around it from the pool): a finished request's KV for the tree where the pool has
-        no room for it (:mod:`sglang_vc.kvruntime.held_rows`). None where a position
-        outside the span has no slot. Device-to-host copies at the request's end, on this
-        path only."""
+    def held_rows(self, entry: "HostEntry", start: int, end: int, span_k: dict,
+                  span_v: dict) -> Optional[HeldRows]:
+        """The full KV of row positions ``[start, end)`` of the entry's request on the host:
+        the span's full rows (``span_k``/``span_v``, from :meth:`full_rows`) between the
+        pool's rows around it. A finished request's KV for the tree where the pool has no
+        room for it (:mod:`sglang_vc.kvruntime.held_rows`); None where a position outside
+        the span has no slot. Device-to-host copies at the request's end, on this path only."""
         if not start <= entry.p <= entry.n <= end:
             return None
         pool = self.runtime.kv_pool
-        entry.wait()
-        row = self.req_to_token[entry.req_pool_idx, start:end].to(torch.int64)
-        around = torch.cat([row[: entry.p - start], row[entry.n - start:]])
-        if bool((around == NULL_SLOT).any()):  # (a host sync, once per held request)
+        row = self.req_to_token[entry.req_pool_idx, start:end].to(torch.int64)  # (on the pool's device)
+        before, after = row[: entry.p - start], row[entry.n - start:]
+        if bool(((before == NULL_SLOT).any() | (after == NULL_SLOT).any())):  # (a host sync, once per held request)
             return None
-        span_slots, before, after = (row[entry.p - start: entry.n - start], row[: entry.p - start],
-                                     row[entry.n - start:])
         k, v = {}, {}
-        for layer_id in entry.k:
+        for layer_id in span_k:
             k_buf, v_buf = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-            dev = k_buf.device
-            span_k, span_v = entry.span(layer_id).to(dev).full(k_buf, v_buf, span_slots.to(dev))
-            k[layer_id] = torch.cat([k_buf[before.to(dev)], span_k.to(k_buf.dtype), k_buf[after.to(dev)]]).cpu()
-            v[layer_id] = torch.cat([v_buf[before.to(dev)], span_v.to(v_buf.dtype), v_buf[after.to(dev)]]).cpu()
+            k[layer_id] = torch.cat([k_buf[before], span_k[layer_id].to(k_buf.dtype), k_buf[after]]).cpu()
+            v[layer_id] = torch.cat([v_buf[before], span_v[layer_id].to(v_buf.dtype), v_buf[after]]).cpu()
         return HeldRows(start, k, v)

@@ -244,8 +244,7 @@ class VeriCacheWorker(ChainSpecWorker):
         if not runtime.restore_full_kv(row, entry.p, k, v):
             evict_from_tree_cache(runtime.tree_cache, entry.num_tokens)
             if not runtime.restore_full_kv(row, entry.p, k, v):
-                del k, v
-                held = self.restore.held_rows(entry, req.kv.cache_protected_len, up_to)
+                held = self.restore.held_rows(entry, req.kv.cache_protected_len, up_to, k, v)
                 if held is None:
                     stats.add("vericache", finished_kv_not_kept=1)
                     return False
