@@ -295,6 +295,19 @@ def _overlap_only_where_nothing_drafts(result, scheduler, batch, *args, **kwargs
     return True if decide is not None and decide(batch) else None
 
 
+def _settle_before_processing(*args, **kwargs):
+    """A drafting VERICACHE iteration under SGLang's overlap loop is settled (its drafts
+    kept, its verifiers' counts recorded, ``meta_info`` included) when its tokens are
+    on the host: normally before the next batch launches, but when no batch follows
+    (the loop idles) SGLang processes its result first, and the request's reply must
+    carry those counts. SGLang's result processing has no seam before it reads a
+    request; ``settle`` is a no-op when nothing is pending (:mod:`.vericache.deferred`)."""
+    settle = getattr(getattr(args[0], "model_worker", None), "settle", None)
+    if settle is not None:
+        settle()
+    return None
+
+
 def _keep_requests_that_commit_nothing_yet(original, scheduler, batch):
     """Under the overlap loop SGLang leaves out of decode batch ``k`` the requests whose
     queued result commits their last token by length (it counts one token per queued
@@ -702,6 +715,8 @@ def install() -> None:
 
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch",
                           _overlap_only_where_nothing_drafts, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+                          _settle_before_processing, HookType.BEFORE)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._reqs_finishing_inflight",
                           _keep_requests_that_commit_nothing_yet, HookType.AROUND)
     HookRegistry.register(GRAPH_GATE_TARGET, no_graph_for_compressed_batches, HookType.AROUND)

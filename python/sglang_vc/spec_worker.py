@@ -99,14 +99,16 @@ class ChainSpecWorker(BaseSpecWorker):
     def result(self, batch, accept_tokens: torch.Tensor, accept_lens: torch.Tensor, logits_output=None,
                can_run_cuda_graph: bool = False):
         """The spec-V2 result of a decode iteration: ``accept_tokens [bs, stride]`` and
-        ``accept_lens [bs]`` (CPU int64) committed after each request's ``seq_lens``;
+        ``accept_lens [bs]`` (int64, on the host or the device) committed after each
+        request's ``seq_lens``;
         ``can_run_cuda_graph``: its forward replayed a graph (SGLang's decode log says so)."""
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.managers.utils import GenerationBatchResult
 
         dev = batch.seq_lens.device
         committed = committed_lens(batch)
-        new_seq_lens = to_device((committed + accept_lens).to(batch.seq_lens.dtype), dev)
+        # (accept_lens on the host, or on the device where the accept rule ran there)
+        new_seq_lens = (on(committed, dev) + on(accept_lens, dev)).to(batch.seq_lens.dtype)
         tokens = on(accept_tokens.to(torch.int32), dev).flatten()
         lens = on(accept_lens.to(torch.int32), dev)
         logits_output = logits_output or LogitsProcessorOutput(next_token_logits=None)

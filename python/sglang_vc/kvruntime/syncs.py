@@ -8,7 +8,8 @@ the calls are the same code, so they are counted here: :class:`SyncCounter` patc
 ``torch.Tensor`` methods while it is active and counts the calls the entering thread
 makes (a copy thread's calls are its own). A ``.to`` counts when its target is written
 as ``"cpu"`` (the project writes device-to-host copies that way, and host-to-device ones
-with the request's device).
+with the request's device), unless it is ``non_blocking``: then the read of the copy,
+after its event, is the wait, and is counted.
 
 Blocking host-to-device copies wait too (a copy from pageable memory, or any copy without
 ``non_blocking``), and are counted as ``by_kind["h2d"]``: ``torch.tensor`` and
@@ -71,9 +72,12 @@ def _to_kind(args, kwargs):
     target = _to_target(args, kwargs)
     if target is None:
         return None
+    non_blocking = kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True)
     if isinstance(target, str) and target.split(":")[0] == "cpu":
-        return "to"
-    return None if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True) else H2D
+        # (a non-blocking copy to the host does not wait: the read of its result, after
+        # its event, is the synchronisation, and is counted there)
+        return None if non_blocking else "to"
+    return None if non_blocking else H2D
 
 
 def _factory_kind(args, kwargs):

@@ -1,12 +1,13 @@
-"""VERICACHE under SGLang's overlap scheduler: the iterations in which no request drafts
-run overlapped, as a plain server's decode does; the others synchronously.
+"""VERICACHE under SGLang's overlap scheduler: the iterations in which every request
+decodes from its full KV, and those in which requests draft in the pool, run overlapped;
+the others synchronously.
 
 SGLang's ``event_loop_overlap`` launches iteration ``k`` and only then processes the
 result of ``k - 1``, unless ``Scheduler.is_disable_overlap_for_batch`` says otherwise
-(then ``k - 1`` is processed first). The project's hook (``hooks.py``) asks
-:func:`needs_sync` for each decode batch:
+(then ``k - 1`` is processed first). The project's hook (``hooks.py``) asks the worker's
+``needs_sync``, which asks :func:`overlap_of`, for each decode batch:
 
-- **overlapped** (every request decodes its next token from its full KV, resident in the
+- **full-only** (every request decodes its next token from its full KV, resident in the
   pool: nothing compressed, nothing drafted, admitted or reloading, full-KV decoding
   chosen by the mode policy): the forward reads the batch's committed lengths and last
   tokens from SGLang's future map, on the device (:func:`full_only_iteration`), and
@@ -16,17 +17,20 @@ result of ``k - 1``, unless ``Scheduler.is_disable_overlap_for_batch`` says othe
   then masks the logits. Nor does a penalty, where the previous iteration left at most
   one token of the request unprocessed: that token is the one relayed on the device, and
   the penalty's history takes it there (:func:`_penalised`);
+- **drafting** (requests draft over views of their resident rows, beside full-KV ones;
+  no grammar, penalty or logprobs): the staggered iteration is launched with its accept
+  rule on the device and settled before the next reads its tokens (:mod:`.deferred`);
 - **synchronous** otherwise: the worker's staggered or lock-step iteration, over the
   requests still running (:mod:`sglang_vc.overlap`).
 
-The mode policy decides in :func:`needs_sync` (once per iteration): a decision taken at
+The mode policy decides in :func:`overlap_of` (once per iteration): a decision taken at
 the forward could otherwise turn a request to drafting in an iteration already
-overlapped.
+overlapped as full-only.
 """
-
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 from collections import deque
 from typing import Optional
@@ -48,30 +52,57 @@ from .policy import IterationRows, Mode
 from .staggered_schedule import Outcome, Role
 
 
-def needs_sync(worker, batch) -> bool:
-    """Whether decode ``batch`` must see the previous result processed before its forward
-    (a request drafts, verifies, reloads or is compressed; a penalised request misses
-    more than the one token the device relays; lock-step schedule). Decides the mode of every request at a cycle
-    boundary, with the lengths the worker committed."""
+class Overlap(enum.Enum):
+    """How SGLang's overlap loop runs a decode batch (:func:`overlap_of`)."""
+
+    SYNC = "sync"  # the previous result processed first; the worker's iteration reads it
+    FULL_ONLY = "full-only"  # overlapped: every request decodes a token from full KV (:func:`full_only_iteration`)
+    DRAFTING = "drafting"  # overlapped: requests draft in the pool, settled later (:mod:`.deferred`)
+
+
+def overlap_of(worker, batch) -> Overlap:
+    """How decode ``batch`` runs under SGLang's overlap loop: synchronously where a
+    request is offloaded, admitted for a reload, or reloading, where the batch has a
+    grammar, logprobs or a penalty with drafts (their commit reads host state; a penalised
+    full-KV request misses at most the one token the device relays), or under the
+    lock-step schedule. Decides the mode of every request at a cycle boundary, with the
+    lengths the worker committed."""
     if worker.schedule is not flags.Schedule.STAGGERED:
-        return True
+        return Overlap.SYNC
     runtime, tracks = worker.runtime, worker.staggered.schedule.tracks
-    rows, lengths = [], []
+    rows, lengths, drafting = [], [], False
     for req in batch.reqs:
         row = req.kv.req_pool_idx
         if row is None or req.finished() or runtime.entry_for_row(row) is not None \
                 or worker.host.get(req.rid, row) is not None:
-            return True
+            return Overlap.SYNC
         track = tracks.get(req.rid)
-        if track is not None and (track.drafts or track.admission is not None or track.reload is not None):
-            return True
+        if track is not None and (track.reload is not None or
+                                  (track.admission is not None and track.admission.kv_bytes != 0)):
+            return Overlap.SYNC
+        drafting |= track is not None and (bool(track.drafts) or track.admission is not None)
         rows.append(row)
         # (SGLang's own count lags by the queued result's token; the worker's does not)
         lengths.append(track.committed if track is not None and track.row == row else req.kv.kv_committed_len)
         if has_penalties(req.sampling_params) and unseen(req, lengths[-1]) > 1:
-            return True  # (a penalty counts the output so far: the device holds only the last token)
+            return Overlap.SYNC  # (a penalty counts the output so far: the device holds only the last token)
     worker.staggered.modes.decide(batch, rows, lengths)
-    return any(worker.modes[req.rid].mode is not Mode.FULL for req in batch.reqs)
+    modes = [worker.modes[req.rid].mode for req in batch.reqs]
+    if not drafting and all(m is Mode.FULL for m in modes):
+        return Overlap.FULL_ONLY
+    if any(m is Mode.OFFLOAD for m in modes) or batch.has_grammar or batch.return_logprob or \
+            any(has_penalties(req.sampling_params) for req in batch.reqs):
+        return Overlap.SYNC
+    # the plan reads each request's last token on the host: from its output_ids, or from
+    # the settled overlapped iteration whose result SGLang has not processed yet (not from
+    # a prefill's or an overlapped full-KV decode's, which only the device holds)
+    unprocessed = worker.staggered.unprocessed
+    for req, n in zip(batch.reqs, lengths):
+        track = tracks.get(req.rid)
+        if track is None or track.row != req.kv.req_pool_idx or \
+                (unseen(req, n) > 0 and req.rid not in unprocessed):
+            return Overlap.SYNC
+    return Overlap.DRAFTING
 
 
 def unseen(req, committed: int) -> int:
@@ -114,7 +145,7 @@ class LaggedTimer:
 
 def full_only_iteration(worker, batch, grammar_barrier=None):
     """One overlapped iteration: every request decodes one token from its full KV
-    (:func:`needs_sync` said so), with the committed lengths SGLang resolved from the
+    (:func:`overlap_of` said so), with the committed lengths SGLang resolved from the
     previous forward's publish and the last tokens it relayed (``spec_info.bonus_tokens``),
     both already on their device; ``grammar_barrier`` (the scheduler's) brings the
     grammars up to those tokens. Returns the spec-V2 result; with ``SGLANG_VC_COUNT_SYNCS``
@@ -160,7 +191,7 @@ def _penalised(logits, batch, committed_list, last_tokens):
         return logits
     bs = len(reqs)
     missing = [unseen(req, n) for req, n in zip(reqs, committed_list)]
-    if any(m not in (0, 1) for m in missing):  # (needs_sync sends those synchronously)
+    if any(m not in (0, 1) for m in missing):  # (overlap_of sends those synchronously)
         raise RuntimeError(f"an overlapped penalised iteration misses {max(missing)} tokens of a request")
     # the unseen token as a one-token run, a placeholder filled on the device below
     pen = penalty_rows(reqs, [[0] * m for m in missing], range(bs), missing, logits.shape[-1], logits.device)
@@ -177,13 +208,14 @@ def _penalised(logits, batch, committed_list, last_tokens):
 def _full_only(worker, batch, around_forward, grammar_barrier):
     started = time.perf_counter()
     sched = worker.staggered.schedule
+    worker.staggered.unprocessed = {}  # (this iteration's tokens are the next unprocessed ones: device only)
     bs = len(batch.reqs)
     committed = committed_lens(batch)
     row_list = [req.kv.req_pool_idx for req in batch.reqs]
     committed_list = committed.tolist()  # (a host copy: SGLang resolved it from the publish)
     plan = sched.plan([r.rid for r in batch.reqs], row_list, committed_list,
                       lambda i: worker.staggered.staging.reload_bytes(batch.reqs[i].rid, row_list[i]))
-    if any(s.role is not Role.FULL for s in plan.slots):  # needs_sync and the plan read the same state
+    if any(s.role is not Role.FULL for s in plan.slots):  # overlap_of and the plan read the same state
         raise RuntimeError("an overlapped iteration was planned with a request that drafts")
     req_to_token = worker.req_to_token_pool.req_to_token
     rows = torch.tensor(row_list, dtype=torch.int64)

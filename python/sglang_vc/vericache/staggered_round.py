@@ -39,6 +39,7 @@ from sglang_vc.spec_worker import committed_lens
 
 from .decode_graphs import mark_replayable, verify_graphs_captured, verify_graphs_of
 from .decode_slots import draft_cap
+from .deferred import Launched, accept_on_device, copy_to_host, mark, seconds_between
 from .flags import InPoolVerify
 from .forward_layout import lay_out
 from .forward_plan import Shape, attach
@@ -64,6 +65,9 @@ class StaggeredRound:
         self.modes = RequestModes(worker, self)
         self.staging = VerifierStaging(worker, self)
         self.stalled_verifies = 0  # verifies that waited for pool room, nothing committed since
+        self.launched: Optional[Launched] = None  # a drafting iteration SGLang overlapped, not settled yet
+        # rid -> last token committed by the last settled iteration, which SGLang may not have processed
+        self.unprocessed: dict[str, int] = {}
 
     # ------------------------------------------------------------------ the schedule
 
@@ -108,7 +112,9 @@ class StaggeredRound:
             return 1  # new, or prefilled again: its first token
         # under the overlap scheduler SGLang allocates before it processes the queued
         # result: its committed length lags the worker's by what that result commits
-        return track.committed - req.kv.kv_committed_len + len(track.drafts) + 1
+        # an iteration launched and not settled writes one more position of its requests
+        pending = self.launched is not None and req.rid in self.launched.rids
+        return track.committed - req.kv.kv_committed_len + len(track.drafts) + 1 + pending
 
     def forget(self, rid: str) -> None:
         if self._schedule is not None:
@@ -117,33 +123,92 @@ class StaggeredRound:
     # ------------------------------------------------------------------ one iteration
 
     @torch.inference_mode()
-    def run(self, batch):
-        """One staggered iteration; with ``SGLANG_VC_COUNT_SYNCS`` set, the host
-        synchronisations it made go into the trace (:mod:`sglang_vc.kvruntime.syncs`)."""
+    def run(self, batch, deferred: bool = False):
+        """One staggered iteration; ``deferred`` (a drafting batch SGLang's overlap loop
+        runs, :mod:`.deferred`): launched now, settled later (:meth:`settle`). With
+        ``SGLANG_VC_COUNT_SYNCS`` set, the host synchronisations it made go into the
+        trace (:mod:`sglang_vc.kvruntime.syncs`)."""
         w = self.worker
         started = time.perf_counter()
         counter = syncs.SyncCounter() if syncs.enabled() else None
         with counter if counter is not None else contextlib.nullcontext():
             it = self.plan(batch)
             phases = {"plan_s": time.perf_counter() - started}
-            mark, forwards = time.perf_counter(), w.forwards
-            if it.forward is not None:
-                done = self.commit(it, self.forward(it))
+            if deferred and it.forward is not None:
+                done, result = None, self._launch(it, phases)
             else:
-                it.staging.restore()  # nothing forwarded: the reserved slots go back
-                done = Committed.nothing(len(batch.reqs), w.stride)
-            phases["forward_s"] = time.perf_counter() - mark
-            phases["forwards"] = w.forwards - forwards
-            self._account(it, done, phases)
-            result = w.result(batch, done.tokens, done.lens, done.logits_output,
-                              can_run_cuda_graph=w.replayed and phases["forwards"] > 0)
-        if counter is not None:
-            phases["host_syncs"] = counter.total
-            phases.update({f"host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
-            if syncs.with_sites():
-                phases["host_sync_sites"] = dict(counter.by_site)
-        self.schedule.finish(it.slots, time.perf_counter() - started, done.outcome, done.reloaded, phases)
+                done = self._now(it, phases)
+                result = w.result(batch, done.tokens, done.lens, done.logits_output,
+                                  can_run_cuda_graph=w.replayed and phases["forwards"] > 0)
+        _count_syncs(phases, counter, "launch_" if done is None else "")
+        if done is not None:
+            self.schedule.finish(it.slots, time.perf_counter() - started, done.outcome, done.reloaded, phases)
         return result
+
+    def _now(self, it: Iteration, phases: dict) -> Committed:
+        """The forward and its commit, read back at once (a synchronous iteration)."""
+        w = self.worker
+        mark_s, forwards = time.perf_counter(), w.forwards
+        if it.forward is not None:
+            done = self.commit(it, self.forward(it))
+        else:
+            it.staging.restore()  # nothing forwarded: the reserved slots go back
+            done = Committed.nothing(len(it.batch.reqs), w.stride)
+        phases["forward_s"] = time.perf_counter() - mark_s
+        phases["forwards"] = w.forwards - forwards
+        self._account(it, done, phases)
+        return done
+
+    def _launch(self, it: Iteration, phases: dict):
+        """The forward and its accept rule queued on the device, SGLang's result built
+        from their tensors; what SGLang reads before the iteration settles is set now:
+        which requests verify, which commit nothing."""
+        w, reqs = self.worker, it.batch.reqs
+        forwards, start = w.forwards, mark(w.device)
+        accepted, n_drafts = accept_on_device(w, it, self.forward(it))
+        host, ready = copy_to_host(accepted)
+        end = mark(w.device)
+        phases.update(forwards=w.forwards - forwards, deferred=True)
+        committing = {s.index for s in it.full + it.verifiers}
+        for i, req in enumerate(reqs):
+            (w.commits_nothing.discard if i in committing else w.commits_nothing.add)(req.rid)
+        for s in it.verifiers:
+            reqs[s.index].vc_verified = True
+        self.launched = Launched(it, host, ready, n_drafts, phases, (start, end),
+                                 frozenset(s.track.rid for s in it.slots.slots))
+        stats.add("vericache", overlapped_draft_iterations=1)
+        return w.result(it.batch, accepted.tokens, accepted.lens, None,
+                        can_run_cuda_graph=w.replayed and phases["forwards"] > 0)
+
+    def settle(self) -> None:
+        """The launched iteration's commit, once its tokens are on the host: the
+        drafters keep their drafts, full-KV requests and verifiers commit, and the
+        schedule, the policy and the trace record it, as :meth:`commit` and :meth:`run`
+        do for a synchronous iteration."""
+        launched, self.launched = self.launched, None
+        if launched is None:
+            return
+        it, phases = launched.it, launched.phases
+        counter = syncs.SyncCounter() if syncs.enabled() else None
+        with counter if counter is not None else contextlib.nullcontext():
+            tokens, lens, token_rows, n_tokens, drafts, accepted = launched.unpack(self.worker.stride)
+            done = Committed(tokens, lens)
+            part, new_drafts = it.part, iter(drafts)
+            for s in part:
+                if s.role is Role.DRAFT:
+                    s.track.drafts.append(next(new_drafts))
+                elif s.role is Role.FULL:
+                    self.schedule.verified(s.track, 1)
+                    done.outcome[s.track.rid] = Outcome(drafts=0, tokens=1)
+            vs = [k for k, s in enumerate(part) if s.role is Role.VERIFY]
+            if vs:
+                self._verified(it, vs, launched.n_drafts, accepted, [n_tokens[part[k].index] for k in vs], done)
+            self.unprocessed = {s.track.rid: token_rows[s.index][n_tokens[s.index] - 1] for s in part
+                                if n_tokens[s.index]}
+            phases["forward_s"] = seconds_between(*launched.forward_marks)
+            self._account(it, done, phases)
+        _count_syncs(phases, counter, "settle_")
+        self.schedule.finish(it.slots, phases["plan_s"] + phases["forward_s"], done.outcome, done.reloaded, phases)
 
     def plan(self, batch) -> Iteration:
         """Roles, reloads, staging and the forward's layout of this iteration."""
@@ -154,7 +219,8 @@ class StaggeredRound:
                                              w.headroom.need * w.runtime.bytes_per_slot)
         committed = committed_lens(batch).tolist()  # a host tensor already: no device sync
         rows = [req.kv.req_pool_idx for req in batch.reqs]  # the host's own (req_pool_indices is built from them)
-        t0 = [req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1] for req in batch.reqs]
+        t0 = [self._last_token(req, n) for req, n in zip(batch.reqs, committed)]
+        self.unprocessed = {}  # (SGLang has processed every result older than this iteration)
         for row in rows:
             entry = w.runtime.entry_for_row(row)
             if entry is not None:
@@ -164,7 +230,9 @@ class StaggeredRound:
         self.modes.decide(batch, rows, committed)
         slots = sched.plan([r.rid for r in batch.reqs], rows, committed,
                            lambda i: self.staging.reload_bytes(batch.reqs[i].rid, rows[i]),
-                           [draft_cap(r.sampling_params.max_new_tokens, len(r.output_ids)) for r in batch.reqs],
+                           # (its output so far: the committed tokens and the one after them)
+                           [draft_cap(r.sampling_params.max_new_tokens, n + 1 - len(r.origin_input_ids))
+                            for r, n in zip(batch.reqs, committed)],
                            # the HBM ring's: the pool slots a reload lands in, held until its verify
                            lambda i: self.staging.reload_slot_bytes(batch.reqs[i].rid, rows[i]))
         for slot in slots.reloads_due:
@@ -182,6 +250,14 @@ class StaggeredRound:
         if it.part:
             lay_out(w, self.modes, it)
         return it
+
+    def _last_token(self, req, committed: int) -> int:
+        """The request's last committed token (its KV not computed yet): SGLang's
+        ``output_ids`` show it unless the result of a settled overlapped iteration is not
+        processed yet (then the settle kept it; ``overlap_of`` overlaps nothing else)."""
+        if committed + 1 > len(req.origin_input_ids) + len(req.output_ids):
+            return self.unprocessed[req.rid]
+        return req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
 
     def forward(self, it: Iteration) -> torch.Tensor:
         """The iteration's one forward; its logits, a row per query token."""
@@ -298,11 +374,20 @@ class StaggeredRound:
             padded[j, : targets[j].numel()] = targets[j]
         verdict = greedy_verify_ids(drafts, padded, draft_lens=torch.tensor(n_drafts), pad_id=0)
         n_tokens, n_accepted = verdict.num_tokens.tolist(), verdict.num_accepted.tolist()
+        for j, s in enumerate(verifiers):
+            done.tokens[s.index, : n_tokens[j]] = verdict.tokens[j, : n_tokens[j]]
+            done.lens[s.index] = n_tokens[j]
+        self._verified(it, vs, n_drafts, n_accepted, n_tokens, done)
+
+    def _verified(self, it: Iteration, vs: list[int], n_drafts: list[int], n_accepted: list[int],
+                  n_tokens: list[int], done: Committed) -> None:
+        """The verifiers ``vs`` (indices into ``it.part``) committed ``n_tokens`` each,
+        ``n_accepted`` of their ``n_drafts`` drafts: the schedule, the per-request and
+        draft-length counts, and the reloads' bytes."""
+        w, batch, part = self.worker, it.batch, it.part
         failures = 0
-        for j, (k, s) in enumerate(zip(vs, verifiers)):
-            n = n_tokens[j]
-            done.tokens[s.index, :n] = verdict.tokens[j, :n]
-            done.lens[s.index] = n
+        for j, k in enumerate(vs):
+            s, n = part[k], n_tokens[j]
             done.outcome[s.track.rid] = Outcome(drafts=n_drafts[j], tokens=n)
             if k in it.reloads:
                 done.reloaded[s.track.rid] = it.reloads[k].nbytes()
@@ -312,8 +397,8 @@ class StaggeredRound:
             w.draft_length.record_verify(self.modes.drafter_of(s.track.row, s.track.rid), s.track.rid, n_drafts[j],
                                          n_accepted[j])
             self.schedule.verified(s.track, n)
-        stats.add("vericache", verify_rounds=len(verifiers), drafted=sum(n_drafts), accepted=sum(n_accepted),
-                  committed=sum(n_accepted) + len(verifiers), bytes_reloaded=sum(done.reloaded.values()))
+        stats.add("vericache", verify_rounds=len(vs), drafted=sum(n_drafts), accepted=sum(n_accepted),
+                  committed=sum(n_accepted) + len(vs), bytes_reloaded=sum(done.reloaded.values()))
         if failures:
             stats.add("vericache", reload_failures=failures)
 
@@ -337,3 +422,17 @@ class StaggeredRound:
 
 
 __all__ = ["StaggeredRound", "IterationRows"]
+
+
+def _count_syncs(phases: dict, counter, prefix: str) -> None:
+    """The host synchronisations ``counter`` saw, into the trace's ``phases``: a
+    synchronous iteration's as ``host_syncs``; a deferred one's launch and settle apart
+    (``launch_``, ``settle_``) and together."""
+    if counter is None:
+        return
+    phases[f"{prefix}host_syncs"] = counter.total
+    phases.update({f"{prefix}host_syncs_{k.strip('_')}": n for k, n in counter.by_kind.items()})
+    if syncs.with_sites():
+        phases[f"{prefix}host_sync_sites"] = dict(counter.by_site)
+    if prefix == "settle_":
+        phases["host_syncs"] = phases.get("launch_host_syncs", 0) + counter.total

@@ -65,8 +65,7 @@ from .staging import AheadSlots, VerifyHeadroom
 from .policy import Decision, Mode, ModePolicy
 from .restore import FullKVRestore
 from .lockstep import LockstepRound
-from .overlapped import LaggedTimer, full_only_iteration
-from .overlapped import needs_sync as _needs_sync
+from .overlapped import LaggedTimer, Overlap, full_only_iteration, overlap_of
 from .staggered_round import StaggeredRound
 from .view_rows import SharedSelections, ViewRows
 from .worker_spec import draft_tokens_of
@@ -143,9 +142,9 @@ class VeriCacheWorker(ChainSpecWorker):
         # verify (the attention backend writes them through the forward's plan)
         self.selections: dict = {}
         self._bandwidth: Optional[float] = None
-        # SGLang's overlap scheduler (:mod:`.overlapped`): whether the next decode forward
-        # was let overlap; the requests whose last decode forward committed nothing
-        self._overlapped = False
+        # SGLang's overlap scheduler (:mod:`.overlapped`): how the next decode forward runs
+        # under it; the requests whose last decode forward committed nothing
+        self._overlapped = Overlap.SYNC
         self.sync_check_s = 0.0  # the last needs_sync call's host time
         self.commits_nothing: set[str] = set()
         self.overlap_timer = LaggedTimer(self.device)
@@ -328,11 +327,16 @@ class VeriCacheWorker(ChainSpecWorker):
         runtime = self.runtime  # installs the host sink before the first prefill
         for req in batch.reqs:
             self.drafter.set_request(req.rid, getattr(req.sampling_params, "custom_params", None))
-        overlapped, self._overlapped = self._overlapped, False
+        self.settle()  # (a drafting iteration SGLang overlapped: before this forward's plan)
+        kind, self._overlapped = self._overlapped, Overlap.SYNC
+        overlapped = kind is Overlap.FULL_ONLY
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
             try:
-                result = (full_only_iteration(self, batch, grammar_barrier) if overlapped
-                          else self._decode_running(batch))
+                if kind is Overlap.DRAFTING:
+                    result = self.staggered.run(batch, deferred=True)
+                else:
+                    result = (full_only_iteration(self, batch, grammar_barrier) if overlapped
+                              else self._decode_running(batch))
             except Exception as exc:  # a fault of this batch's forward ends its requests, not the server
                 logger.exception("VERICACHE: a decode iteration failed; its %d requests end with an error",
                                  len(batch.reqs))
@@ -380,13 +384,32 @@ class VeriCacheWorker(ChainSpecWorker):
 
     def needs_sync(self, batch) -> bool:
         """Whether decode ``batch`` runs synchronously under SGLang's overlap scheduler
-        (:mod:`.overlapped`); asked once per iteration by the scheduler hook."""
+        (:mod:`.overlapped`); asked once per iteration by the scheduler hook, before the
+        batch launches: the drafting iteration launched before it settles first."""
+        self.settle()
         started = time.perf_counter()
-        sync = _needs_sync(self, batch)
+        self._overlapped = overlap_of(self, batch)
         self.sync_check_s = time.perf_counter() - started  # host work, in the overlapped trace
-        self._overlapped = not sync
+        sync = self._overlapped is Overlap.SYNC
         stats.add("vericache", **{"overlap_synced" if sync else "overlap_async": 1})
         return sync
+
+    def settle(self) -> None:
+        """The bookkeeping of the drafting iteration SGLang overlapped (:mod:`.deferred`),
+        once its tokens are on the host; called before anything reads it (the next
+        decode's ``needs_sync``, a forward, SGLang's processing of its result). A fault
+        ends that iteration's requests, not the server."""
+        round_ = self.staggered
+        if round_ is None or round_.launched is None:
+            return
+        reqs = round_.launched.it.batch.reqs
+        try:
+            round_.settle()
+        except Exception as exc:
+            logger.exception("VERICACHE: an overlapped iteration failed to settle; its %d requests end with "
+                             "an error", len(reqs))
+            for req in reqs:
+                self._fail(req, f"its decode iteration failed ({type(exc).__name__}: {exc})")
 
     def _decode_running(self, batch):
         """The decode iteration of the batch's requests still running: under the overlap
