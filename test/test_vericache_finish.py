@@ -151,6 +151,38 @@ def test_random_stops_in_a_mixed_batch(server, vc, tokenizer):
     assert _accepted(vc) > before
 
 
+def test_overlapped_drafting_stops_where_full_kv_stops(server, vc, tokenizer):
+    """In-pool drafters with no grammar, penalty or logprobs decode under SGLang's overlap
+    loop (:mod:`sglang_vc.vericache.deferred`): 10 requests with stops cut from their own
+    output (inside accepted runs), streamed or not, stop tokens among them. Text, ids and
+    finish reason are full KV's, and the iterations were overlapped, not synchronous.
+    (Offloaded drafters run synchronously: ``test_random_stops_in_a_mixed_batch``.)"""
+    if vc.mode != "in_pool":
+        pytest.skip("offloaded drafters run synchronously (their commit reads the host entry)")
+    rng = random.Random(74)
+    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 40}}
+              for p in real_text_passages(10, words=120)]
+    free = concurrently(lambda b: {**_post(server, b), "body": b}, [(b,) for b in bodies])
+    cases = [{**c, "return_logprob": False} for c in _cases(free, rng)]
+
+    def run(srv, body):
+        return _stream(srv, body) if body["stream"] else _post(srv, body)
+
+    refs = concurrently(lambda b: run(server, b), [(b,) for b in cases])
+    before = _counters(vc)
+    outs = concurrently(lambda b: run(vc, b), [(b,) for b in cases])
+    after = _counters(vc)
+    for i, (case, out, ref) in enumerate(zip(cases, outs, refs)):
+        _same(out, ref, (i, case["sampling_params"]))
+    assert sum(r["meta_info"]["finish_reason"]["type"] == "stop" for r in refs) >= len(cases) // 2
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert grew.get("overlapped_draft_iterations", 0) >= 10 and grew.get("accepted", 0) > 0, grew
+
+
+def _counters(proc) -> dict:
+    return requests.get(proc.url + "/server_info", timeout=60).json()["sglang_vc"]["counters"]["vericache"]
+
+
 def test_eos_and_min_new_tokens(server, vc, tokenizer):
     """EOS ends a request (``ignore_eos`` off), ``min_new_tokens`` holds it back, and an
     EOS id given as a stop token: full KV's tokens and finish reasons, in one batch."""

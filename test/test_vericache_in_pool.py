@@ -9,6 +9,7 @@ full-KV requests and offloaded (compressed) ones, in two orders, with drafts rej
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -335,8 +336,9 @@ def _in_pool_server(tmp_path_factory, view: str):
         ["--dtype", "float32", "--max-total-tokens", str(2 * (600 + NEW) + 64), "--enable-metrics",
          "--speculative-algorithm", "VERICACHE", "--speculative-num-draft-tokens", "4",
          "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25", "--vc-in-pool", "always",
-         "--vc-draft-budget", str(BUDGET), "--vc-draft-view", view, "--skip-server-warmup"],
-        log_path=folder / "server.log")
+         "--vc-draft-budget", str(BUDGET), "--vc-draft-view", view, "--skip-server-warmup",
+         "--vc-schedule-trace", str(folder / "trace.jsonl")],
+        log_path=folder / "server.log", env={"SGLANG_VC_COUNT_SYNCS": "sites"})
 
 
 def _prompts(tokenizer, lengths) -> list[list[int]]:
@@ -410,6 +412,26 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     assert grew["in_pool_draft_rows"] > 0, grew
     assert (grew.get("in_pool_reselections", 0) > 0) is (view != "window"), grew
     assert (grew.get("in_pool_view_rows", 0) > 0) is (view != "reselect"), grew  # SGLang's backend read the view
+    # the in-pool iterations ran under SGLang's overlap loop, launched with nothing read
+    # back at the project's code and settled with one read of their copy; the offloaded
+    # request's ran synchronously (:mod:`sglang_vc.vericache.deferred`)
+    assert grew.get("overlapped_draft_iterations", 0) > 0 and grew.get("overlap_synced", 0) > 0, grew
+    _launched_without_device_reads(vc_in_pool.log_path.parent / "trace.jsonl")
+
+
+def _launched_without_device_reads(trace) -> None:
+    """The trace's overlapped drafting iterations read no device value at launch (the
+    counter's reads there are of host copies: SGLang's resolved lengths, the rows) and
+    read their result once when they settle (the host copy's ``tolist``; the second read
+    is of that copy's lengths)."""
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    deferred = [r["phases"] for r in records if r.get("phases", {}).get("deferred")]
+    assert deferred, [r.get("phases") for r in records[-5:]]
+    project = ("sglang_vc/", "vericache/", "kvruntime/", "specache/")
+    reads = [site for p in deferred for site in p["launch_host_sync_sites"]
+             if site.split()[0] in ("to", "item", "cpu", "numpy", "h2d") and site.split()[1].startswith(project)]
+    assert not reads, reads
+    assert {p["settle_host_syncs"] for p in deferred} == {2}, [p["settle_host_sync_sites"] for p in deferred[:3]]
 
 
 def test_in_pool_requests_apply_penalties_grammars_and_logprobs(server, tokenizer, tmp_path_factory,

@@ -210,9 +210,9 @@ class ChainSpecWorker(BaseSpecWorker):
         # attention backends read it (the vc_verify backend builds the same mask itself).
         mask = chain_mask(committed.tolist(), [w] * bs, dev) if mask else torch.zeros(0, dtype=torch.bool, device=dev)
         spec_info = NgramVerifyInput(
-            draft_token=verify_ids.flatten().to(dev),
+            draft_token=on(verify_ids.flatten(), dev),  # (host tensors: non-blocking copies)
             custom_mask=mask,
-            positions=positions.flatten().to(dev),
+            positions=on(positions.flatten(), dev),
             retrieve_index=torch.arange(bs * w, device=dev).view(bs, w),
             retrieve_next_token=None,
             retrieve_next_sibling=None,
