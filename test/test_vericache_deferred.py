@@ -40,7 +40,7 @@ def _iteration(roles_drafts: list[tuple[Role, list[int]]], argmax: list[list[int
         logits[row, token] = 1.0
     fp = ForwardPlan(index=tuple(range(len(slots))), roles=tuple(s.role for s in slots), lens=lens,
                      positions=torch.arange(sum(lens)))
-    it = Iteration(SimpleNamespace(reqs=[None] * len(slots)), IterationPlan(0, slots, []), list(range(len(slots))),
+    it = Iteration(SimpleNamespace(reqs=[f"req{i}" for i in range(len(slots))]), IterationPlan(0, slots, []), list(range(len(slots))),
                    [0] * len(slots), [s for s in slots if s.role is Role.DRAFT], [s for s in slots if s.role is Role.FULL],
                    [s for s in slots if s.role is Role.VERIFY], staging=None, forward=fp)
     it.sub = SimpleNamespace(sampling_info=None)
@@ -72,6 +72,9 @@ def test_accept_on_device_commits_what_the_greedy_rule_commits_and_reads_nothing
     assert verdict.num_tokens.tolist() == [4, 2] and verdict.num_accepted.tolist() == [3, 1]
 
     launched = Launched(it, host, ready, n_drafts, {}, (0.0, 0.0), frozenset())
+    # SGLang filters its batch in place (a finished request leaves) before the iteration
+    # settles: the settle reads the requests as planned
+    it.batch.reqs.pop()
     with SyncCounter() as read:
         _, _, rows, lens, drafts, acc = launched.unpack(STRIDE)
     assert read.total == 1, read.by_kind  # the settle's one read of the copy
@@ -87,3 +90,37 @@ def test_a_verifier_whose_first_draft_is_rejected_commits_the_correction_alone()
     it, logits = _iteration([(Role.VERIFY, [5, 6])], [[9, 6, 7]])
     accepted, _ = accept_on_device(_worker(), it, logits)
     assert accepted.lens.tolist() == [1] and accepted.tokens[0, 0].item() == 9 and accepted.accepted.tolist() == [0]
+
+
+def test_a_launched_iteration_settles_at_its_own_result_not_at_an_earlier_ones():
+    """SGLang processes the result of iteration k - 1 right after launching k: settling
+    k there would wait for k's forward and undo the overlap. The worker settles k at the
+    next decode (no result given) or when SGLang processes k's own result; a fault while
+    settling ends k's requests with an error, and the scheduler goes on."""
+    from sglang_vc.vericache.worker import VeriCacheWorker
+
+    own, earlier = object(), object()
+    settled, failed = [], []
+    round_ = SimpleNamespace(launched=SimpleNamespace(result=own, it=SimpleNamespace(reqs=["a"])))
+
+    def settle():
+        settled.append(round_.launched.result)
+        round_.launched = None
+
+    round_.settle = settle
+    worker = SimpleNamespace(staggered=round_, _fail=lambda req, why: failed.append((req, why)))
+    VeriCacheWorker.settle(worker, earlier)
+    assert settled == [] and round_.launched is not None
+    VeriCacheWorker.settle(worker, own)
+    assert settled == [own] and round_.launched is None
+    VeriCacheWorker.settle(worker)  # nothing launched: nothing to do
+    assert settled == [own]
+
+    def broken():
+        round_.launched = None
+        raise RuntimeError("copy lost")
+
+    round_.launched, round_.settle = SimpleNamespace(result=own, it=SimpleNamespace(reqs=["b"])), \
+        broken
+    VeriCacheWorker.settle(worker)
+    assert failed and failed[0][0] == "b" and "copy lost" in failed[0][1]

@@ -153,15 +153,17 @@ def test_random_stops_in_a_mixed_batch(server, vc, tokenizer):
 
 def test_overlapped_drafting_stops_where_full_kv_stops(server, vc, tokenizer):
     """In-pool drafters with no grammar, penalty or logprobs decode under SGLang's overlap
-    loop (:mod:`sglang_vc.vericache.deferred`): 10 requests with stops cut from their own
-    output (inside accepted runs), streamed or not, stop tokens among them. Text, ids and
+    loop (:mod:`sglang_vc.vericache.deferred`): 10 requests of 16-43 new tokens with stops
+    cut from their own output (inside accepted runs), streamed or not, stop tokens among
+    them, leaving the batch one by one while the others draft. Text, ids and
     finish reason are full KV's, and the iterations were overlapped, not synchronous.
     (Offloaded drafters run synchronously: ``test_random_stops_in_a_mixed_batch``.)"""
     if vc.mode != "in_pool":
         pytest.skip("offloaded drafters run synchronously (their commit reads the host entry)")
     rng = random.Random(74)
-    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 40}}
-              for p in real_text_passages(10, words=120)]
+    # (lengths apart: requests leave the batch one by one, while the others draft on)
+    bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16 + 3 * i}}
+              for i, p in enumerate(real_text_passages(10, words=120))]
     free = concurrently(lambda b: {**_post(server, b), "body": b}, [(b,) for b in bodies])
     cases = [{**c, "return_logprob": False} for c in _cases(free, rng)]
 

@@ -295,16 +295,17 @@ def _overlap_only_where_nothing_drafts(result, scheduler, batch, *args, **kwargs
     return True if decide is not None and decide(batch) else None
 
 
-def _settle_before_processing(*args, **kwargs):
+def _settle_before_processing(scheduler, batch, result, *args, **kwargs):
     """A drafting VERICACHE iteration under SGLang's overlap loop is settled (its drafts
     kept, its verifiers' counts recorded, ``meta_info`` included) when its tokens are
-    on the host: normally before the next batch launches, but when no batch follows
-    (the loop idles) SGLang processes its result first, and the request's reply must
+    on the host: normally before the next decode batch launches, but where a prefill or
+    nothing follows, SGLang processes its result first, and the request's reply must
     carry those counts. SGLang's result processing has no seam before it reads a
-    request; ``settle`` is a no-op when nothing is pending (:mod:`.vericache.deferred`)."""
-    settle = getattr(getattr(args[0], "model_worker", None), "settle", None)
+    request; ``settle`` does nothing unless ``result`` is the unsettled iteration's
+    (:mod:`.vericache.deferred`)."""
+    settle = getattr(getattr(scheduler, "model_worker", None), "settle", None)
     if settle is not None:
-        settle()
+        settle(result)
     return None
 
 

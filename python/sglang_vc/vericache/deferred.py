@@ -13,8 +13,8 @@ waited for the device. A batch in which requests draft in the pool now:
   knows). SGLang's result is device tensors; one non-blocking copy brings the committed
   tokens, the new drafts and the accepted counts to the host (:class:`Launched`);
 - **settles** (:meth:`~.staggered_round.StaggeredRound.settle`) before anything reads
-  the worker's bookkeeping: at the next decode batch's ``needs_sync``, at a prefill, or
-  when SGLang processes its result, whichever comes first. The drafters keep their draft,
+  the worker's bookkeeping: at the next decode batch's ``needs_sync``, or when SGLang
+  processes its result (a prefill or nothing followed), whichever comes first. The drafters keep their draft,
   the verifiers commit their run, the schedule and the policy record the iteration, as a
   synchronous iteration's commit does, in the same order.
 
@@ -73,6 +73,7 @@ class Launched:
     phases: dict
     forward_marks: tuple
     rids: frozenset  # the requests of the batch (their next decode writes one more slot)
+    result: object = None  # SGLang's result of the iteration (the scheduler processes it later)
 
     def unpack(self, stride: int) -> tuple[torch.Tensor, torch.Tensor, list, list, list, list]:
         """``tokens [bs, stride]`` and ``lens [bs]`` (host tensors), and as lists: the
@@ -80,7 +81,7 @@ class Launched:
         first, then reads it once (the iteration's one host synchronisation)."""
         if self.ready is not None:
             self.ready.synchronize()
-        bs = len(self.it.batch.reqs)
+        bs = len(self.it.reqs)
         values = self.host.tolist()
         n_draft = sum(1 for s in self.it.part if s.role is Role.DRAFT)
         rows = [values[i * stride: (i + 1) * stride] for i in range(bs)]
@@ -96,7 +97,7 @@ def accept_on_device(worker, it: Iteration, logits: torch.Tensor) -> tuple[Accep
     verifier's tokens at its ``len(drafts) + 1`` positions). Index tensors come from the
     plan (host) with non-blocking copies; nothing is read back. Also returns each
     verifier's draft count."""
-    fp, part, bs, dev = it.forward, it.part, len(it.batch.reqs), logits.device
+    fp, part, bs, dev = it.forward, it.part, len(it.reqs), logits.device
     q_req = it.query_owner()
     exact = worker.targets_flat(logits, it.sub, q_req, fp.positions).to(torch.int64)
     offsets = fp.offsets

@@ -42,6 +42,13 @@ class Iteration:
     terms: "Optional[IterationRows]" = None  # the mode policy's regressors of the forward
     verify_tokens: int = 0
     sub: object = None  # SGLang's batch of the forwarded requests (set by the forward)
+    # the batch's requests as planned: SGLang filters and merges ``batch`` in place, and
+    # an overlapped iteration settles after it has built the next one (:mod:`.deferred`)
+    reqs: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.reqs:
+            self.reqs = list(self.batch.reqs)
 
     @property
     def part(self) -> "list[Slot]":

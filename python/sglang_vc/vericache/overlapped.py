@@ -27,6 +27,7 @@ The mode policy decides in :func:`overlap_of` (once per iteration): a decision t
 the forward could otherwise turn a request to drafting in an iteration already
 overlapped as full-only.
 """
+
 from __future__ import annotations
 
 import contextlib

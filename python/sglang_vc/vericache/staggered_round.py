@@ -153,7 +153,7 @@ class StaggeredRound:
             done = self.commit(it, self.forward(it))
         else:
             it.staging.restore()  # nothing forwarded: the reserved slots go back
-            done = Committed.nothing(len(it.batch.reqs), w.stride)
+            done = Committed.nothing(len(it.reqs), w.stride)
         phases["forward_s"] = time.perf_counter() - mark_s
         phases["forwards"] = w.forwards - forwards
         self._account(it, done, phases)
@@ -163,7 +163,7 @@ class StaggeredRound:
         """The forward and its accept rule queued on the device, SGLang's result built
         from their tensors; what SGLang reads before the iteration settles is set now:
         which requests verify, which commit nothing."""
-        w, reqs = self.worker, it.batch.reqs
+        w, reqs = self.worker, it.reqs
         forwards, start = w.forwards, mark(w.device)
         accepted, n_drafts = accept_on_device(w, it, self.forward(it))
         host, ready = copy_to_host(accepted)
@@ -174,11 +174,12 @@ class StaggeredRound:
             (w.commits_nothing.discard if i in committing else w.commits_nothing.add)(req.rid)
         for s in it.verifiers:
             reqs[s.index].vc_verified = True
+        result = w.result(it.batch, accepted.tokens, accepted.lens, None,
+                          can_run_cuda_graph=w.replayed and phases["forwards"] > 0)
         self.launched = Launched(it, host, ready, n_drafts, phases, (start, end),
-                                 frozenset(s.track.rid for s in it.slots.slots))
+                                 frozenset(s.track.rid for s in it.slots.slots), result)
         stats.add("vericache", overlapped_draft_iterations=1)
-        return w.result(it.batch, accepted.tokens, accepted.lens, None,
-                        can_run_cuda_graph=w.replayed and phases["forwards"] > 0)
+        return result
 
     def settle(self) -> None:
         """The launched iteration's commit, once its tokens are on the host: the
@@ -314,7 +315,7 @@ class StaggeredRound:
         """Each request's tokens from the forward's logits: drafters keep their draft,
         full-KV requests commit their token, verifiers their accepted run."""
         w, fp, part, batch = self.worker, it.forward, it.part, it.batch
-        done = Committed.nothing(len(batch.reqs), w.stride)
+        done = Committed.nothing(len(it.reqs), w.stride)
         q_req = it.query_owner()
         # penalties and grammar masks at each row's own position: verified rows and drafts alike
         if w.constrained(it.sub.reqs):
@@ -340,11 +341,11 @@ class StaggeredRound:
                 self.schedule.verified(s.track, 1)
                 done.outcome[s.track.rid] = Outcome(drafts=0, tokens=1)
         lost = {rid: why for r in it.reloads.values() for rid, why in r.lost.items()}
-        vs = [k for k, s in enumerate(part) if s.role is Role.VERIFY and not self._lost(batch.reqs[s.index], lost)]
+        vs = [k for k, s in enumerate(part) if s.role is Role.VERIFY and not self._lost(it.reqs[s.index], lost)]
         if vs:
             self._accept(it, vs, [exact[offsets[k]: offsets[k + 1]] for k in vs], done)
         if batch.return_logprob:  # from the rows that chose the committed tokens
-            first_row = [None] * len(batch.reqs)
+            first_row = [None] * len(it.reqs)
             for k, s in enumerate(part):
                 if s.role is not Role.DRAFT:
                     first_row[s.index] = offsets[k]
@@ -363,7 +364,6 @@ class StaggeredRound:
         """Commit each verifier's accepted drafts and the verifier's correction or bonus
         token (the greedy rule of :func:`greedy_verify_ids` on the verifier's tokens,
         ``targets[j]`` at its ``len(drafts) + 1`` positions)."""
-        w, batch = self.worker, it.batch
         verifiers = [it.part[k] for k in vs]
         n_drafts = [len(s.track.drafts) for s in verifiers]
         width = max(n_drafts) + 1
@@ -384,7 +384,7 @@ class StaggeredRound:
         """The verifiers ``vs`` (indices into ``it.part``) committed ``n_tokens`` each,
         ``n_accepted`` of their ``n_drafts`` drafts: the schedule, the per-request and
         draft-length counts, and the reloads' bytes."""
-        w, batch, part = self.worker, it.batch, it.part
+        w, reqs, part = self.worker, it.reqs, it.part
         failures = 0
         for j, k in enumerate(vs):
             s, n = part[k], n_tokens[j]
@@ -392,8 +392,8 @@ class StaggeredRound:
             if k in it.reloads:
                 done.reloaded[s.track.rid] = it.reloads[k].nbytes()
                 failures += it.reloads[k].failures
-            batch.reqs[s.index].vc_verified = True
-            w._record(batch.reqs[s.index], n_drafts[j], n_accepted[j], n)
+            reqs[s.index].vc_verified = True
+            w._record(reqs[s.index], n_drafts[j], n_accepted[j], n)
             w.draft_length.record_verify(self.modes.drafter_of(s.track.row, s.track.rid), s.track.rid, n_drafts[j],
                                          n_accepted[j])
             self.schedule.verified(s.track, n)
@@ -411,10 +411,10 @@ class StaggeredRound:
                           offload_drafts=terms.offload_drafts)
             w.draft_length.record_iteration(phases["forward_s"], len(it.drafters), len(it.full), it.verify_tokens,
                                             len(it.verifiers))
-            w.policy.record(phases["forward_s"], terms, batch=len(it.batch.reqs),
-                            full_only=len(it.full) == len(it.part) == len(it.batch.reqs))
+            w.policy.record(phases["forward_s"], terms, batch=len(it.reqs),
+                            full_only=len(it.full) == len(it.part) == len(it.reqs))
         self.modes.count(it.slots)
-        for req, n in zip(it.batch.reqs, done.lens.tolist()):  # (SGLang's finishing check: hooks.py)
+        for req, n in zip(it.reqs, done.lens.tolist()):  # (SGLang's finishing check: hooks.py)
             (w.commits_nothing.discard if n else w.commits_nothing.add)(req.rid)
         stats.add("vericache", iterations=1, forwards=phases["forwards"], draft_steps=len(it.drafters),
                   waits=len(it.slots.of(Role.WAIT)) + len(it.slots.of(Role.FULL)) - len(it.full),

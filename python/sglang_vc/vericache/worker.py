@@ -327,7 +327,8 @@ class VeriCacheWorker(ChainSpecWorker):
         runtime = self.runtime  # installs the host sink before the first prefill
         for req in batch.reqs:
             self.drafter.set_request(req.rid, getattr(req.sampling_params, "custom_params", None))
-        self.settle()  # (a drafting iteration SGLang overlapped: before this forward's plan)
+        if batch.forward_mode.is_decode():
+            self.settle()  # (a drafting iteration SGLang overlapped: before this forward's plan)
         kind, self._overlapped = self._overlapped, Overlap.SYNC
         overlapped = kind is Overlap.FULL_ONLY
         if batch.forward_mode.is_decode() and len(batch.reqs) > 0:
@@ -394,15 +395,16 @@ class VeriCacheWorker(ChainSpecWorker):
         stats.add("vericache", **{"overlap_synced" if sync else "overlap_async": 1})
         return sync
 
-    def settle(self) -> None:
+    def settle(self, result=None) -> None:
         """The bookkeeping of the drafting iteration SGLang overlapped (:mod:`.deferred`),
-        once its tokens are on the host; called before anything reads it (the next
-        decode's ``needs_sync``, a forward, SGLang's processing of its result). A fault
-        ends that iteration's requests, not the server."""
+        once its tokens are on the host; called before anything reads it: the next
+        decode's ``needs_sync`` or forward, or SGLang's processing of ``result`` where
+        that is the iteration's own (the result of an earlier one is processed while it
+        runs). A fault ends that iteration's requests, not the server."""
         round_ = self.staggered
-        if round_ is None or round_.launched is None:
+        if round_ is None or round_.launched is None or (result is not None and result is not round_.launched.result):
             return
-        reqs = round_.launched.it.batch.reqs
+        reqs = round_.launched.it.reqs
         try:
             round_.settle()
         except Exception as exc:
