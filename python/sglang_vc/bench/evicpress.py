@@ -47,6 +47,7 @@ Writes ``OUT.json`` (``{"results": [{"system", "ttft_mean_s", "quality", ...}],
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -58,6 +59,7 @@ from pathlib import Path
 from typing import Optional
 
 from .evicpress_client import TIERS, Client, tier_of
+from .evicpress_regime import REGIMES, capacities, emulate, measure_prefill
 from .evicpress_quality import (calibrate_likelihood, drift_phase, frontier, profile_mae, served_floor,
                                 served_quality)
 
@@ -228,6 +230,9 @@ def main(argv=None) -> int:
                     "alpha) checking every compressed answer against the full-KV one; contexts whose "
                     "served quality falls this far below their profile are re-profiled on the queries "
                     "they were asked; the JSON's drift has the profile error before and after")
+    ap.add_argument("--regime", choices=sorted(REGIMES), default=None,
+                    help="emulate a reference machine's tier / prefill cost ratios (bench/evicpress_regime.py): "
+                    "tiers throttled from this machine's measured prefill rate; device 1/5, host 1/2 of the KV")
     ap.add_argument("--url", default=None, help="use a running server (started with matching flags)")
     ap.add_argument("--profile-methods", type=str, default="context",
                     help="how contexts are profiled, comma-separated, each in turn: generic (two generic "
@@ -262,8 +267,11 @@ def main(argv=None) -> int:
             drops_tokens |= validate_fixed(f).drops_tokens
         except ValueError as exc:
             ap.error(f"--fixed {f}: {exc}")
-    host_ctx = args.host_contexts or 5.0
-    disk_ctx = args.disk_contexts or 10.0
+    regime = REGIMES[args.regime] if args.regime else None
+    if regime is not None and args.url:
+        ap.error("--regime starts its own server (it measures the prefill rate, then throttles the tiers)")
+    host_ctx = args.host_contexts or (regime.host_share * n_ctx if regime else 5.0)
+    disk_ctx = args.disk_contexts or (2.0 * n_ctx if regime else 10.0)  # (the regime's storage: unbounded)
     device_tokens = args.device_tokens or (8 * length if len(lengths) == 1 else 4 * length)
     from sglang_vc.compress.registry import get_compressor, standalone_compressors
 
@@ -295,6 +303,8 @@ def main(argv=None) -> int:
     contexts = build_contexts(model_dir, n_ctx, lengths, args.seed)
     stream = zipf_stream(n_ctx, n_req, args.zipf, args.seed)
     ctx_bytes = KV_BYTES_PER_TOKEN * sum(len(c["token_ids"]) for c in contexts) / len(contexts)
+    if regime is not None and args.device_tokens is None:
+        device_tokens = capacities(regime, sum(len(c["token_ids"]) for c in contexts))["device"]
     gb = 1 << 30
     tmp = tempfile.TemporaryDirectory(prefix="evicpress-bench-")
     server_args = [
@@ -329,7 +339,7 @@ def main(argv=None) -> int:
     systems += [(f"evicpress:alpha={a:g}", {"policy": "evicpress", "alpha": a}) for a in alphas]
     systems += [("lru", {"policy": "lru"})]
     systems += [(f"fixed:{f}", {"policy": "fixed", "fixed_config": f}) for f in fixed]
-    state: dict = {"server": None}
+    state: dict = {"server": None, "regime": None}
     profiles: dict = {m: {} for m in profile_methods}  # method -> context -> config -> quality
     prof_path = out_json.with_suffix(".profiles.json")
     fingerprints = {m: {c["id"]: _fingerprint(c, m, profile_queries, profile_new) for c in contexts} for m in profile_methods}
@@ -364,10 +374,20 @@ def main(argv=None) -> int:
             cl.api("POST", "/evicpress/contexts", body)
 
     def start() -> Client:
-        """Start the server (unless --url)."""
+        """Start the server (unless --url); with --regime, once to measure this machine's
+        prefill rate, then again with the tiers throttled to the regime's ratios."""
         if args.url:
             return Client(args.url)
         log("starting the server: " + " ".join(server_args))
+        state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
+        if regime is None:
+            return Client(state["server"].url)
+        rate = measure_prefill(Client(state["server"].url), [c["token_ids"] for c in contexts[:3]])
+        state["regime"] = emulate(regime, rate, KV_BYTES_PER_TOKEN)
+        log(f"regime {regime.name}: prefill {rate:.0f} tokens/s here; host {state['regime'].host_bytes_per_s / 1e6:.1f} "
+            f"MB/s, disk {state['regime'].disk_bytes_per_s / 1e6:.1f} MB/s ({regime.source})")
+        state["server"].stop()
+        server_args.extend(state["regime"].server_flags())
         state["server"] = ServerProcess(server_args, log_path=out_json.with_suffix(".server.log"), timeout=900)
         return Client(state["server"].url)
 
@@ -477,6 +497,8 @@ def main(argv=None) -> int:
         "drift": drift,
         "results": rows,
         "server_args": server_args,
+        "regime": None if state["regime"] is None else {**dataclasses.asdict(state["regime"]),
+                                                        "reference": dataclasses.asdict(regime)},
         "seconds": time.time() - t_start,
         "records": records,
     }
@@ -484,7 +506,7 @@ def main(argv=None) -> int:
     pngs = ([out_json.with_suffix(".png")] if rows else []) + [out_json.with_suffix(".profiles.png")]
     try:
         if rows:
-            plot(rows, pngs[0])
+            plot(rows, pngs[0], None if regime is None else f"regime {regime.name}, emulated (nominal figures)")
         plot_profiles(profiles, served, pngs[-1])
     except Exception as exc:  # pragma: no cover - plotting is optional
         log(f"no plot: {exc}")
@@ -502,7 +524,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, regime: Optional[str] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -515,7 +537,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.scatter(r["ttft_mean_s"], r["quality"], marker=marker, s=120 if marker == "*" else 60, label=name)
     ax.set_xlabel("mean TTFT (s)")
     ax.set_ylabel("quality (MiniLM cosine vs full-KV answer)")
-    ax.set_title("EvicPress vs baselines (paper fig. 7)")
+    ax.set_title("EvicPress vs baselines (paper fig. 7)" + (f"\n{regime}" if regime else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -128,6 +128,9 @@ class RequestPlanner:
                 if first:
                     plan.origin, plan.served, plan.backed_hit = Origin.HOST, FULL, True
                     ctx.device_config = FULL
+                    # (its full KV crosses the host link too: paced like a fetch from the host)
+                    nbytes = self.m.dims.bytes_per_token * plan.usable
+                    self.m.count(bytes_loaded_host=nbytes, load_seconds_host=self.pace(Tier.HOST, nbytes))
             elif ctx.stored or (first and self.m.storage_copies.find_shared(ctx)):  # ours, or another server's
                 fetched = self.fetch(ctx)
                 if fetched is not None and rows.load(ctx, fetched, plan.usable, have):
@@ -181,16 +184,22 @@ class RequestPlanner:
                 return None
             if positions is not None and not self.m.settings.serves_dropped:
                 return None  # token-dropped KV needs the lossy attention backend
-            elapsed = time.perf_counter() - t0
-            if self.m.settings.throttle:
-                target = self.m.tier_specs[p.tier].load_seconds(len(blob))
-                if target > elapsed:
-                    time.sleep(target - elapsed)
-                    elapsed = target
+            elapsed = self.pace(p.tier, len(blob), time.perf_counter() - t0)
             tier = p.tier.name.lower()
             self.m.count(**{f"bytes_loaded_{tier}": len(blob), f"load_seconds_{tier}": elapsed})
             return Fetched(kv, cfg, p.tier, len(blob), elapsed, blob, positions,
                            ctx.stored_len if positions is not None else None)
+
+    def pace(self, tier: Tier, nbytes: int, elapsed: float = 0.0) -> float:
+        """A load of ``nbytes`` from ``tier`` that took ``elapsed`` seconds, stretched to
+        the tier's modelled bandwidth under ``--evicpress-throttle`` (an emulated slower
+        tier: ``bench.evicpress --regime``); its seconds."""
+        if self.m.settings.throttle:
+            target = self.m.tier_specs[tier].load_seconds(nbytes)
+            if target > elapsed:
+                time.sleep(target - elapsed)
+                return target
+        return elapsed
 
     def _context_of(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
                     floor: Callable[[int], int]) -> Optional[tuple[Context, int]]:
