@@ -151,6 +151,7 @@ def test_random_stops_in_a_mixed_batch(server, vc, tokenizer):
     assert _accepted(vc) > before
 
 
+@pytest.mark.parametrize("vc", ["in_pool"], indirect=True)  # (offloaded drafters run synchronously)
 def test_overlapped_drafting_stops_where_full_kv_stops(server, vc, tokenizer):
     """In-pool drafters with no grammar, penalty or logprobs decode under SGLang's overlap
     loop (:mod:`sglang_vc.vericache.deferred`): 10 requests of 16-43 new tokens with stops
@@ -158,8 +159,6 @@ def test_overlapped_drafting_stops_where_full_kv_stops(server, vc, tokenizer):
     them, leaving the batch one by one while the others draft. Text, ids and
     finish reason are full KV's, and the iterations were overlapped, not synchronous.
     (Offloaded drafters run synchronously: ``test_random_stops_in_a_mixed_batch``.)"""
-    if vc.mode != "in_pool":
-        pytest.skip("offloaded drafters run synchronously (their commit reads the host entry)")
     rng = random.Random(74)
     # (lengths apart: requests leave the batch one by one, while the others draft on)
     bodies = [{"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16 + 3 * i}}

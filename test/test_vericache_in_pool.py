@@ -338,7 +338,8 @@ def _in_pool_server(tmp_path_factory, view: str):
          "--vc-compressor", "snapkv", "--vc-compression-ratio", "0.25", "--vc-in-pool", "always",
          "--vc-draft-budget", str(BUDGET), "--vc-draft-view", view, "--skip-server-warmup",
          "--vc-schedule-trace", str(folder / "trace.jsonl")],
-        log_path=folder / "server.log", env={"SGLANG_VC_COUNT_SYNCS": "sites"})
+        # (the window view's server counts its host reads per iteration: one server is enough)
+        log_path=folder / "server.log", env={"SGLANG_VC_COUNT_SYNCS": "sites"} if view == "window" else None)
 
 
 def _prompts(tokenizer, lengths) -> list[list[int]]:
@@ -416,7 +417,8 @@ def test_in_pool_full_and_offload_requests_in_one_batch_are_identical(server, mo
     # back at the project's code and settled with one read of their copy; the offloaded
     # request's ran synchronously (:mod:`sglang_vc.vericache.deferred`)
     assert grew.get("overlapped_draft_iterations", 0) > 0 and grew.get("overlap_synced", 0) > 0, grew
-    _launched_without_device_reads(vc_in_pool.log_path.parent / "trace.jsonl")
+    if view == "window":
+        _launched_without_device_reads(vc_in_pool.log_path.parent / "trace.jsonl")
 
 
 def _launched_without_device_reads(trace) -> None:
