@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from sglang_vc.evicpress.probes import ENTITY_TEMPLATE, RECALL_TEMPLATE, ProbeSource, context_probes
 
 CODE = '''import os
@@ -118,7 +120,7 @@ def test_served_floor_is_what_the_two_generic_questions_leave_and_the_spread(tmp
     """The served reference's own floor: the two generic questions' served qualities
     against the mean of all three; misses, device hits and answers from another copy of
     the context do not count. And the profiled-vs-served plot is written."""
-    from sglang_vc.bench.evicpress import plot_profiles
+    from sglang_vc.bench.evicpress_report import plot_profiles
     from sglang_vc.bench.evicpress_quality import served_floor
 
     recs = [{"config": "kivi@2b", "ctx": "a", "query": q, "tier": "host", "quality": v}
@@ -190,16 +192,47 @@ def test_likelihood_scale_is_fitted_to_served_quality():
     assert out["profile_mae"]["mean"] < 1e-9
 
 
-def test_frontier_interpolates_evicpress_at_each_baselines_quality():
-    from sglang_vc.bench.evicpress_quality import frontier
+def test_evicpress_is_compared_with_the_fixed_frontier_at_its_own_quality():
+    """The frontier is the fixed configs + LRU that no other is as good and as fast as,
+    joined by lines: EvicPress at quality 0.95 against the line between kivi@4b (0.9,
+    0.5 s) and LRU (1.0, 0.7 s), 0.6 s; the dominated kivi@2b point is off it; above the
+    frontier there is no fixed config to compare, below it the fastest point is the bound."""
+    from sglang_vc.bench.evicpress_report import frontier_at_rate, frontier_ttft, pareto
 
-    rows = [{"system": "evicpress:alpha=0.1", "quality": 0.8, "ttft_mean_s": 0.4},
-            {"system": "evicpress:alpha=1", "quality": 1.0, "ttft_mean_s": 0.8},
+    rows = [{"system": "evicpress:alpha=1", "quality": 0.95, "ttft_mean_s": 0.3},
             {"system": "fixed:kivi@4b", "quality": 0.9, "ttft_mean_s": 0.5},
+            {"system": "fixed:kivi@2b", "quality": 0.5, "ttft_mean_s": 0.55},
             {"system": "lru", "quality": 1.0, "ttft_mean_s": 0.7},
             {"system": "full-prefill", "quality": 1.0, "ttft_mean_s": 2.0}]
-    f = frontier(rows)
-    assert abs(f["baselines"]["fixed:kivi@4b"]["evicpress_ttft_at_quality_s"] - 0.6) < 1e-9
-    assert abs(f["baselines"]["fixed:kivi@4b"]["ratio"] - 1.2) < 1e-9
-    assert "full-prefill" not in f["baselines"]
-    assert f["dominated"] == [{"evicpress": "evicpress:alpha=1", "by": "lru"}]
+    f = frontier_at_rate(rows)
+    assert [p["system"] for p in f["frontier"]] == ["fixed:kivi@4b", "lru"]
+    e = f["evicpress"]["evicpress:alpha=1"]
+    assert e["frontier_position"] == "interpolated"
+    assert abs(e["frontier_ttft_at_quality_s"] - 0.6) < 1e-9 and abs(e["ratio_vs_frontier"] - 2.0) < 1e-9
+    assert abs(e["ratio_vs_lru"] - 0.7 / 0.3) < 1e-9 and abs(e["quality_vs_lru"] + 0.05) < 1e-9
+    front = pareto([(0.9, 0.5, "a"), (0.5, 0.55, "b"), (1.0, 0.7, "c")])
+    assert frontier_ttft(front, 0.8) == (0.5, "below")
+    assert frontier_ttft(front, 1.01) == (None, "above")
+
+
+def test_the_sustainable_rate_is_where_mean_ttft_crosses_the_target():
+    """Linear between the last rate within the target and the first beyond it; a system
+    within it at every rate is censored at the highest, one beyond it at every rate at
+    the lowest."""
+    from sglang_vc.bench.evicpress_stream import sustainable_rate
+
+    assert sustainable_rate([(1.0, 0.5), (2.0, 1.0), (4.0, 3.0)], 2.0) == {"rate_per_s": 3.0, "censored": None}
+    assert sustainable_rate([(1.0, 0.5), (2.0, 1.0)], 2.0) == {"rate_per_s": 2.0, "censored": "at_least"}
+    assert sustainable_rate([(1.0, 2.5), (2.0, 5.0)], 2.0) == {"rate_per_s": 1.0, "censored": "at_most"}
+
+
+def test_poisson_arrivals_have_the_rate_and_are_the_same_for_every_system():
+    from sglang_vc.bench.evicpress_stream import poisson_arrivals
+
+    times = poisson_arrivals(4000, 5.0, seed=3)
+    assert times == poisson_arrivals(4000, 5.0, seed=3) and times != poisson_arrivals(4000, 5.0, seed=4)
+    assert all(b > a for a, b in zip(times, times[1:]))
+    assert abs(len(times) / times[-1] - 5.0) < 0.4
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0, seed=0)
+

@@ -954,6 +954,11 @@ def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
         c1 = epx.counters(s)
         assert c1.get(counter, 0) == c0.get(counter, 0) + 1, (cid, counter, c0, c1)
         assert out["output_ids"] == ref[cid], cid  # full KV from every tier: same tokens
+        # the same tier per request, by its rid (what a client of concurrent requests reads)
+        rid = out["meta_info"]["id"]
+        served = epx.api(s, "GET", f"/evicpress/requests?rid={rid}&rid=unknown-rid")["requests"]
+        tier = {"hits_device": "device", "hits_host": "host", "hits_disk": "disk", "misses": "miss"}[counter]
+        assert served == [{"rid": rid, "ctx": cid, "tier": tier, "config": None if tier == "miss" else "full"}], served
         return out
 
     out = ask_from(by_tier["host"][0], "hits_host")

@@ -19,8 +19,9 @@ class Client:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def api(self, method: str, path: str, body=None, timeout: float = 1800, allow: tuple = ()) -> dict:
-        r = requests.request(method, self.url + path, json=body, timeout=timeout)
+    def api(self, method: str, path: str, body=None, timeout: float = 1800, allow: tuple = (),
+            params: Optional[dict] = None) -> dict:
+        r = requests.request(method, self.url + path, json=body, params=params, timeout=timeout)
         if r.status_code in allow:
             return {}
         if r.status_code != 200:
@@ -31,16 +32,19 @@ class Client:
         info = self.api("GET", "/server_info")
         return dict(info["sglang_vc"]["counters"].get("evicpress", {}))
 
-    def stream(self, input_ids, max_new_tokens: int, extra_key: Optional[str] = None) -> tuple[float, str, dict]:
+    def stream(self, input_ids, max_new_tokens: int, extra_key: Optional[str] = None, rid: Optional[str] = None,
+               timeout: float = 1800) -> tuple[float, str, dict]:
         """(TTFT seconds, text, meta_info) of a streamed greedy request."""
         body = {"input_ids": input_ids, "stream": True,
                 "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
         if extra_key:
             body["extra_key"] = extra_key
+        if rid:
+            body["rid"] = rid
         t0 = time.perf_counter()
         ttft = None
         last = {}
-        with requests.post(self.url + "/generate", json=body, stream=True, timeout=1800) as r:
+        with requests.post(self.url + "/generate", json=body, stream=True, timeout=timeout) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line or not line.startswith(b"data:"):

@@ -129,34 +129,6 @@ def profile_mae(profiles: dict[str, dict], served: dict[str, dict[str, float]]) 
     return out
 
 
-def frontier(rows: list[dict]) -> dict:
-    """The claim checked on the measured points: for each baseline, EvicPress's TTFT at the
-    baseline's quality (linear between the EvicPress points around it; None outside
-    their range) and its ratio to the baseline's TTFT (<= 1.05: as fast within 5%); and
-    the EvicPress points some baseline dominates (as good or better in both, better in
-    one)."""
-    evic = sorted((r["quality"], r["ttft_mean_s"], r["system"]) for r in rows if r["system"].startswith("evicpress"))
-    base = [r for r in rows if not r["system"].startswith("evicpress") and r["system"] != "full-prefill"]
-    out: dict = {"baselines": {}, "dominated": []}
-    for b in base:
-        q, t = b["quality"], b["ttft_mean_s"]
-        at = None
-        for (q0, t0, _), (q1, t1, _) in zip(evic, evic[1:]):
-            if q0 <= q <= q1:
-                at = t0 if q1 == q0 else t0 + (t1 - t0) * (q - q0) / (q1 - q0)
-                break
-        if at is None and evic and any(abs(e[0] - q) < 1e-9 for e in evic):
-            at = min(e[1] for e in evic if abs(e[0] - q) < 1e-9)
-        out["baselines"][b["system"]] = {"quality": q, "ttft_mean_s": t, "evicpress_ttft_at_quality_s": at,
-                                         "ratio": at / t if at is not None and t > 0 else None}
-    for q, t, name in evic:
-        for b in base:
-            bq, bt = b["quality"], b["ttft_mean_s"]
-            if bq >= q and bt <= t and (bq > q or bt < t):
-                out["dominated"].append({"evicpress": name, "by": b["system"]})
-    return out
-
-
 def drift_phase(cl: Client, contexts, stream, max_new: int, alpha: float, threshold: float, method: str,
                 before: dict, served: dict, log) -> dict:
     """Re-profiling on drift (paper section 4.3), measured: the stream is served again by

@@ -88,6 +88,9 @@ class ControlServer:
         parts = [p for p in path.split("/") if p]
         if parts == ["status"] and method == "GET":
             return self._consistent(mgr.status) if query.get("sync") == ["1"] else mgr.status()
+        if parts == ["requests"] and method == "GET":
+            rids = query.get("rid")
+            return {"requests": mgr.requests.served(rids)}
         if parts == ["contexts"] and method == "GET":
             return self._consistent(lambda: {"contexts": [c.describe() for c in mgr.contexts.values()]})
         if parts == ["contexts"] and method == "POST":

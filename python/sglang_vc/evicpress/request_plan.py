@@ -13,6 +13,7 @@ being matched.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import time
@@ -90,8 +91,14 @@ class RequestPlanner:
     the manager's lock, registry, stores and policy, ``self.m``): the plan, the accounting
     of a request and the fetch of a stored copy."""
 
+    # how many user requests' tiers :meth:`served` keeps (GET /evicpress/requests)
+    SERVED_LOG = 8192
+
     def __init__(self, manager):
         self.m = manager
+        # rid -> (context, where its rows came from, the form served): under concurrent
+        # requests the counters cannot say which request hit which tier
+        self._served: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
     def plan_match(self, rid: str, ids: Sequence[int], namespace, prompt: Sequence[int],
                    rows: ContextRows, plan: ContextPlan) -> None:
@@ -141,14 +148,14 @@ class RequestPlanner:
                 plan.origin, plan.capture_len = Origin.MISS, plan.usable
         if first:
             tier = _LOADED_FROM.get(plan.origin)
-            self.on_request(ctx, tier, plan.served, prompt[plan.lcp:], plan.lcp)
+            self.on_request(ctx, tier, plan.served, prompt[plan.lcp:], plan.lcp, rid=rid)
             # a load-back of SGLang's backup promotes once it is done (on release)
             if tier is not None and not plan.backed_hit:
                 blob = fetched.blob if fetched is not None else None
                 plan.promote = lambda: self.m.after_hit(ctx, tier, blob)
 
     def on_request(self, ctx: Context, tier: Optional[Tier], served: Optional[CompressionConfig],
-                   suffix: Sequence[int] = (), prefix_len: int = 0) -> None:
+                   suffix: Sequence[int] = (), prefix_len: int = 0, rid: Optional[str] = None) -> None:
         """Account one user request that matched ``ctx`` (``tier`` None: device hit,
         or miss when ``served`` is None)."""
         with self.m.lock:
@@ -157,9 +164,22 @@ class RequestPlanner:
             name = "miss" if served is None and tier is None else ("device" if tier is None else tier.name.lower())
             ctx.hits[name] += 1
             self.m.count(**{("misses" if name == "miss" else f"hits_{name}"): 1})
+            if rid is not None:
+                self._served[rid] = {"rid": rid, "ctx": ctx.ctx_id, "tier": name,
+                                     "config": None if served is None else served.label}
+                while len(self._served) > self.SERVED_LOG:
+                    self._served.popitem(last=False)
             if len(suffix):
                 ctx.suffix_tokens = 0.8 * ctx.suffix_tokens + 0.2 * len(suffix)
                 self.m.querylog.record(ctx.ctx_id, (int(prefix_len), [int(t) for t in suffix]))
+
+    def served(self, rids: Optional[Sequence[str]] = None) -> list[dict]:
+        """The latest user requests' tiers and forms served (those of ``rids`` only, when
+        given; a rid not kept or never matched to a context is left out)."""
+        with self.m.lock:
+            if rids is None:
+                return list(self._served.values())
+            return [self._served[r] for r in rids if r in self._served]
 
     def fetch(self, ctx: Context) -> Optional[Fetched]:
         """Read and decode ``ctx``'s stored blob (for a load onto the device). None when

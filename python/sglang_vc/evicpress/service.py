@@ -134,7 +134,7 @@ def install(vc_config, server_args) -> None:
     """Check the flags; with EvicPress in use, add the routes and start the profiler."""
     if not check_server_args(vc_config, server_args):
         return
-    from fastapi import Body, HTTPException
+    from fastapi import Body, HTTPException, Query
     from sglang.srt.entrypoints import http_server
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
@@ -169,6 +169,9 @@ def install(vc_config, server_args) -> None:
 
     def status():
         return call("GET", "/status", params={"sync": 1})
+
+    def served(rid: Optional[list[str]] = Query(None)):
+        return call("GET", "/requests", params=None if not rid else {"rid": rid})
 
     def evict_device():
         return call("POST", "/evict_device")
@@ -207,7 +210,7 @@ def install(vc_config, server_args) -> None:
     # sent (token ids, KV digests) also need --admin-api-key configured (checked above), as
     # SGLang's HiCache storage-backend route does.
     routes = [("/evicpress/contexts", register, "POST"), ("/evicpress/contexts", list_contexts, "GET"),
-              ("/evicpress/status", status, "GET"), ("/evicpress/evict_device", evict_device, "POST"),
+              ("/evicpress/status", status, "GET"), ("/evicpress/requests", served, "GET"), ("/evicpress/evict_device", evict_device, "POST"),
               ("/evicpress/reconfigure", reconfigure, "POST"), ("/evicpress/contexts/{ctx_id}", get_ctx, "GET"),
               ("/evicpress/contexts/{ctx_id}", del_ctx, "DELETE"),
               ("/evicpress/contexts/{ctx_id}/placement", place, ["POST", "PUT"]),
