@@ -311,8 +311,8 @@ def test_the_manager_plans_a_request_in_one_call_per_match(tmp_path):
     """``plan_match`` is all the radix cache asks on a match: exact device rows are a
     device hit (to store when the context is not stored yet); a stored copy is fetched
     and loaded, a hit of its tier to promote after; a copy the device cannot take is a
-    miss stored once computed; a waiting request matched again loads again but is not
-    accounted twice."""
+    miss stored once computed; a waiting request matched again loads again, from the copy
+    it read (not from the tier again), but is not accounted twice."""
     mgr = _manager(tmp_path, host_bytes=10**3, disk_bytes=10**8, policy="lru")  # host: no room
     ctx = _ctx(mgr, 0)
     ids = list(range(1, 220))  # the context's 200 tokens, then the question
@@ -341,8 +341,10 @@ def test_the_manager_plans_a_request_in_one_call_per_match(tmp_path):
     assert ctx.device_config is None
     counted = (mgr.counters, ctx.frequency)
     assert counted[0]["hits_device"] == counted[0]["hits_disk"] == counted[0]["misses"] == 1
+    read = mgr.counters["bytes_loaded_disk"]
     again = plan("no-room", _Rows(), earlier=miss)  # waiting, matched again: loaded now
     assert again is miss and miss.origin is Origin.MISS and ctx.device_config == FULL
+    assert mgr.counters["bytes_loaded_disk"] == read  # from the copy it read, not the tier again
     assert (mgr.counters["misses"], mgr.counters["hits_disk"], ctx.frequency) == (1, 1, counted[1])
     assert set(mgr.profiling.active_requests) == {"device", "stored", "no-room"}
     other = ContextPlan()

@@ -177,6 +177,7 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
         if warm:
             for c in contexts:  # initial placement, not measured
                 cl.stream(prompt_of(c, 1), 1)
+            cl.api("GET", "/evicpress/status")  # (answers once the stores it left are done)
     c0 = cl.counters()
     rows, records = [], []
     for k, rate in enumerate(rates):

@@ -58,6 +58,9 @@ class ContextPlan:
     # what the latest match left to do (the radix cache does it, then clears it)
     store_device_rows: bool = False  # the device holds the context exact, unstored
     promote: Optional[Callable[[], object]] = None  # run once the prefill is scheduled
+    # the copy read from its tier, kept to the release: a waiting request matched again
+    # after the device lost its rows loads it again without a second read from the tier
+    fetched: Optional[Fetched] = None
 
     @property
     def active(self) -> bool:
@@ -139,7 +142,7 @@ class RequestPlanner:
                     nbytes = self.m.dims.bytes_per_token * plan.usable
                     self.m.count(bytes_loaded_host=nbytes, load_seconds_host=self.pace(Tier.HOST, nbytes))
             elif ctx.stored or (first and self.m.storage_copies.find_shared(ctx)):  # ours, or another server's
-                fetched = self.fetch(ctx)
+                fetched = plan.fetched = plan.fetched or self.fetch(ctx)
                 if fetched is not None and rows.load(ctx, fetched, plan.usable, have):
                     ctx.device_config = fetched.config
                     if first:
