@@ -74,19 +74,19 @@ def parse_args(argv) -> argparse.Namespace:
     a("--json", required=True, help="output JSON path (a PNG is written next to it)")
     a("--quick", action="store_true", help="small run (under 20 minutes on an idle 2-core CPU)")
     a("--model", default="smollm2-135m")
-    a("--contexts", type=int, default=60, help="number of contexts (>= 60)")
+    a("--contexts", type=int, default=None, help="number of contexts (default and least 60; --quick 40, least 30)")
     a("--context-tokens", type=str, default=None,
-      help="context length in tokens, or a comma-separated grid (default 1024,2048,3072,4096; --quick 256,512)")
+      help="context length in tokens, or a comma-separated grid (default 1024,2048,3072,4096; --quick 256)")
     a("--methods", type=str, default="kivi,knorm,streamingllm",
       help="the knapsack's methods (--evicpress-methods); each config of them is a fixed baseline too")
     a("--ratios", type=str, default=None, help="kept fractions of the token-dropping methods (default 0.3,0.6; "
       "--quick 0.5)")
     a("--fixed", type=str, default=None, help="fixed baselines, comma-separated (default: every config of --methods)")
     a("--profile-queries", type=int, default=None, help="queries per context the profiler answers (default 4; "
-      "--quick 2)")
+      "--quick 1)")
     a("--profile-tokens", type=int, default=None,
       help="answer length when profiling (default --max-new-tokens: the answers a profile predicts)")
-    a("--requests", type=int, default=None, help="measured requests per rate (default 100; --quick 20)")
+    a("--requests", type=int, default=None, help="measured requests per rate (default 100; --quick 16)")
     a("--rates", type=str, default="0.5,1,2",
       help="arrival rates, as multiples of full prefill's capacity (1 / one mean context's prefill time)")
     a("--ttft-target", type=float, default=None,
@@ -134,12 +134,11 @@ def _check(ap, args) -> None:
     from sglang_vc.evicpress.flags import validate_fixed
 
     q = args.quick
-    if args.contexts < 60 and not q:
-        ap.error("--contexts must be >= 60")
-    if args.contexts < 30:
-        ap.error("--contexts must be >= 30")
+    args.contexts = args.contexts or (40 if q else 60)
+    if args.contexts < (30 if q else 60):
+        ap.error(f"--contexts must be >= {30 if q else 60}")
     args.lengths = tuple(int(x) for x in _floats(ap, "--context-tokens",
-                                                  args.context_tokens or ("256,512" if q else "1024,2048,3072,4096")))
+                                                  args.context_tokens or ("256" if q else "1024,2048,3072,4096")))
     args.ratio_list = _floats(ap, "--ratios", args.ratios or ("0.5" if q else "0.3,0.6"))
     args.rate_list = sorted(_floats(ap, "--rates", args.rates))
     args.alpha_list = _floats(ap, "--alphas", args.alphas or ("1" if q else "0.2,1,5"))
@@ -157,10 +156,10 @@ def _check(ap, args) -> None:
             args.drops_tokens |= validate_fixed(f).drops_tokens
         except ValueError as exc:
             ap.error(f"--fixed {f}: {exc}")
-    args.n_req = args.requests or (20 if q else 100)
+    args.n_req = args.requests or (16 if q else 100)
     args.max_new = args.max_new_tokens or 12
     args.profile_new = args.profile_tokens or args.max_new
-    args.n_queries = args.profile_queries or (2 if q else 4)
+    args.n_queries = args.profile_queries or (1 if q else 4)
     args.method_order = [m.strip() for m in args.profile_methods.split(",") if m.strip()]
     for m in args.method_order:
         if m not in PROFILE_METHODS:
