@@ -201,26 +201,26 @@ def _profile(cl, profiles: Profiles, methods: list[str], log) -> dict:
 
 
 def _serve_all(cl, args, contexts, stream, rates: list[float], scorer, log) -> tuple[list, dict, dict]:
-    """Every system under the stream at every rate: rows (a system and rate each, with its
-    quality against full prefill's answers), records and server-side summaries."""
+    """Every system under the stream at every rate: rows (a system and rate each, with the
+    quality of the system's answers against full prefill's), records and server-side
+    summaries."""
     rows, records, summaries, refs = [], {}, {}, {}
     for name, reconfig in _systems(args):
         log(f"system {name}")
         t1 = time.time()
         sys_rows, recs, summary = run_system(cl, name, reconfig, contexts, stream, rates, args.max_new,
                                              not args.no_warm, args.seed, log)
+        answers = [r for r in recs if r["rate_per_s"] is None and "text" in r]
         if reconfig is None:
-            for r in recs:
-                if "text" in r:
-                    refs.setdefault((r["ctx"], r["query"]), r["text"])
-        ok = [r for r in recs if "text" in r and (r["ctx"], r["query"]) in refs]
+            for r in answers:
+                refs.setdefault((r["ctx"], r["query"]), r["text"])
+        ok = [r for r in answers if (r["ctx"], r["query"]) in refs]
         for r, sc in zip(ok, scorer.score_many([r["text"] for r in ok], [refs[(r["ctx"], r["query"])] for r in ok])):
             r["quality"] = sc
-        for row in sys_rows:
-            qs = [r["quality"] for r in recs if r["rate_per_s"] == row["rate_per_s"] and "quality" in r]
-            row["quality"] = sum(qs) / len(qs) if qs else None
-        qs = [r["quality"] for r in recs if "quality" in r]
+        qs = [r["quality"] for r in ok]
         summary.update(quality=sum(qs) / len(qs) if qs else None, seconds=time.time() - t1)
+        for row in sys_rows:
+            row["quality"] = summary["quality"]
         rows += sys_rows
         records[name], summaries[name] = recs, summary
         log(f"  -> quality {summary['quality']:.3f}, {summary['seconds']:.0f}s")

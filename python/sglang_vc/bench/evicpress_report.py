@@ -78,28 +78,28 @@ def rates_summary(rows: list[dict], target_s: float) -> dict:
 def context_table(contexts: list[dict], records: dict, profiles: dict, system: str,
                   served_by_config: dict) -> list[dict]:
     """Per context, under ``system`` (an EvicPress one): its requests, the configs and
-    tiers that served them, the profiled and served quality of what it served, the TTFT it
-    paid, and the same context's TTFT under full prefill and its best fixed config."""
-    recs = records.get(system, [])
-    full = records.get("full-prefill", [])
+    tiers that served them, the profiled and served quality of what its answers were
+    served from, the TTFT it paid in the rate streams, and the same context's TTFT under
+    full prefill and the quality each fixed config served it."""
+    recs = [r for r in records.get(system, []) if "ttft_s" in r]
+    full = [r for r in records.get("full-prefill", []) if "ttft_s" in r and r["rate_per_s"] is not None]
     out = []
     for c in contexts:
-        mine = [r for r in recs if r["ctx"] == c["id"] and "ttft_s" in r]
-        if not mine:
+        timed = [r for r in recs if r["ctx"] == c["id"] and r["rate_per_s"] is not None]
+        answers = [r for r in recs if r["ctx"] == c["id"] and "quality" in r]
+        if not timed or not answers:
             continue
-        configs = sorted({r.get("config") or "recomputed" for r in mine})
-        tiers = sorted({r.get("tier", "none") for r in mine})
-        served_q = sum(r["quality"] for r in mine) / len(mine)
         prof = profiles.get(c["id"], {})
-        prof_q = [prof.get(r["config"], 1.0 if r["config"] == "full" else None) for r in mine if r.get("config")]
+        prof_q = [prof.get(r["config"], 1.0 if r["config"] == "full" else None) for r in answers if r.get("config")]
         prof_q = [q for q in prof_q if q is not None]
-        fp = [r["ttft_s"] for r in full if r["ctx"] == c["id"] and "ttft_s" in r]
+        fp = [r["ttft_s"] for r in full if r["ctx"] == c["id"]]
         out.append({
-            "ctx": c["id"], "source": c["source"], "tokens": len(c["token_ids"]), "requests": len(mine),
-            "configs": configs, "tiers": tiers,
+            "ctx": c["id"], "source": c["source"], "tokens": len(c["token_ids"]), "requests": len(timed),
+            "configs": sorted({r.get("config") or "recomputed" for r in timed + answers}),
+            "tiers": sorted({r.get("tier", "none") for r in timed + answers}),
             "profiled_quality": sum(prof_q) / len(prof_q) if prof_q else None,
-            "served_quality": served_q,
-            "ttft_mean_s": sum(r["ttft_s"] for r in mine) / len(mine),
+            "served_quality": sum(r["quality"] for r in answers) / len(answers),
+            "ttft_mean_s": sum(r["ttft_s"] for r in timed) / len(timed),
             "full_prefill_ttft_s": sum(fp) / len(fp) if fp else None,
             "fixed_served_quality": {cfg: q[c["id"]] for cfg, q in served_by_config.items() if c["id"] in q},
         })

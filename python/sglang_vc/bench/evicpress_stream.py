@@ -168,9 +168,17 @@ FAILURE_COUNTERS = ("deferred_failures", "put_errors", "lookup_failures")
 def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[dict], stream, rates: list[float],
                max_new: int, warm: bool, seed: int, log) -> tuple[list[dict], list[dict], dict]:
     """Serve ``stream`` under one system at each arrival rate in turn (the same requests,
-    Poisson arrival times of the same seed for every system). ``reconfig`` None: full
-    prefill (every request in its own cache namespace). Returns one row per rate, the
-    per-request records, and the system's server-side summary."""
+    Poisson arrival times of the same seed for every system), each request stopped at its
+    first token, then once more one request at a time with ``max_new`` tokens: the answers
+    whose quality is measured. ``reconfig`` None: full prefill (every request in its own
+    cache namespace). Returns one row per rate, the per-request records (``rate_per_s``
+    None: the answer pass) and the system's server-side summary.
+
+    Why the streams stop at the first token: on this CPU a decode step costs each running
+    request its full share (no batching gain, SGLang's torch-native attention loops over
+    requests), so answers decoding beside the arrivals bound the rate long before a tier
+    or a prefill does; on an H100 a batch decodes at nearly the cost of one request. The
+    rates then measure what EvicPress trades: prefill and loads."""
     start = cl.counters()
     if reconfig is not None:
         cl.api("POST", "/evicpress/reconfigure", reconfig)
@@ -182,30 +190,41 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
     rows, records = [], []
     for k, rate in enumerate(rates):
         t0 = time.time()
-        recs = send_stream(cl, contexts, stream, poisson_arrivals(len(stream), rate, seed + k), max_new,
+        recs = send_stream(cl, contexts, stream, poisson_arrivals(len(stream), rate, seed + k), 1,
                            f"bench-{name}-{rate:g}", no_cache=reconfig is None)
-        if reconfig is None:
-            for r in recs:
-                r["tier"], r["config"] = "miss", None
-        else:
-            tiers_of(cl, recs)
-        for r in recs:
-            r["rate_per_s"] = rate
+        _label(cl, recs, rate, reconfig is None)
         rows.append(rate_row(name, rate, recs))
         records += recs
         log(f"  {name} at {rate:.3g}/s: {len(recs)} requests in {time.time() - t0:.0f}s, ttft mean "
             f"{rows[-1]['ttft_mean_s'] or float('nan'):.3f}s p90 {rows[-1]['ttft_p90_s'] or float('nan'):.3f}s, "
             f"{rows[-1]['errors']} errors, tiers {json.dumps({t: round(v, 2) for t, v in rows[-1]['hit_rate_by_tier'].items()})}")
+    answers = []
+    for i, (ci, qi) in enumerate(stream):  # the answers, one request at a time
+        answers += send_stream(cl, contexts, [(ci, qi)], [0.0], max_new, f"bench-{name}-answer-{i}",
+                               no_cache=reconfig is None)
+    _label(cl, answers, None, reconfig is None)
+    records += answers
     c1 = cl.counters()
     summary = {"counters_delta": {k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c1) | set(c0))
                                   if not k.endswith("_used_bytes") and c1.get(k, 0) != c0.get(k, 0)},
-               "server_failures": sum(c1.get(k, 0) - start.get(k, 0) for k in FAILURE_COUNTERS)}
+               "server_failures": sum(c1.get(k, 0) - start.get(k, 0) for k in FAILURE_COUNTERS),
+               "answer_errors": sum("error" in r for r in answers)}
     if summary["server_failures"]:
         log(f"  WARNING: {name}: the server failed {summary['server_failures']:g} stores, moves or lookups "
             "(its log has the tracebacks)")
     if reconfig is not None:
         summary["placements"] = placements(cl)
     return rows, records, summary
+
+
+def _label(cl: Client, recs: list[dict], rate: Optional[float], full_prefill: bool) -> None:
+    if full_prefill:
+        for r in recs:
+            r["tier"], r["config"] = "miss", None
+    else:
+        tiers_of(cl, recs)
+    for r in recs:
+        r["rate_per_s"] = rate
 
 
 def placements(cl: Client) -> dict:
