@@ -371,7 +371,7 @@ def _print_summary(result: dict, log) -> None:
         log(f"{r['system']:>24} {r['rate_per_s']:6.3f}/s  ttft {r['ttft_mean_s'] or float('nan'):.3f}s  "
             f"quality {r['quality'] if r['quality'] is not None else float('nan'):.3f}  "
             f"hits {json.dumps({k: round(v, 2) for k, v in r['hit_rate_by_tier'].items()})}"
-            + (f"  ERRORS {r['errors']}" if r["errors"] else ""))
+            + (f"  ERRORS {r['errors']}" if r["errors"] else "") + (f"  RETRACTED {r['retracted']}" if r["retracted"] else ""))
     for rate, f in result.get("frontier", {}).items():
         for name, e in f["evicpress"].items():
             vs = "n/a" if e["ratio_vs_frontier"] is None else f"{e['ratio_vs_frontier']:.2f}x"

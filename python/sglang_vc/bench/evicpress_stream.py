@@ -101,7 +101,8 @@ def send_stream(cl: Client, contexts: list[dict], stream, arrivals: list[float],
             ttft, text, meta = cl.stream(prompt_of(contexts[ci], qi), max_new, rid=rid,
                                          extra_key=rid if no_cache else None, timeout=REQUEST_TIMEOUT_S)
             recs[i] = {"rid": rid, "ctx": contexts[ci]["id"], "query": qi, "arrival_s": arrivals[i],
-                       "ttft_s": ttft, "text": text, "cached_tokens": meta.get("cached_tokens", 0)}
+                       "ttft_s": ttft, "text": text, "cached_tokens": meta.get("cached_tokens", 0),
+                       "retractions": int(meta.get("num_retractions") or 0)}
         except Exception as exc:  # counted as a failure of the run, never a hang
             recs[i] = {"rid": rid, "ctx": contexts[ci]["id"], "query": qi, "arrival_s": arrivals[i],
                        "error": repr(exc)}
@@ -142,6 +143,8 @@ def rate_row(name: str, rate: float, recs: list[dict]) -> dict:
         "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
         "hit_rate_by_tier": {t: sum(r.get("tier") == t for r in ok) / n for t in TIERS},
+        # requests SGLang retracted (its pool full) and prefilled again: a row with any measures that too
+        "retracted": sum(r["retractions"] > 0 for r in ok),
     }
 
 

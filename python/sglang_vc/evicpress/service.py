@@ -20,6 +20,9 @@ Routes (JSON; added to SGLang's FastAPI app by ``python -m sglang_vc.launch_serv
   quality of an answer served under ``config`` (e.g. a task metric from the
   application); it feeds the same re-profiling trigger as the profiler's own checks.
 * ``GET /evicpress/contexts/{id}/digest`` -- xxh3 of its device and stored KV (tests).
+* ``GET /evicpress/requests[?rid=...]`` -- the latest user requests (8,192) that matched
+  a context: its id, the tier its rows came from (``device``/``host``/``disk``/``miss``)
+  and the form served, by rid (under concurrent requests the counters cannot say which).
 * ``GET /evicpress/status`` -- tiers, delay-model inputs, counters;
   ``POST /evicpress/evict_device`` -- evict every unlocked node from the device tree;
   ``POST /evicpress/reconfigure`` ``{"policy"?, "alpha"?, "fixed_config"?,
