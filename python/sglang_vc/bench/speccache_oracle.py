@@ -250,6 +250,19 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _write(out: Path, args: argparse.Namespace, selectors: list[str], ratios: list[float], rows: list[dict],
+           started: float) -> str:
+    results = summarize(rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "speccache_oracle", "target": args.target, "spec": args.spec,
+                               "selectors": selectors, "ratios": ratios, "signals": SIGNALS,
+                               "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows},
+                              indent=2))
+    md = table(results)
+    out.with_suffix(".md").write_text(md + "\n")
+    return md
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_vc.bench.speccache_oracle", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="output JSON (a Markdown table is written beside it)")
@@ -271,6 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec = target if args.spec == args.target else _load(args.spec)
     kv_cache: dict = {}
     rows: list[dict] = []
+    md = ""
     started = time.perf_counter()
     for hop in [h.strip() for h in args.hops.split(",") if h.strip()]:
         items = load_workload("rag_multihop", tokenizer=target.tokenizer, n=args.n, chunks=args.chunks,
@@ -282,17 +296,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             for r in run_item(t, target, spec, selectors, ratios, kv_cache, kl=not args.no_kl):
                 rows.append({"hop": hop, **r})
             kv_cache = {k: v for k, v in kv_cache.items() if k[0] != "signal"}  # signals are per item
-    results = summarize(rows)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "speccache_oracle", "target": args.target, "spec": args.spec,
-                               "selectors": selectors, "ratios": ratios, "signals": SIGNALS,
-                               "elapsed_s": time.perf_counter() - started, "results": results, "rows": rows},
-                              indent=2))
-    md = table(results)
-    out.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    log(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
+            md = _write(Path(args.json), args, selectors, ratios, rows, started)
+    print(md)  # (written after each item: a run stopped early keeps its rows)
+    log(f"wrote {args.json} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 
