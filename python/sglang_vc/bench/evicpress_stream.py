@@ -173,7 +173,8 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
     """Serve ``stream`` under one system at each arrival rate in turn (the same requests,
     Poisson arrival times of the same seed for every system), each request stopped at its
     first token, then once more one request at a time with ``max_new`` tokens: the answers
-    whose quality is measured. ``reconfig`` None: full prefill (every request in its own
+    whose quality is measured. Each of these passes starts from empty tiers and a placement
+    pass. ``reconfig`` None: full prefill (every request in its own
     cache namespace). Returns one row per rate, the per-request records (``rate_per_s``
     None: the answer pass) and the system's server-side summary.
 
@@ -183,15 +184,11 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
     or a prefill does; on an H100 a batch decodes at nearly the cost of one request. The
     rates then measure what EvicPress trades: prefill and loads."""
     start = cl.counters()
-    if reconfig is not None:
-        cl.api("POST", "/evicpress/reconfigure", reconfig)
-        if warm:
-            for c in contexts:  # initial placement, not measured
-                cl.stream(prompt_of(c, 1), 1)
-            cl.api("GET", "/evicpress/status")  # (answers once the stores it left are done)
-    c0 = cl.counters()
     rows, records = [], []
     for k, rate in enumerate(rates):
+        # every rate from the same start: empty tiers, then the placement pass (a rate run
+        # after another would meet the promotions of the one before)
+        _start_over(cl, reconfig, contexts, warm)
         t0 = time.time()
         recs = send_stream(cl, contexts, stream, poisson_arrivals(len(stream), rate, seed + k), 1,
                            f"bench-{name}-{rate:g}", no_cache=reconfig is None)
@@ -201,6 +198,7 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
         log(f"  {name} at {rate:.3g}/s: {len(recs)} requests in {time.time() - t0:.0f}s, ttft mean "
             f"{rows[-1]['ttft_mean_s'] or float('nan'):.3f}s p90 {rows[-1]['ttft_p90_s'] or float('nan'):.3f}s, "
             f"{rows[-1]['errors']} errors, tiers {json.dumps({t: round(v, 2) for t, v in rows[-1]['hit_rate_by_tier'].items()})}")
+    _start_over(cl, reconfig, contexts, warm)
     answers = []
     for i, (ci, qi) in enumerate(stream):  # the answers, one request at a time
         answers += send_stream(cl, contexts, [(ci, qi)], [0.0], max_new, f"bench-{name}-answer-{i}",
@@ -208,8 +206,8 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
     _label(cl, answers, None, reconfig is None)
     records += answers
     c1 = cl.counters()
-    summary = {"counters_delta": {k: c1.get(k, 0) - c0.get(k, 0) for k in sorted(set(c1) | set(c0))
-                                  if not k.endswith("_used_bytes") and c1.get(k, 0) != c0.get(k, 0)},
+    summary = {"counters_delta": {k: c1.get(k, 0) - start.get(k, 0) for k in sorted(set(c1) | set(start))
+                                  if not k.endswith("_used_bytes") and c1.get(k, 0) != start.get(k, 0)},
                "server_failures": sum(c1.get(k, 0) - start.get(k, 0) for k in FAILURE_COUNTERS),
                "answer_errors": sum("error" in r for r in answers)}
     if summary["server_failures"]:
@@ -218,6 +216,18 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
     if reconfig is not None:
         summary["placements"] = placements(cl)
     return rows, records, summary
+
+
+def _start_over(cl: Client, reconfig: Optional[dict], contexts: list[dict], warm: bool) -> None:
+    """Empty the tiers under the system's policy and place the contexts (one unmeasured
+    request each); full prefill has nothing to reset."""
+    if reconfig is None:
+        return
+    cl.api("POST", "/evicpress/reconfigure", reconfig)
+    if warm:
+        for c in contexts:
+            cl.stream(prompt_of(c, 1), 1)
+        cl.api("GET", "/evicpress/status")  # (answers once the stores it left are done)
 
 
 def _label(cl: Client, recs: list[dict], rate: Optional[float], full_prefill: bool) -> None:
