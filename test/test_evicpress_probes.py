@@ -215,6 +215,17 @@ def test_evicpress_is_compared_with_the_fixed_frontier_at_its_own_quality():
     assert frontier_ttft(front, 1.01) == (None, "above")
 
 
+def test_the_frontier_plot_is_written(tmp_path):
+    from sglang_vc.bench.evicpress_report import plot, rates_summary
+
+    rows = [{"system": s, "quality": q, "ttft_mean_s": t * rate, "rate_per_s": rate}
+            for rate in (1.0, 2.0) for s, q, t in (("evicpress:alpha=1", 0.95, 0.3), ("fixed:kivi@4b", 0.9, 0.5),
+                                                   ("lru", 1.0, 0.7))]
+    png = tmp_path / "f.png"
+    plot(rows, rates_summary(rows, 1.0), png, "a regime")
+    assert png.stat().st_size > 0
+
+
 def test_the_sustainable_rate_is_where_mean_ttft_crosses_the_target():
     """Linear between the last rate within the target and the first beyond it; a system
     within it at every rate is censored at the highest, one beyond it at every rate at

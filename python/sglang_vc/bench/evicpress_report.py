@@ -142,6 +142,8 @@ def plot(rows: list[dict], rates: dict, path: Path, title: Optional[str] = None)
     import matplotlib.pyplot as plt
 
     by_rate = sorted({r["rate_per_s"] for r in rows})
+    names = list(dict.fromkeys(r["system"] for r in rows))  # one color per system in every panel
+    color = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
     fig, axes = plt.subplots(1, len(by_rate) + 1, figsize=(4.6 * (len(by_rate) + 1), 4.4), squeeze=False)
     for ax, rate in zip(axes[0], by_rate):
         rr = [r for r in rows if r["rate_per_s"] == rate and r["ttft_mean_s"] is not None]
@@ -151,16 +153,17 @@ def plot(rows: list[dict], rates: dict, path: Path, title: Optional[str] = None)
         for r in rr:
             name = r["system"]
             marker = "*" if name.startswith("evicpress") else ("s" if name == "lru" else ("^" if name.startswith("fixed") else "o"))
-            ax.scatter(r["ttft_mean_s"], r["quality"], marker=marker, s=130 if marker == "*" else 50, label=name)
+            ax.scatter(r["ttft_mean_s"], r["quality"], marker=marker, s=130 if marker == "*" else 50, label=name,
+                       color=color[name])
         ax.set_title(f"{rate:.3g} requests/s", fontsize=10)
         ax.set_xlabel("mean TTFT (s)")
         ax.set_ylabel("quality (MiniLM cosine vs full prefill)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     ax = axes[0][-1]
-    for s in sorted({r["system"] for r in rows}):
+    for s in names:
         pts = sorted((r["rate_per_s"], r["ttft_mean_s"]) for r in rows if r["system"] == s and r["ttft_mean_s"] is not None)
-        ax.plot(*zip(*pts), marker="o", label=s)
+        ax.plot(*zip(*pts), marker="o", label=s, color=color[s])
     ax.axhline(rates["ttft_target_s"], color="k", ls="--", lw=0.8, label="TTFT target")
     ax.set_xlabel("arrival rate (requests/s)")
     ax.set_ylabel("mean TTFT (s)")
