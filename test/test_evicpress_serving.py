@@ -726,6 +726,7 @@ def test_launcher_exits_2_on_inconsistent_evicpress_flags(model_dir, tmp_path):
 
 import sglang_vc.testing.evicpress as epx
 from sglang_vc.testing.evicpress import CTX_TOKENS
+from sglang_vc.testing.files import wait_for_files
 
 
 @pytest.fixture(scope="module")
@@ -772,16 +773,26 @@ def test_server_kv_bytes_survive_device_host_disk_device(ep_server, tokenizer):
     assert epx.placement(s, "move")["tier"] == "host"
     d0 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d0["device_tokens"] == CTX_TOKENS and d0["device"] == d0["stored"]  # device -> host
+    # HiCache writes the prompt through to storage, one page a token (page size 1)
+    wait_for_files(next(d for d in s.disk_dir.iterdir() if d.is_dir()), CTX_TOKENS, timeout=120, quiet_s=1.0)
     before = epx.counters(s)
     epx.api(s, "POST", "/evicpress/contexts/move/placement", {"tier": "disk"})
     assert epx.placement(s, "move")["tier"] == "disk"
     d1 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d1["stored"] == d0["device"] and d1["blob"] == d0["blob"]  # host -> disk
+    # on storage the full KV is HiCache's pages of it, found by SGLang's keys: EvicPress
+    # writes no copy of its own (#75)
+    moved = epx.counters(s)
+    assert moved.get("full_pages_found", 0) == before.get("full_pages_found", 0) + 1, moved
+    assert moved.get("full_pages_written", 0) == before.get("full_pages_written", 0)
+    assert len(d1["storage_files"]) == CTX_TOKENS and all(Path(f).is_file() for f in d1["storage_files"])
+    assert moved["disk_used_bytes"] == 0  # nothing in EvicPress's own storage entries
     epx.api(s, "POST", "/evicpress/evict_device")
     assert epx.api(s, "GET", "/evicpress/contexts/move/digest")["device_tokens"] == 0
     again = epx.ask(s, tokenizer, ids)  # disk -> device
     after = epx.counters(s)
     assert after.get("hits_disk", 0) == before.get("hits_disk", 0) + 1, after
+    assert after.get("full_pages_read", 0) == before.get("full_pages_read", 0) + 1, after
     d2 = epx.api(s, "GET", "/evicpress/contexts/move/digest")
     assert d2["device"] == d0["device"]
     assert again["output_ids"] == first["output_ids"]
@@ -897,8 +908,9 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     first = epx.ask(s, tokenizer, ids)
     epx.api(s, "POST", f"/evicpress/contexts/{cid}/placement", {"tier": "disk"})
     files = epx.api(s, "GET", f"/evicpress/contexts/{cid}/digest")["storage_files"]
-    assert len(files) == 2 and all(str(s.disk_dir) in f for f in files), files  # header, payload
-    path = Path(files[1])  # the payload
+    # HiCache's pages of the context, one a token (page size 1): one of them damaged
+    assert len(files) == CTX_TOKENS and all(str(s.disk_dir) in f for f in files), files
+    path = Path(files[len(files) // 2])
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[len(data) // 3] ^= 0x10

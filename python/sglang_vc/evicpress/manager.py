@@ -74,6 +74,7 @@ class EvicPressManager:
         *,
         device_store=None,
         copies_store=None,
+        full_pages=None,
         counters: Optional[Callable[..., None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -85,6 +86,9 @@ class EvicPressManager:
         # tier's budget (the shared store keeps every context, as HiCache's writes do);
         # the disk tier reads them as any other server's entries
         self.copies = copies_store if copies_store is not None else disk_store
+        # full contexts on the storage tier are HiCache's pages (:mod:`.hicache_pages`),
+        # not a copy of their own; None: EvicPress blobs (no HiCache host pool, tests)
+        self.full_pages = full_pages
         self.device = device_store if settings.device_capacity > 0 else None
         self.clock = clock
         self.lock = threading.RLock()
@@ -269,7 +273,37 @@ class EvicPressManager:
         with self.lock:
             if ctx.placement.dropped:
                 return None
+            if self.on_pages(ctx.placement.tier, ctx.placement.config):
+                return self.full_pages.get_blob(ctx.token_ids, ctx.namespace)
             return self._store(ctx.placement.tier).get(self.blob_key(ctx, ctx.placement.tier))
+
+    def on_pages(self, tier: Optional[Tier], config: CompressionConfig) -> bool:
+        """Whether ``config`` on ``tier`` is HiCache's pages of the context."""
+        return self.full_pages is not None and tier == Tier.DISK and config.is_full
+
+    def _read_pages(self, ctx: Context) -> Optional[bytes]:
+        """``ctx``'s full blob from HiCache's pages; None when a page is gone or damaged."""
+        before = self.full_pages.corrupted()
+        blob = self.full_pages.get_blob(ctx.token_ids, ctx.namespace)
+        if blob is not None:
+            self.count(full_pages_read=1)
+            return blob
+        self.full_pages.keep(ctx.token_ids, ctx.namespace, keep=False)  # what is left: HiCache's cache
+        if self.full_pages.corrupted() > before:
+            self.count(disk_corrupted=1)
+            logger.warning("EvicPress: a storage page of context %s is corrupted; it will be recomputed", ctx.ctx_id)
+        else:
+            self.count(full_pages_missing=1)
+            logger.info("EvicPress: storage pages of context %s are gone (evicted); it will be recomputed", ctx.ctx_id)
+        return None
+
+    def _write_pages(self, ctx: Context, blob: bytes) -> bool:
+        """Put ``ctx``'s full KV on storage as HiCache's pages (those HiCache has not written)."""
+        ok, written = self.full_pages.write(ctx.token_ids, ctx.namespace, codec.decode(blob)[1], keep=True)
+        if ok:
+            self.count(**({"full_pages_written": 1, "bytes_written_disk": written} if written
+                          else {"full_pages_found": 1}))
+        return ok
 
     def _read_blob(self, ctx: Context, placement: Placement) -> Optional[bytes]:
         """The stored bytes; None (and the context marked dropped) when absent or
@@ -278,7 +312,9 @@ class EvicPressManager:
         found = self._found.pop(ctx.ctx_id, None)
         if found is not None and placement.tier == Tier.DISK and found[0] == placement.config:
             return found[1]  # read (and checked) by find_shared just now
-        if placement.tier == Tier.DISK:
+        if self.on_pages(placement.tier, placement.config):
+            blob = self._read_pages(ctx)
+        elif placement.tier == Tier.DISK:
             before = self.disk.stats.corrupted
             blob = self.disk.get(self.blob_key(ctx, Tier.DISK, placement.config))
             if self.disk.stats.corrupted > before:
@@ -294,18 +330,25 @@ class EvicPressManager:
         return blob
 
     def _delete_blob(self, ctx: Context, placement: Placement) -> None:
+        if self.on_pages(placement.tier, placement.config):
+            # HiCache's pages: left as its cache (plain prefixes hit them too), evictable again
+            self.full_pages.keep(ctx.token_ids, ctx.namespace, keep=False)
+            return
         if placement.tier == Tier.DISK and placement.config in ctx.shared:
             return  # a storage copy outlives the placement: other servers read it
         if placement.tier is not None:
             self._store(placement.tier).delete(self.blob_key(ctx, placement.tier, placement.config))
 
     def _put_blob(self, ctx: Context, tier: Tier, blob: bytes, config: CompressionConfig) -> bool:
-        if tier == Tier.DISK and config in ctx.shared:
+        if tier == Tier.DISK and config in ctx.shared and not self.on_pages(tier, config):
             return True  # the storage copy of that config is the placement's entry
         store = self._store(tier)
         before = store.write_errors
         try:
-            ok = store.put(self.blob_key(ctx, tier, config), blob)
+            if self.on_pages(tier, config):
+                ok = self._write_pages(ctx, blob)
+            else:
+                ok = store.put(self.blob_key(ctx, tier, config), blob)
         except Exception:  # a store refusing the form is a policy bug: say so, place lower
             logger.exception("EvicPress: the %s tier refused context %s", tier.name.lower(), ctx.ctx_id)
             self.count(put_errors=1)
@@ -319,7 +362,8 @@ class EvicPressManager:
             else:
                 self.count(host_full=1)
             return False
-        self.count(**{f"bytes_written_{tier.name.lower()}": len(blob)})
+        if not self.on_pages(tier, config):  # (pages: what was written, by _write_pages)
+            self.count(**{f"bytes_written_{tier.name.lower()}": len(blob)})
         return True
 
     def _set_placement(self, ctx: Context, placement: Placement) -> None:

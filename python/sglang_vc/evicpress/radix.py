@@ -95,7 +95,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from . import codec, flags
+from . import codec, flags, hicache_pages
 from .codec import FullKV
 from .config import FULL, CompressionConfig, Tier
 from .device_tier import DeviceTierStore
@@ -230,6 +230,8 @@ class EvicPressRadixCache(UnifiedRadixCache):
         # storage copies of every computed context (--evicpress-storage-copies): on the
         # same backend, bounded by the backend's own retention, not the disk tier's budget
         copies = StorageTier(backend, 1 << 62, namespace=model_id)
+        # a full context on storage is HiCache's own pages of it, read by SGLang's keys
+        full_pages = hicache_pages.for_pool(backend, host_pool, self.page_size, dims)
         measured = measure_delay_inputs(ep, dims, storage_dir(backend))
         pool_bytes = dims.bytes_per_token * self.token_to_kv_pool_allocator.size
         settings = flags.settings_from_dict(ep, device_pool_bytes=pool_bytes, **measured)
@@ -250,8 +252,11 @@ class EvicPressRadixCache(UnifiedRadixCache):
             device_store=DeviceTierStore(self.tree_rows, settings.device_capacity,
                                          lambda key: self.evicpress.context_of_key(key)),
             copies_store=copies,
+            full_pages=full_pages,
             counters=lambda **kw: stats.add("evicpress", **kw),
         )
+        if full_pages is None:  # the capability off: said in the log (for_pool) and counted
+            self.evicpress.count(full_pages_off=1)
         self._reqs: dict[str, ContextPlan] = {}  # rid -> its plan (request_plan)
         # requests SGLang has given a row (maybe_hand_to_session): released by on_release
         self._holding_rows: set[str] = set()

@@ -144,6 +144,9 @@ class EvicPressFileStorage(HiCacheStorage):
         # make room. Pages an earlier run left count in the budget, so they are adopted.
         self._pages: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self._page_bytes = 0
+        # pages a tier object stands on (EvicPress's full contexts, :meth:`keep`): not
+        # evicted for newer pages, also when HiCache writes them again
+        self._kept: set[str] = set()
         self._lock = threading.Lock()
         self._adopt_pages()
         logger.info(
@@ -209,10 +212,30 @@ class EvicPressFileStorage(HiCacheStorage):
             ok = self.store.put(name, memoryview(flat.numpy()), flags=FLAG_EVICTABLE if is_page else 0)
             if ok:
                 self._forget_page(key)  # a tier object under a page's key is the tier's now
-                if is_page:
+                if is_page and key not in self._kept:
                     self._pages[key] = size
                     self._page_bytes += size
             return ok
+
+    def keep(self, keys: List[str]) -> None:
+        """Pages that hold a tier object (a full context EvicPress places on storage,
+        :mod:`.hicache_pages`), written or still to be written: no newer page evicts
+        them until :meth:`release`."""
+        with self._lock:
+            for key in keys:
+                self._kept.add(key)
+                self._forget_page(key)
+
+    def release(self, keys: List[str]) -> None:
+        """Kept pages become HiCache's cache again, the first to be evicted."""
+        with self._lock:
+            for key in keys:
+                self._kept.discard(key)
+                size = self.store.size_of(self._key(key))
+                if size and key not in self._pages:
+                    self._pages[key] = size
+                    self._pages.move_to_end(key, last=False)
+                    self._page_bytes += size
 
     def _forget_page(self, key: str) -> int:
         size = self._pages.pop(key, 0)
@@ -253,6 +276,7 @@ class EvicPressFileStorage(HiCacheStorage):
         """Remove ``key``'s object; False when there was none."""
         with self._lock:
             self._forget_page(key)
+            self._kept.discard(key)
             return self.store.delete(self._key(key))
 
     # -- batches (the generic page interface) -------------------------------------------
@@ -281,6 +305,7 @@ class EvicPressFileStorage(HiCacheStorage):
         for path in self.root.glob("*" + SUFFIX):
             path.unlink(missing_ok=True)
         self._pages.clear()
+        self._kept.clear()
         self._page_bytes = 0
         stats = self.store.stats
         self.store = DiskTierStore(self.root, self.config.capacity_bytes, fsync=self.config.fsync)

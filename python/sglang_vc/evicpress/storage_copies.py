@@ -29,6 +29,8 @@ class StorageCopies:
         """Local files of ``ctx``'s entry on the storage tier (header, payload), where the
         backend keeps them in files (diagnostics and tests); [] otherwise."""
         with self.m.lock:
+            if self.m.on_pages(Tier.DISK, ctx.placement.config):
+                return self.m.full_pages.files(ctx.token_ids, ctx.namespace)
             objects = (self.m.disk.object_keys(self.m.blob_key(ctx, Tier.DISK, ctx.placement.config))
                        if hasattr(self.m.disk, "object_keys") else None)
             path_of = getattr(getattr(self.m.disk, "backend", None), "entry_path", None)
@@ -48,11 +50,12 @@ class StorageCopies:
             for cfg in dict.fromkeys(order):
                 if cfg.drops_tokens and not self.m.settings.serves_dropped:
                     continue
-                key = self.m.blob_key(ctx, Tier.DISK, cfg)
-                if not self.m.disk.probe(key):
-                    continue
                 t0 = time.perf_counter()
-                blob = self.m.disk.get(key)
+                if self.m.on_pages(Tier.DISK, cfg):  # the full KV: HiCache's pages
+                    blob = self.m.full_pages.get_blob(ctx.token_ids, ctx.namespace)
+                else:
+                    key = self.m.blob_key(ctx, Tier.DISK, cfg)
+                    blob = self.m.disk.get(key) if self.m.disk.probe(key) else None
                 if blob is None:
                     continue
                 try:
@@ -76,9 +79,17 @@ class StorageCopies:
         this server's link, or None (absent, corrupted). Changes no placement. Safe off
         the scheduler thread: the manager lock is not held during the read (the store
         has its own), so a long read does not stall the scheduler's lookups."""
+        t0 = time.perf_counter()
+        if self.m.on_pages(Tier.DISK, config):  # HiCache's pages, decoded already
+            kv = self.m.full_pages.read(ctx.token_ids, ctx.namespace)
+            if kv is None:
+                self.m.count(storage_copy_misses=1)
+                return None
+            self.m.count(storage_copies_read=1, bytes_read_storage_copies=kv.nbytes,
+                         storage_copy_read_seconds=time.perf_counter() - t0)
+            return kv
         with self.m.lock:
             key = self.m.blob_key(ctx, Tier.DISK, config)
-        t0 = time.perf_counter()
         blob = self.m.disk.get(key)
         if blob is None:
             self.m.count(storage_copy_misses=1)
@@ -104,6 +115,17 @@ class StorageCopies:
         written = 0
         for cfg in self.m.settings.storage_copies:
             if cfg in ctx.shared or (cfg.drops_tokens and not self.m.settings.serves_dropped):
+                continue
+            if self.m.on_pages(Tier.DISK, cfg):  # the full KV: HiCache's pages, written if missing
+                ok, nbytes = self.m.full_pages.write(ctx.token_ids, ctx.namespace, kv,
+                                                         keep=self.m.on_pages(ctx.placement.tier, ctx.placement.config))
+                if ok:
+                    ctx.shared.add(cfg)
+                    written += bool(nbytes)
+                    self.m.count(**({"storage_copies_written": 1, "bytes_written_storage_copies": nbytes}
+                                    if nbytes else {"full_pages_found": 1}))
+                else:
+                    self.m.count(storage_copy_skipped=1)
                 continue
             key = self.m.blob_key(ctx, Tier.DISK, cfg)
             if hasattr(self.m.copies, "probe") and self.m.copies.probe(key):
