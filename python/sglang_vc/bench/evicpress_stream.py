@@ -219,11 +219,14 @@ def run_system(cl: Client, name: str, reconfig: Optional[dict], contexts: list[d
 
 
 def _start_over(cl: Client, reconfig: Optional[dict], contexts: list[dict], warm: bool) -> None:
-    """Empty the tiers under the system's policy and place the contexts (one unmeasured
-    request each); full prefill has nothing to reset."""
+    """Empty the tiers, storage included, under the system's policy and place the contexts
+    (one unmeasured request each); full prefill has nothing to reset."""
     if reconfig is None:
         return
     cl.api("POST", "/evicpress/reconfigure", reconfig)
+    # and the storage: a full context there is HiCache's pages of it, which outlive a
+    # placement (they are HiCache's cache), and the next system would find them there
+    cl.api("POST", "/hicache/storage-backend/clear")
     if warm:
         for c in contexts:
             cl.stream(prompt_of(c, 1), 1)

@@ -27,13 +27,14 @@ stays an EvicPress blob.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import codec, tenant
 from .codec import FullKV
 from .config import FULL
+from .context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,33 @@ class HiCachePages:
         """:meth:`read` as the full blob the tiers move (:mod:`.codec`)."""
         kv = self.read(token_ids, namespace)
         return None if kv is None else codec.encode(kv, FULL)
+
+    # -- the manager's full placement on the storage tier ----------------------------------
+    def load(self, ctx: Context, count: Callable[..., None]) -> Optional[bytes]:
+        """``ctx``'s full blob from its pages; None when one is gone or damaged (its
+        pages left are released: HiCache's cache)."""
+        before = self.corrupted()
+        blob = self.get_blob(ctx.token_ids, ctx.namespace)
+        if blob is not None:
+            count(full_pages_read=1)
+            return blob
+        self.keep(ctx.token_ids, ctx.namespace, keep=False)
+        if self.corrupted() > before:
+            count(disk_corrupted=1)
+            logger.warning("EvicPress: a storage page of context %s is corrupted; it will be recomputed", ctx.ctx_id)
+        else:
+            count(full_pages_missing=1)
+            logger.info("EvicPress: storage pages of context %s are gone (evicted); it will be recomputed", ctx.ctx_id)
+        return None
+
+    def place(self, ctx: Context, blob: bytes, count: Callable[..., None]) -> bool:
+        """Put ``ctx``'s full KV on storage as its pages, pinned (those HiCache has not
+        written are written); whether they are all there."""
+        ok, written = self.write(ctx.token_ids, ctx.namespace, codec.decode(blob)[1], keep=True)
+        if ok:
+            count(**({"full_pages_written": 1, "bytes_written_disk": written} if written
+                     else {"full_pages_found": 1}))
+        return ok
 
 
 def for_pool(backend, host_pool, page_size: int, dims) -> Optional[HiCachePages]:

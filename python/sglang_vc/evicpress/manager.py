@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import logging
 import math
 import queue
@@ -281,30 +280,6 @@ class EvicPressManager:
         """Whether ``config`` on ``tier`` is HiCache's pages of the context."""
         return self.full_pages is not None and tier == Tier.DISK and config.is_full
 
-    def _read_pages(self, ctx: Context) -> Optional[bytes]:
-        """``ctx``'s full blob from HiCache's pages; None when a page is gone or damaged."""
-        before = self.full_pages.corrupted()
-        blob = self.full_pages.get_blob(ctx.token_ids, ctx.namespace)
-        if blob is not None:
-            self.count(full_pages_read=1)
-            return blob
-        self.full_pages.keep(ctx.token_ids, ctx.namespace, keep=False)  # what is left: HiCache's cache
-        if self.full_pages.corrupted() > before:
-            self.count(disk_corrupted=1)
-            logger.warning("EvicPress: a storage page of context %s is corrupted; it will be recomputed", ctx.ctx_id)
-        else:
-            self.count(full_pages_missing=1)
-            logger.info("EvicPress: storage pages of context %s are gone (evicted); it will be recomputed", ctx.ctx_id)
-        return None
-
-    def _write_pages(self, ctx: Context, blob: bytes) -> bool:
-        """Put ``ctx``'s full KV on storage as HiCache's pages (those HiCache has not written)."""
-        ok, written = self.full_pages.write(ctx.token_ids, ctx.namespace, codec.decode(blob)[1], keep=True)
-        if ok:
-            self.count(**({"full_pages_written": 1, "bytes_written_disk": written} if written
-                          else {"full_pages_found": 1}))
-        return ok
-
     def _read_blob(self, ctx: Context, placement: Placement) -> Optional[bytes]:
         """The stored bytes; None (and the context marked dropped) when absent or
         corrupted -- a corrupted disk entry is never served."""
@@ -313,7 +288,7 @@ class EvicPressManager:
         if found is not None and placement.tier == Tier.DISK and found[0] == placement.config:
             return found[1]  # read (and checked) by find_shared just now
         if self.on_pages(placement.tier, placement.config):
-            blob = self._read_pages(ctx)
+            blob = self.full_pages.load(ctx, self.count)
         elif placement.tier == Tier.DISK:
             before = self.disk.stats.corrupted
             blob = self.disk.get(self.blob_key(ctx, Tier.DISK, placement.config))
@@ -346,7 +321,7 @@ class EvicPressManager:
         before = store.write_errors
         try:
             if self.on_pages(tier, config):
-                ok = self._write_pages(ctx, blob)
+                ok = self.full_pages.place(ctx, blob, self.count)
             else:
                 ok = store.put(self.blob_key(ctx, tier, config), blob)
         except Exception:  # a store refusing the form is a policy bug: say so, place lower

@@ -21,7 +21,8 @@
   SGLang builds from ``--hicache-storage-backend`` (``file``, ``seaweedfs``...; with
   ``--evicpress-disk-dir`` our checksummed ``evicpress_file``), shared by every server of
   the model: a context one server stored is a storage hit for another, and so is a plain
-  prefix (HiCache's own pages and prefetch, on the same backend).
+  prefix (HiCache's own pages and prefetch, on the same backend). A full context there is
+  HiCache's pages of it (:mod:`.hicache_pages`), not a blob: one copy of the full KV.
 
 A request whose prompt starts with a known context (registered through the API, or a
 long prompt seen before) is looked up in ``match_prefix``: if the device tree has the

@@ -23,7 +23,8 @@ objects of EvicPress's storage tier (``set``) are never evicted: the tier decide
 delete, and a ``set`` that does not fit returns False. HiCache's pages of plain prefixes
 (``batch_set``) are a cache inside the same budget, marked evictable in their file
 header: the oldest pages of this scope (written by this object, or found in the
-directory at start-up) are deleted to make room for a tier object or a newer page
+directory at start-up) are deleted to make room for a tier object or a newer page, except
+pages a full EvicPress context stands on (:meth:`EvicPressFileStorage.keep`, until released)
 (pages written before the flag existed count as tier objects: clear them by hand). ``fsync`` (default true)
 syncs each file and the directory before a write returns. Other keys are ignored (the
 extra config also carries SGLang's own keys, e.g. ``prefetch_threshold``).
