@@ -151,3 +151,39 @@ def test_pages_under_a_placement_are_kept_from_the_backends_eviction(tmp_path):
     mgr._delete_blob(ctx, ctx.placement)  # moved away: HiCache's cache again, evicted first
     other.write(list(range(9000, 9016)), None, _kv(16, seed=9))
     assert not mgr.full_pages.probe(ctx.token_ids, None)
+
+
+def test_the_full_storage_copy_is_the_pages_and_the_next_server_reads_them(tmp_path):
+    """Storage copies (``--evicpress-storage-copies full,kivi@4b``): the full one is the
+    context's pages, written by server A beside its 4-bit blob; server B finds the pages
+    first (``find_shared``) and loads A's exact KV from them; no EvicPress blob of the
+    full KV exists."""
+    from sglang_vc.evicpress.config import CompressionConfig
+    from sglang_vc.evicpress.storage_tier import StorageTier
+
+    kivi4 = CompressionConfig("kivi", bits=4)
+    ids, kv = list(range(7, 71)), _kv(64)
+
+    def server():
+        backend = _backend(tmp_path / "kv")
+        s = Settings(policy="lru", candidates=(kivi4,), storage_copies=(FULL, kivi4), model_id="m",
+                     disk_capacity=10**8, prefill_measured=False)
+        disk = StorageTier(backend, 10**8, namespace="model-a")
+        pages = HiCachePages(backend, "layer_first", 1, L, H, D, torch.float32)
+        return EvicPressManager(s, DIMS, RamHostStore(10**8), disk, full_pages=pages)
+
+    a = server()
+    ctx = a.registry.register(ids, ctx_id="doc")
+    a.store_computed(ctx, kv)
+    assert ctx.placement.tier == Tier.HOST and ctx.shared == {FULL, kivi4}
+    assert a.counters["storage_copies_written"] == 2 and a.full_pages.probe(ids, None)
+    assert not a.disk.probe(a.blob_key(ctx, Tier.DISK, FULL)) and a.disk.probe(a.blob_key(ctx, Tier.DISK, kivi4))
+    assert a.registry.forget("doc")
+
+    b = server()
+    other = b.registry.register(ids, ctx_id="same-tokens")
+    assert b.storage_copies.find_shared(other) and other.placement == Placement(FULL, Tier.DISK)
+    got = b.requests.fetch(other)
+    assert torch.equal(got.kv.k, kv.k) and torch.equal(got.kv.v, kv.v)
+    read = b.storage_copies.read_storage_copy(other, FULL)  # VeriCache's remote prefix path
+    assert torch.equal(read.k, kv.k) and b.counters["storage_copies_read"] == 1
