@@ -53,6 +53,42 @@ def _host_pages(kv: FullKV, layout: str, page_size: int) -> list[torch.Tensor]:
     return [MHATokenToKVPoolHost.get_data_page(pool, i).clone() for i in range(0, n, page_size)]
 
 
+def _zero_copy_pages(kv: FullKV, page_size: int) -> list[torch.Tensor]:
+    """The objects SGLang's zero-copy calls write for ``kv`` (``seaweedfs``' ``_put_from``):
+    the host buffers ``get_page_buffer_meta`` lists for each page, one after the other,
+    from a ``layer_first`` MHA host pool holding ``kv`` from slot 0."""
+    import ctypes
+
+    n = kv.num_tokens
+    buf = torch.stack([kv.k, kv.v]).contiguous()  # [2, L, N, H, D]
+    pool = SimpleNamespace(layout="layer_first", kv_buffer=buf, page_size=page_size, layer_num=L, size=n,
+                           head_num=H, head_dim=D, dtype=torch.float32)
+    ptrs, sizes = MHATokenToKVPoolHost.get_page_buffer_meta(pool, torch.arange(n))
+    per_page = len(ptrs) // (n // page_size)
+    pages = []
+    for i in range(n // page_size):
+        chunk = b"".join(ctypes.string_at(a, z) for a, z in zip(ptrs[i * per_page:(i + 1) * per_page],
+                                                                sizes[i * per_page:(i + 1) * per_page]))
+        pages.append(torch.frombuffer(bytearray(chunk), dtype=torch.float32))
+    return pages
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_zero_copy_objects_read_as_the_context(tmp_path, page_size):
+    """Backends SGLang drives through the zero-copy calls (``seaweedfs``) hold a page as the
+    host buffers of each layer's K then V, not ``get_data_page``'s order: read in that format
+    (read in the other, the KV came back scrambled and a second server answered wrongly)."""
+    ids, kv = list(range(8)), _kv(8)
+    backend = _backend(tmp_path)
+    pages = HiCachePages(backend, "zero_copy:layer_first", page_size, L, H, D, torch.float32)
+    assert backend.batch_set(pages.keys(ids, None), _zero_copy_pages(kv, page_size))
+    got = pages.read(ids, None)
+    assert torch.equal(got.k, kv.k) and torch.equal(got.v, kv.v)
+    other = _backend(tmp_path / "b")
+    ok, _ = HiCachePages(other, "zero_copy:layer_first", page_size, L, H, D, torch.float32).write(ids, None, kv)
+    assert ok and all(torch.equal(other.get(k), backend.get(k)) for k in pages.keys(ids, None))
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_pages_are_hicaches_keys_and_bytes(tmp_path, layout, page_size):
@@ -127,9 +163,11 @@ def test_pages_off_for_pools_it_cannot_read_is_said(caplog):
     pool = SimpleNamespace(layout="page_head", head_num=H, head_dim=D, dtype=torch.float32)
     backend = SimpleNamespace(batch_get=lambda *a: None, batch_set=lambda *a: None)
     with caplog.at_level("WARNING"):
-        assert for_pool(backend, pool, 1, DIMS) is None
-    assert "stay EvicPress blobs" in caplog.text and "page_head" in caplog.text
-    assert for_pool(backend, SimpleNamespace(**{**vars(pool), "layout": "layer_first"}), 1, DIMS) is not None
+        assert for_pool(backend, pool, 1, DIMS, zero_copy=False) is None
+        assert for_pool(backend, SimpleNamespace(**{**vars(pool), "layout": "page_first"}), 1, DIMS, zero_copy=True) is None
+    assert "stay EvicPress blobs" in caplog.text and "page_head" in caplog.text and "zero_copy:page_first" in caplog.text
+    for zero_copy in (False, True):
+        assert for_pool(backend, SimpleNamespace(**{**vars(pool), "layout": "layer_first"}), 1, DIMS, zero_copy) is not None
 
 
 def test_pages_under_a_placement_are_kept_from_the_backends_eviction(tmp_path):

@@ -18,10 +18,13 @@ the manager drops the context and the prefill recomputes it, never a wrong row.
 Pages hold whole pages only: a context's tail shorter than a page is not on storage, and
 a read returns the page-aligned rows (a load onto the device uses no more).
 
-The page format is the host pool's (``get_data_page``): MHA pools in the ``layer_first``,
-``page_first`` and ``page_first_direct`` layouts. Another pool or layout has no
-:class:`HiCachePages` (:func:`for_pool` returns None, says why), and the full placement
-stays an EvicPress blob.
+The page format is what SGLang's controller writes, which depends on the backend's
+interface: through the generic page calls (``evicpress_file``, ``file``) a page is the host
+pool's ``get_data_page`` (MHA ``layer_first``, ``page_first``, ``page_first_direct``);
+through the zero-copy calls (``seaweedfs``, ``mooncake``, ...) it is the host buffers
+``get_page_buffer_meta`` lists, one after the other (MHA ``layer_first``: each layer's K,
+then its V). Another pool, layout or interface has no :class:`HiCachePages`
+(:func:`for_pool` returns None, says why), and the full placement stays an EvicPress blob.
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["HiCachePages", "for_pool"]
 
-# layout -> the page's shape, from (page_size, layers, heads, head_dim), K and V first
+ZERO_COPY = "zero_copy:"  # prefix of the zero-copy interface's formats
+
+# format -> the page object's shape, from (page_size, layers, heads, head_dim)
 _PAGE_SHAPES = {
     "layer_first": lambda p, L, H, D: (2, L, p, H, D),
     "page_first": lambda p, L, H, D: (2, p, L, H, D),
     "page_first_direct": lambda p, L, H, D: (2, 1, L, p, H, D),
+    ZERO_COPY + "layer_first": lambda p, L, H, D: (L, 2, p, H, D),
 }
 
 
@@ -54,15 +60,19 @@ def _to_lpHD(page: torch.Tensor, layout: str) -> torch.Tensor:
         return page.permute(0, 2, 1, 3, 4)
     if layout == "page_first_direct":
         return page[:, 0]
+    if layout == ZERO_COPY + "layer_first":
+        return page.transpose(0, 1)
     return page
 
 
 def _from_lpHD(page: torch.Tensor, layout: str) -> torch.Tensor:
-    """``[2, L, p, H, D]`` in the pool's page layout."""
+    """``[2, L, p, H, D]`` in the page object's format."""
     if layout == "page_first":
         return page.permute(0, 2, 1, 3, 4)
     if layout == "page_first_direct":
         return page.unsqueeze(1)
+    if layout == ZERO_COPY + "layer_first":
+        return page.transpose(0, 1)
     return page
 
 
@@ -203,14 +213,15 @@ class HiCachePages:
         return ok
 
 
-def for_pool(backend, host_pool, page_size: int, dims) -> Optional[HiCachePages]:
-    """:class:`HiCachePages` for SGLang's host ``host_pool`` (its layout and dtype), or
-    None when its pages are not plain MHA pages this module reads (said in the log)."""
-    layout = getattr(host_pool, "layout", None)
+def for_pool(backend, host_pool, page_size: int, dims, zero_copy: bool) -> Optional[HiCachePages]:
+    """:class:`HiCachePages` for SGLang's host ``host_pool`` (its layout and dtype) on a
+    backend the controller drives through the zero-copy calls or not, or None when its
+    pages are not MHA pages in a format this module reads (said in the log)."""
+    layout = (ZERO_COPY if zero_copy else "") + str(getattr(host_pool, "layout", None))
     heads, head_dim = getattr(host_pool, "head_num", None), getattr(host_pool, "head_dim", None)
     why = None
     if layout not in _PAGE_SHAPES:
-        why = f"host layout {layout!r}"
+        why = f"page format {layout!r}"
     elif (heads, head_dim) != (dims.heads, dims.head_dim) or (dims.v_heads, dims.v_head_dim) != (dims.heads, dims.head_dim):
         why = "K and V of other shapes than the host pool's MHA pages"
     elif not callable(getattr(backend, "batch_get", None)) or not callable(getattr(backend, "batch_set", None)):

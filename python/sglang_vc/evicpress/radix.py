@@ -232,7 +232,9 @@ class EvicPressRadixCache(UnifiedRadixCache):
         # same backend, bounded by the backend's own retention, not the disk tier's budget
         copies = StorageTier(backend, 1 << 62, namespace=model_id)
         # a full context on storage is HiCache's own pages of it, read by SGLang's keys
-        full_pages = hicache_pages.for_pool(backend, host_pool, self.page_size, dims)
+        # (in the format SGLang's controller writes them: zero-copy calls or generic ones)
+        zero_copy = getattr(self.cache_controller.page_set_func, "__name__", "") == "_page_set_zero_copy"
+        full_pages = hicache_pages.for_pool(backend, host_pool, self.page_size, dims, zero_copy)
         measured = measure_delay_inputs(ep, dims, storage_dir(backend))
         pool_bytes = dims.bytes_per_token * self.token_to_kv_pool_allocator.size
         settings = flags.settings_from_dict(ep, device_pool_bytes=pool_bytes, **measured)
