@@ -28,6 +28,12 @@ class Client:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:500]}")
         return r.json()
 
+    def clear_storage(self) -> None:
+        """Empty the HiCache storage backend (SGLang's route, which answers in text)."""
+        r = requests.post(self.url + "/hicache/storage-backend/clear", timeout=600)
+        if r.status_code != 200:
+            raise RuntimeError(f"POST /hicache/storage-backend/clear: {r.status_code} {r.text[:500]}")
+
     def counters(self) -> dict:
         info = self.api("GET", "/server_info")
         return dict(info["sglang_vc"]["counters"].get("evicpress", {}))

@@ -226,7 +226,7 @@ def _start_over(cl: Client, reconfig: Optional[dict], contexts: list[dict], warm
     cl.api("POST", "/evicpress/reconfigure", reconfig)
     # and the storage: a full context there is HiCache's pages of it, which outlive a
     # placement (they are HiCache's cache), and the next system would find them there
-    cl.api("POST", "/hicache/storage-backend/clear")
+    cl.clear_storage()
     if warm:
         for c in contexts:
             cl.stream(prompt_of(c, 1), 1)
