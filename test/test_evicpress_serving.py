@@ -929,6 +929,30 @@ def test_server_damaged_disk_entry_is_recomputed(ep_server, tokenizer, damage):
     assert epx.placement(s, cid)["tier"] == "host"  # stored again after the recompute
 
 
+def test_a_full_context_whose_storage_pages_are_cleared_is_recomputed(ep_server, tokenizer):
+    """A full context on storage is HiCache's pages: SGLang's storage clear (what
+    ``bench.evicpress`` does between systems) removes them, and the next request
+    recomputes the context -- a drop, never a wrong row."""
+    from conftest import real_text_passages
+    from sglang_vc.bench.evicpress_client import Client
+
+    s = ep_server
+    ids, _ = epx.register(s, tokenizer, "cleared", real_text_passages(12, words=220)[3], quality={})
+    first = epx.ask(s, tokenizer, ids)
+    epx.api(s, "POST", "/evicpress/contexts/cleared/placement", {"tier": "disk"})
+    files = [Path(f) for f in epx.api(s, "GET", "/evicpress/contexts/cleared/digest")["storage_files"]]
+    assert len(files) == CTX_TOKENS and all(f.is_file() for f in files)
+    Client(s.url, admin_key=s.admin_key).clear_storage()
+    assert not any(f.exists() for f in files)
+    epx.api(s, "POST", "/evicpress/evict_device")
+    before = epx.counters(s)
+    again = epx.ask(s, tokenizer, ids)
+    after = epx.counters(s)
+    assert after.get("full_pages_missing", 0) == before.get("full_pages_missing", 0) + 1, after
+    assert after.get("misses", 0) == before.get("misses", 0) + 1
+    assert again["output_ids"] == first["output_ids"]
+
+
 @pytest.mark.slow  # 15-min default budget; full disk in process: test_manager_full_disk_drops
 def test_server_hits_from_every_tier_and_full_disk(ep_server, tokenizer):
     """More contexts than the tiers hold (host 2.5, disk 4.5 full contexts, 8 contexts of

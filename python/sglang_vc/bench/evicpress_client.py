@@ -16,8 +16,10 @@ class Client:
     poll interval) is closed by the server as the next request reuses it, which the
     client sees as "connection reset by peer"."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, admin_key: Optional[str] = None) -> None:
         self.url = url
+        # the server's --admin-api-key, where it has one (SGLang's admin routes need it)
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
     def api(self, method: str, path: str, body=None, timeout: float = 1800, allow: tuple = (),
             params: Optional[dict] = None) -> dict:
@@ -30,7 +32,7 @@ class Client:
 
     def clear_storage(self) -> None:
         """Empty the HiCache storage backend (SGLang's route, which answers in text)."""
-        r = requests.post(self.url + "/hicache/storage-backend/clear", timeout=600)
+        r = requests.post(self.url + "/hicache/storage-backend/clear", headers=self.headers, timeout=600)
         if r.status_code != 200:
             raise RuntimeError(f"POST /hicache/storage-backend/clear: {r.status_code} {r.text[:500]}")
 
