@@ -71,10 +71,10 @@ def test_costs_put_scoring_and_fetch_beside_the_rest_of_the_ttft():
     assert res[0]["chunk_sources"]["storage"] == 8
 
 
-def test_merge_refuses_another_workload_a_partial_run_other_settings_or_the_same_items(tmp_path, capsys):
+def test_merge_refuses_another_workload_other_settings_or_the_same_items(tmp_path, capsys):
+    # (a partial run -- one that died -- holds whole items: it merges like a complete one)
     clash = {"item": "rag_multihop-0000", "target": "smollm2-135m", "spec_model": "smollm2-135m"}
     for bad in ({"workload": "rag", "partial": False, "rows": []},
-                {"workload": "rag_multihop", "partial": True, "rows": []},
                 {"workload": "rag_multihop", "partial": False},
                 {"workload": "rag_multihop", "partial": False, "rows": [], "chunk_tokens": 256},
                 {"workload": "rag_multihop", "partial": False, "rows": [clash], "ratios": [0.15, 0.2]}):

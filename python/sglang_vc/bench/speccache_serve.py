@@ -172,7 +172,7 @@ def _flush(url: str) -> None:
 
 def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log_dir: Path,
              stop: Optional[list[str]] = None, full_rows: Optional[dict] = None,
-             chunks_from: str = "device") -> list[dict]:
+             chunks_from: str = "device", progress=None) -> list[dict]:
     """Every run of every item on one server. ``full_rows`` (item id -> row) holds the
     full-recompute runs of an earlier pair with the same target: the plain prompt's
     prefill does not involve the small model, so it is measured once per target and
@@ -256,6 +256,8 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                         log(f"WARNING: {item['id']} {name}: chunks not all from storage: {rows[-1]['chunk_sources']}")
                 if "selected_positions" in meta and item.get("chunk_roles"):
                     rows[-1]["selection"] = selection_report(item, prompt, meta["selected_positions"])
+            if progress is not None:  # the items so far, kept if the run dies (hours of CPU)
+                progress(rows)
     if chunks_from == "storage":
         shutil.rmtree(storage, ignore_errors=True)  # GBs of float32 KV
     return rows
@@ -316,8 +318,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             prev = json.loads(Path(args.merge).read_text())
         except (OSError, ValueError) as exc:
             ap.error(f"--merge: cannot read {args.merge}: {exc}")
-        if prev.get("workload") != args.workload or prev.get("partial") or not isinstance(prev.get("rows"), list):
-            ap.error(f"--merge: {args.merge} is not a complete run of workload {args.workload!r}")
+        # a partial run (it died) holds whole items: extend it with --skip past them
+        if prev.get("workload") != args.workload or not isinstance(prev.get("rows"), list):
+            ap.error(f"--merge: {args.merge} is not a run of workload {args.workload!r}")
         same = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "ratios": ratios,
                 "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens,
                 "chunks_from": args.chunks_from}
@@ -356,8 +359,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for target, spec, items in work:
         # rag_multihop's answer is one code on one line: what follows is not the answer
         stop = ["\n"] if args.workload == "rag_multihop" else None
+        done = list(rows)
         rows += run_pair(target, spec, items, selectors, ratios, args.max_new_tokens, log_dir, stop,
-                         full_rows.setdefault(target, {}), args.chunks_from)
+                         full_rows.setdefault(target, {}), args.chunks_from,
+                         progress=lambda pair_rows: write(done + pair_rows, partial=True))
         write(rows, partial=True)  # a pair's results are kept if a later pair fails
     write(rows, partial=False)
     log_results(summarize(earlier + rows, rates))
