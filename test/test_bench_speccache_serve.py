@@ -105,3 +105,41 @@ def test_skipped_items_are_the_workloads_later_ones(tokenizer):
     first2 = load_workload("rag_multihop", tokenizer=tokenizer, n=2, chunks=4, chunk_tokens=128)
     assert [it["prompt"] for it in first2] == [it["prompt"] for it in all4[:2]]
     assert len({it["id"] for it in all4}) == 4
+
+
+def test_separating_items_are_those_full_recompute_gets_right_and_full_reuse_wrong():
+    """Item a separates (recompute right, reuse wrong); b (both right) and c (reuse right,
+    recompute wrong) do not: each selector is counted on a alone."""
+    em = {"a": {"full-recompute": 1, "full-reuse": 0, "epic": 1, "random": 0},
+          "b": {"full-recompute": 1, "full-reuse": 1, "epic": 0, "random": 1},
+          "c": {"full-recompute": 0, "full-reuse": 1, "epic": 0, "random": 1}}
+    ratio = {"full-recompute": 1.0, "full-reuse": 0.0, "epic": 0.15, "random": 0.15}
+    rows = [{"target": "t", "spec_model": "s", "item": i, "selector": name, "ratio": ratio[name], "exact_match": float(v)}
+            for i, runs in em.items() for name, v in runs.items()]
+    res = [{"target": "t", "spec_model": "s", "selector": name, "ratio": ratio[name]} for name in ratio]
+    bench.add_separating(res, rows)
+    got = {r["selector"]: r["separating"] for r in res}
+    assert got["epic"] == {"n": 1, "right": 1} and got["random"] == {"n": 1, "right": 0}
+    assert got["full-recompute"] == {"n": 1, "right": 1} and got["full-reuse"] == {"n": 1, "right": 0}
+
+
+def test_n_0_with_merge_reports_the_earlier_run_again_without_a_server(tmp_path):
+    """``--n 0 --merge EARLIER.json`` starts no server: the earlier rows, summarized by
+    this version (here: the separating items, which older runs did not count)."""
+    def row(item, name, ratio, em):
+        return {"item": item, "task": "rag_multihop", "target": "smollm2-135m", "spec_model": "smollm2-135m",
+                "selector": name, "ratio": ratio, "ttft_s": 2.0 if ratio < 1 else 8.0, "breakdown_s": {},
+                "exact_match": em, "f1": em, "kl_first": 0.0}
+    rows = [row(i, name, r, em) for i, ems in (("rag_multihop-0000", (1.0, 0.0, 1.0)), ("rag_multihop-0001", (1.0, 1.0, 0.0)))
+            for (name, r), em in zip((("full-recompute", 1.0), ("full-reuse", 0.0), ("epic", 0.15)), ems)]
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({"workload": "rag_multihop", "hop": "near", "partial": True, "rows": rows}))
+    out = tmp_path / "again.json"
+    assert bench.main(["--json", str(out), "--workload", "rag_multihop", "--hop", "near", "--merge", str(prev),
+                       "--n", "0", "--pairs", "smollm2-135m:smollm2-135m", "--selectors", "epic,full-reuse",
+                       "--ratios", "0.15"]) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"] == rows and not report["partial"]
+    epic = next(r for r in report["results"] if r["selector"] == "epic")
+    assert epic["separating"] == {"n": 1, "right": 1} and epic["ttft_speedup_vs_full"] == 4.0
+    assert not (tmp_path / "again-logs" / "smollm2-135m--smollm2-135m.log").exists()

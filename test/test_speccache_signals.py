@@ -4,6 +4,8 @@ eq. 1 on HF's hidden states and the lab oracle's layer 1 is CacheBlend's deviati
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from conftest import real_text_passages
@@ -116,3 +118,44 @@ def test_oracle_first_layer_is_cacheblends_deviation(model_dir, tokenizer):
     assert float(dev[0][mask].max()) < 1e-3 * float(dev[1][mask].mean())
     assert float(dev[-1][mask].mean()) > 0
 
+
+
+def test_served_selections_are_scored_against_the_oracle_on_the_same_items(tmp_path):
+    """``bench.speccache_oracle --served`` rebuilds a served run's items and scores the
+    positions the server recorded: the oracle's own top tokens have recall 1 at every
+    depth they came from, their complement 0; full reuse (ratio 0) is not scored."""
+    from sglang_vc import models
+    from sglang_vc.bench import speccache_oracle as so
+    from sglang_vc.bench.speccache import _load
+    from sglang_vc.bench.workloads import load_workload
+
+    target = _load(models.DEFAULT_MODEL)
+    item = load_workload("rag_multihop", tokenizer=target.tokenizer, n=2, chunks=4, chunk_tokens=96, hop="near")[1]
+    t = so.prepare_target(target, item, {})
+    chunks = t.prompt.chunks
+    deep = top_chunk_tokens(sg.layer_mean(t.deviation, sg.depths(t.deviation.shape[0])["deep"], chunks.mask()),
+                            chunks, chunks.budget(0.15))
+    other = chunks.mask() & ~deep
+    facts = {"bridge": 0.5, "answer": 1.0, "lure": 0.0}
+
+    def row(selector, ratio, mask):
+        return {"item": item["id"], "target": models.DEFAULT_MODEL, "spec_model": models.DEFAULT_MODEL,
+                "selector": selector, "ratio": ratio, "exact_match": 1.0,
+                "selection": {"positions": mask.nonzero().flatten().tolist(), "fact_recomputed": facts}}
+
+    served = {"benchmark": "speccache_serve", "workload": "rag_multihop", "hop": "near", "chunks": 4,
+              "chunk_tokens": 96, "pairs": [[models.DEFAULT_MODEL, models.DEFAULT_MODEL]],
+              "rows": [row("epic", 0.15, deep), row("random", 0.15, other), row("full-reuse", 0.0, deep[:0])]}
+    rows = so.served_rows(served, target, {})
+    by = {r["selector"]: r for r in rows}
+    assert set(by) == {"epic", "random", "oracle:deep"}
+    assert by["epic"]["recall"]["deep"] == 1.0 and by["random"]["recall"]["deep"] == 0.0
+    assert by["oracle:deep"]["recall"]["deep"] == 1.0
+    assert by["epic"]["fact_recomputed"] == facts and by["epic"]["selected"] == int(deep.sum())
+    out = tmp_path / "oracle.json"
+    (tmp_path / "served.json").write_text(json.dumps(served))
+    assert so.main(["--json", str(out), "--served", str(tmp_path / "served.json")]) == 0
+    summary = {e["selector"]: e for e in json.loads(out.read_text())["results"]}
+    assert summary["epic"]["recall"]["deep"] == 1.0 and summary["epic"]["exact_match"] == 1.0
+    (tmp_path / "bad.json").write_text('{"benchmark": "speccache"}')
+    assert so.main(["--json", str(out), "--served", str(tmp_path / "bad.json")]) == 2

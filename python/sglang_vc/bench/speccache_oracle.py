@@ -221,6 +221,44 @@ def run_item(t: TargetItem, target: Model, spec: Model, selectors: Sequence[str]
     return rows
 
 
+def served_rows(served: dict, target: Model, kv_cache: dict, depth_oracles: Sequence[str] = ("oracle:deep",)) -> list[dict]:
+    """Recall of the choices a served run recorded (``bench.speccache_serve``'s
+    ``selection.positions``, the server's target tokens) against ``target``'s oracle on
+    the same items; ``depth_oracles`` are added as rows of their own (what the oracle
+    would recompute of each fact)."""
+    from .workloads import load_workload
+
+    mine = [r for r in served["rows"] if r["target"] == target.name and r["ratio"] > 0
+            and "positions" in r.get("selection", {})]
+    if not mine:
+        raise ValueError(f"the served run has no recorded selections of target {target.name!r}")
+    index = {int(r["item"].split("-")[-1]) for r in mine}
+    items = load_workload(served["workload"], tokenizer=target.tokenizer, n=max(index) + 1, chunks=served["chunks"],
+                          chunk_tokens=served["chunk_tokens"], hop=served["hop"] or "far",
+                          max_tokens=max(8192, served["chunks"] * served["chunk_tokens"] + 256))
+    wanted = {r["item"] for r in mine}
+    rows = []
+    for item in [it for it in items if it["id"] in wanted]:
+        log(f"oracle {target.name} (served run): item {item['id']}")
+        t = prepare_target(target, item, kv_cache)
+        n, chunks = len(t.prompt.ids), t.prompt.chunks
+        for r in [r for r in mine if r["item"] == item["id"]]:
+            oracles = {d: top_chunk_tokens(sg.layer_mean(t.deviation, ls, chunks.mask()), chunks, chunks.budget(r["ratio"]))
+                       for d, ls in sg.depths(t.deviation.shape[0]).items()}
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[[p for p in r["selection"]["positions"] if p < n]] = True
+            mask &= chunks.mask()
+            name = r["selector"] + ("" if r["selector"] != "speccache" else f"({r['spec_model']})")
+            rows.append({"hop": served["hop"], "item": item["id"], "selector": name, "ratio": r["ratio"],
+                         "selected": int(mask.sum()), "recall": {d: recall(mask, o) for d, o in oracles.items()},
+                         "fact_recomputed": r["selection"]["fact_recomputed"], "exact_match": r["exact_match"]})
+        for name in depth_oracles:
+            for ratio in sorted({r["ratio"] for r in mine if r["item"] == item["id"] and r["ratio"] > 0}):
+                rows.extend({"hop": served["hop"], **x} for x in run_item(t, target, target, [name], [ratio], kv_cache, kl=False))
+        kv_cache = {k: v for k, v in kv_cache.items() if k[0] != "signal"}
+    return rows
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Means per (hop, selector, ratio) over items."""
     out = []
@@ -231,6 +269,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "recall": {d: statistics.mean(r["recall"][d] for r in rs) for d in DEPTHS}}
         facts = sorted({f for r in rs for f in r["fact_recomputed"]})
         entry["fact_recomputed"] = {f: statistics.mean(r["fact_recomputed"].get(f, 0.0) for r in rs) for f in facts}
+        if all("exact_match" in r for r in rs):  # --served: the server's answers
+            entry["exact_match"] = statistics.mean(r["exact_match"] for r in rs)
         if all("kl_first" in r for r in rs):
             entry["kl_first"] = statistics.mean(r["kl_first"] for r in rs)
         out.append(entry)
@@ -275,7 +315,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--no-kl", action="store_true", help="skip the selective prefills (recall only)")
+    ap.add_argument("--served", metavar="SERVED.json", default=None,
+                    help="score the selections a bench.speccache_serve run recorded, on its items, against "
+                    "its target's oracle (its selectors, ratios and items; the other flags unused)")
     args = ap.parse_args(argv)
+    if args.served:
+        return _main_served(args)
     selectors = [s.strip() for s in args.selectors.split(",") if s.strip()]
     ratios = [float(x) for x in args.ratios.split(",") if x.strip()]
     from .workloads import load_workload
@@ -299,6 +344,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             md = _write(Path(args.json), args, selectors, ratios, rows, started)
     print(md)  # (written after each item: a run stopped early keeps its rows)
     log(f"wrote {args.json} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+def _main_served(args: argparse.Namespace) -> int:
+    try:
+        served = json.loads(Path(args.served).read_text())
+    except (OSError, ValueError) as exc:
+        log(f"--served: cannot read {args.served}: {exc}")
+        return 2
+    if served.get("benchmark") != "speccache_serve" or served.get("workload") != "rag_multihop":
+        log(f"--served: {args.served} is not a bench.speccache_serve run of rag_multihop")
+        return 2
+    started = time.perf_counter()
+    try:
+        rows = served_rows(served, _load(served["pairs"][0][0]), {})  # the served target
+    except ValueError as exc:
+        log(f"--served: {exc}")
+        return 2
+    md = _write(Path(args.json), args, sorted({r["selector"] for r in rows}),
+                sorted({r["ratio"] for r in rows}), rows, started)
+    print(md)
     return 0
 
 

@@ -141,6 +141,21 @@ def add_costs(results: list[dict], rows: list[dict]) -> None:
                                            for f in facts}
 
 
+def add_separating(results: list[dict], rows: list[dict]) -> None:
+    """Per result: its exact matches on the items that separate reuse from recompute
+    (full recompute right, full reuse wrong): where what a selector recomputes decides."""
+    em: dict = {}
+    for r in rows:
+        em.setdefault((r["target"], r["spec_model"], r["item"]), {})[(r["selector"], r["ratio"])] = r["exact_match"]
+    separating = {k for k, runs in em.items()
+                  if runs.get(("full-recompute", 1.0)) == 1 and runs.get(("full-reuse", 0.0)) == 0}
+    for res in results:
+        run = (res["selector"], res["ratio"])
+        got = [em[k][run] for k in sorted(separating)
+               if k[:2] == (res["target"], res["spec_model"]) and run in em[k]]
+        res["separating"] = {"n": len(got), "right": int(sum(got))}
+
+
 SERIAL = "speccache-serial"  # speccache with its selection after the fetch, not beside it
 
 
@@ -185,6 +200,8 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
 
     from sglang_vc import models
 
+    if not items:  # (--n 0 --merge EARLIER.json: only report the earlier run again)
+        return []
     tok = AutoTokenizer.from_pretrained(models.resolve(target))
     rows = []
     storage = log_dir / f"{target}--{spec}-storage"
@@ -256,6 +273,8 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                         log(f"WARNING: {item['id']} {name}: chunks not all from storage: {rows[-1]['chunk_sources']}")
                 if "selected_positions" in meta and item.get("chunk_roles"):
                     rows[-1]["selection"] = selection_report(item, prompt, meta["selected_positions"])
+                    # the positions themselves: bench.speccache_oracle --served scores them against the oracle
+                    rows[-1]["selection"]["positions"] = list(meta["selected_positions"])
             if progress is not None:  # the items so far, kept if the run dies (hours of CPU)
                 progress(rows)
     if chunks_from == "storage":
@@ -271,7 +290,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--selectors", default="speccache,cacheblend,epic,random,full-reuse",
                     help="server selectors besides full recompute")
     ap.add_argument("--ratios", default="0.15,0.2")
-    ap.add_argument("--n", type=int, default=None, help="RAG items per pair (default 12, --quick 4)")
+    ap.add_argument("--n", type=int, default=None,
+                    help="RAG items per pair (default 12, --quick 4; 0 with --merge reports the earlier run again)")
     ap.add_argument("--skip", type=int, default=0,
                     help="leave out the workload's first K items (to extend an earlier run with --merge)")
     ap.add_argument("--merge", default=None, metavar="EARLIER.json",
@@ -310,8 +330,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     pairs = parse_pairs(ap, args.pairs, args.quick)
     n = args.n if args.n is not None else (4 if args.quick else 12)
-    if args.skip < 0:
-        ap.error("--skip must be >= 0")
+    if args.skip < 0 or n < 0:
+        ap.error("--skip and --n must be >= 0")
     earlier: list[dict] = []
     if args.merge:
         try:
@@ -373,6 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _report(args, pairs, selectors, ratios, n, rates, rows, started, partial: bool) -> dict:
     results = summarize(rows, rates)
     add_costs(results, rows)
+    add_separating(results, rows)
     return {"benchmark": "speccache_serve", "workload": args.workload,
             "mode": "served (sglang-vc server, streamed TTFT)", "partial": partial, "pairs": pairs,
             "selectors": ["full-recompute", *selectors], "ratios": ratios, "n": n, "skip": args.skip,
