@@ -170,3 +170,22 @@ def test_alignment_between_smollm2_and_qwen_tokenizers(text, tokenizer):
         assert list(range(int(a.start[i]), int(a.end[i]))) == want, (i, text[s:e])
     reached = a.to_target(torch.ones(len(spec), dtype=torch.bool))
     assert all(bool(reached[j]) for j, (c, d) in enumerate(tgt) if d > c)
+
+
+def test_the_default_selector_is_epic_and_needs_no_small_model_until_asked():
+    """The default is the selector measured best (#76, docs/speccache.md): a server given
+    only a ratio selects with epic, loads no speculative model at start-up, and a request
+    may still ask for the paper's ``speccache``."""
+    import argparse
+
+    from sglang_vc.speccache import flags
+    from sglang_vc.speccache.frontend import Frontend
+
+    parser = argparse.ArgumentParser()
+    flags.add_cli_args(parser)
+    settings = flags.settings_of(flags.from_cli_args(parser.parse_args(["--speccache-ratio", "0.2"])))
+    assert settings.selector == "epic" and settings.ratio == 0.2
+    front = Frontend(tokenizer_manager=None, settings=settings)
+    assert front._spec is None and front._spec_error is None
+    assert front.request_options({})[0] == "epic"
+    assert front.request_options({"speccache_selector": "speccache"})[0] == "speccache"

@@ -43,9 +43,10 @@ def check_ratio(ratio) -> float:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("SpecCache (RAG chunk KV reuse with selective recompute)")
     g.add_argument("--speccache-selector", default=None,
-                   help="SpecCache: how the recomputed chunk tokens are chosen: speccache (the small "
-                        "model's importance, default), cacheblend (the target's first-layer KV "
-                        "deviation), epic, random, full-reuse, full-recompute")
+                   help=f"SpecCache: how the recomputed chunk tokens are chosen: epic (each chunk's "
+                        f"first tokens), speccache (the small model's importance, the paper's), "
+                        f"cacheblend (the target's first-layer KV deviation), random, full-reuse, "
+                        f"full-recompute (default {DEFAULT_SELECTOR}, measured best: docs/speccache.md)")
     g.add_argument("--speccache-ratio", type=float, default=None,
                    help=f"SpecCache: fraction of the chunk tokens recomputed (default {DEFAULT_RATIO})")
     g.add_argument("--speccache-spec-model", default=None,

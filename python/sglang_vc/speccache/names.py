@@ -7,7 +7,9 @@ RADIX_CACHE_BACKEND = "speccache"  # SGLang's unified radix cache plus chunk loo
 # A RAG prompt marks its retrieved chunks with this separator (the LMCache CacheBlend
 # way): ``prefix SEP chunk 1 SEP ... SEP chunk c SEP query``. ``--speccache-separator``.
 DEFAULT_SEPARATOR = "<|vc_chunk|>"
-DEFAULT_SELECTOR = "speccache"
+# epic measured best at the default ratio on the 60-item served runs of #76 (docs/speccache.md:
+# "Which selector is the default"); the paper's small-model selector stays as "speccache"
+DEFAULT_SELECTOR = "epic"
 DEFAULT_RATIO = 0.15
 DEFAULT_SPEC_MODEL = "smollm2-135m"
 
