@@ -185,6 +185,36 @@ def _flush(url: str) -> None:
     requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
 
 
+def _speccache_runs(item: dict, selectors, ratios, sampling: dict) -> list[tuple]:
+    """``(selector, ratio, payload)`` of each SpecCache request of an item: the prompt as
+    text, so the server's front end finds the chunks in it."""
+    text = item["chunk_prefix"] + SEP + SEP.join(item["chunks"]) + SEP + item["question"]
+    runs = []
+    for name in selectors:
+        for ratio in ([0.0] if name == "full-reuse" else ratios):
+            custom = {"speccache_selector": name, "speccache_ratio": ratio, "speccache_return_selection": True}
+            if name == SERIAL:
+                custom.update(speccache_selector="speccache", speccache_overlap=False)
+            runs.append((name, ratio, {"text": text, "sampling_params": {**sampling, "custom_params": custom}}))
+    return runs
+
+
+def _row(item: dict, prompt, name: str, ratio: float, target: str, spec: str, ttft: float, answer: str,
+         meta: dict) -> dict:
+    """One request's row: its TTFT and the parts of it the server reported, its answer."""
+    breakdown = dict(meta.get("front_end") or {})
+    for part in ("load_s", "probe_s"):  # the fill; cacheblend's first pass
+        if meta.get(part):
+            breakdown[part] = meta[part]
+    return {"item": item["id"], "task": item["task"], "selector": name, "ratio": ratio,
+            "target": target, "spec_model": spec, "ttft_s": ttft, "breakdown_s": breakdown,
+            "answer": answer, "exact_match": score(item, answer),
+            "f1": token_f1(answer, item["answer"]), "kl_first": float("nan"),
+            "prompt_tokens": len(prompt.ids), "chunk_tokens": prompt.chunks.num_chunk_tokens,
+            "tokens_reused": meta.get("tokens_reused", 0),
+            "tokens_recomputed": meta.get("tokens_recomputed", len(prompt.ids))}
+
+
 def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log_dir: Path,
              stop: Optional[list[str]] = None, full_rows: Optional[dict] = None,
              chunks_from: str = "device", progress=None) -> list[dict]:
@@ -221,14 +251,7 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
             if earlier is not None:
                 rows.append({**earlier, "spec_model": spec, "measured_with": earlier["measured_with"]})
                 runs[0] = None
-            text = item["chunk_prefix"] + SEP + SEP.join(item["chunks"]) + SEP + item["question"]
-            for name in selectors:
-                for ratio in ([0.0] if name == "full-reuse" else ratios):
-                    custom = {"speccache_selector": name, "speccache_ratio": ratio,
-                              "speccache_return_selection": True}
-                    if name == SERIAL:
-                        custom.update(speccache_selector="speccache", speccache_overlap=False)
-                    runs.append((name, ratio, {"text": text, "sampling_params": {**sampling, "custom_params": custom}}))
+            runs += _speccache_runs(item, selectors, ratios, sampling)
             for k, run in enumerate(runs):
                 if run is None:
                     continue
@@ -244,23 +267,12 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
                 if k >= 1 and chunks_from == "storage":  # device and host emptied; the files stay
                     _flush(url)
                 ttft, last = _ttft(url, payload)
-                answer = last.get("text", "")
                 meta = (last.get("meta_info", {}).get("sglang_vc_speccache") or [{}])[0]
                 details = last.get("meta_info", {}).get("cached_tokens_details") or {}
                 if k >= 1 and int(details.get("storage") or 0) > 0:
                     raise RuntimeError(f"{name}: the prompt itself was loaded from storage ({details}), "
                                        "not its chunks: the run would measure a prefix hit")
-                breakdown = {k2: v for k2, v in (meta.get("front_end") or {}).items()}
-                for part in ("load_s", "probe_s"):  # the fill; cacheblend's first pass
-                    if meta.get(part):
-                        breakdown[part] = meta[part]
-                rows.append({"item": item["id"], "task": item["task"], "selector": name, "ratio": ratio,
-                             "target": target, "spec_model": spec, "ttft_s": ttft, "breakdown_s": breakdown,
-                             "answer": answer, "exact_match": score(item, answer),
-                             "f1": token_f1(answer, item["answer"]), "kl_first": float("nan"),
-                             "prompt_tokens": len(prompt.ids), "chunk_tokens": prompt.chunks.num_chunk_tokens,
-                             "tokens_reused": meta.get("tokens_reused", 0),
-                             "tokens_recomputed": meta.get("tokens_recomputed", len(prompt.ids))})
+                rows.append(_row(item, prompt, name, ratio, target, spec, ttft, last.get("text", ""), meta))
                 if name == "full-recompute":
                     rows[-1]["measured_with"] = spec
                     if full_rows is not None:
@@ -282,7 +294,7 @@ def run_pair(target: str, spec: str, items, selectors, ratios, max_new: int, log
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m sglang_vc.bench.speccache_serve",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="output JSON (a PNG is written beside it)")
@@ -313,6 +325,31 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"also run speccache with its scoring after the chunks' fetch instead of beside it "
                     f"(reported as {SERIAL}): what the overlap buys")
     ap.add_argument("--quick", action="store_true", help="the 0.5B target with smollm2-135m, 4 items")
+    return ap
+
+
+def _earlier_rows(ap, args, selectors, ratios) -> list[dict]:
+    """The rows of the run ``--merge`` names, refused unless it was run the same way."""
+    try:
+        prev = json.loads(Path(args.merge).read_text())
+    except (OSError, ValueError) as exc:
+        ap.error(f"--merge: cannot read {args.merge}: {exc}")
+    # a partial run (it died) holds whole items: extend it with --skip past them
+    if prev.get("workload") != args.workload or not isinstance(prev.get("rows"), list):
+        ap.error(f"--merge: {args.merge} is not a run of workload {args.workload!r}")
+    same = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "ratios": ratios,
+            "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens,
+            "chunks_from": args.chunks_from}
+    differ = [k for k, v in same.items() if prev.get(k, v) != v]
+    if (prev.get("hop") or "far") != args.hop:  # runs from before --hop (and rag's) were far
+        differ.append("hop")
+    if differ:
+        ap.error(f"--merge: {args.merge} was run with other {', '.join(differ)}")
+    return prev["rows"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     from .speccache import parse_pairs, workload_params
 
@@ -332,24 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     n = args.n if args.n is not None else (4 if args.quick else 12)
     if args.skip < 0 or n < 0:
         ap.error("--skip and --n must be >= 0")
-    earlier: list[dict] = []
-    if args.merge:
-        try:
-            prev = json.loads(Path(args.merge).read_text())
-        except (OSError, ValueError) as exc:
-            ap.error(f"--merge: cannot read {args.merge}: {exc}")
-        # a partial run (it died) holds whole items: extend it with --skip past them
-        if prev.get("workload") != args.workload or not isinstance(prev.get("rows"), list):
-            ap.error(f"--merge: {args.merge} is not a run of workload {args.workload!r}")
-        same = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "ratios": ratios,
-                "selectors": ["full-recompute", *selectors], "max_new_tokens": args.max_new_tokens,
-                "chunks_from": args.chunks_from}
-        differ = [k for k, v in same.items() if prev.get(k, v) != v]
-        if (prev.get("hop") or "far") != args.hop:  # runs from before --hop (and rag's) were far
-            differ.append("hop")
-        if differ:
-            ap.error(f"--merge: {args.merge} was run with other {', '.join(differ)}")
-        earlier = prev["rows"]
+    earlier = _earlier_rows(ap, args, selectors, ratios) if args.merge else []
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = out.parent / (out.stem + "-logs")
